@@ -1,0 +1,102 @@
+/* Shared by the CPU kernels: fp16 / bf16 <-> fp32 conversion and chunked load / store, so that each
+ * op's arithmetic is written once in fp32 (and once in fp64 where gradcheck needs it). */
+#ifndef FASTKERN_CPU_COMMON_H
+#define FASTKERN_CPU_COMMON_H
+
+#include <stdint.h>
+#include <string.h>
+
+#include "../fastkern.h"
+
+/* Elements processed per chunk: small enough for the stack and L1, long enough to vectorize. */
+#define FK_CHUNK 512
+
+static inline float fk_bf16_to_f32(uint16_t h) {
+    uint32_t bits = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
+static inline uint16_t fk_f32_to_bf16(float f) {
+    uint32_t bits;
+    memcpy(&bits, &f, 4);
+    if ((bits & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((bits >> 16) | 0x40); /* quiet NaN */
+    bits += 0x7fffu + ((bits >> 16) & 1u); /* round to nearest even */
+    return (uint16_t)(bits >> 16);
+}
+
+static inline float fk_f16_to_f32(uint16_t h) {
+    uint32_t sign = (uint32_t)(h & 0x8000u) << 16, exp = (h >> 10) & 0x1fu, man = h & 0x3ffu, bits;
+    if (exp == 0x1f) {
+        bits = sign | 0x7f800000u | (man << 13);
+    } else if (exp != 0) {
+        bits = sign | ((exp + 112u) << 23) | (man << 13);
+    } else if (man == 0) {
+        bits = sign;
+    } else { /* subnormal: value = man * 2^-24 */
+        float f = (float)man * 5.9604644775390625e-8f;
+        return sign ? -f : f;
+    }
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
+static inline uint16_t fk_f32_to_f16(float f) {
+    uint32_t bits;
+    memcpy(&bits, &f, 4);
+    uint16_t sign = (uint16_t)((bits >> 16) & 0x8000u);
+    uint32_t abs = bits & 0x7fffffffu;
+    if (abs > 0x7f800000u) return sign | 0x7e00u;          /* NaN */
+    if (abs >= 0x477ff000u) return sign | 0x7c00u;         /* rounds to >= 65520: inf */
+    if (abs < 0x38800000u) {                               /* below 2^-14: subnormal or zero */
+        float a;
+        memcpy(&a, &abs, 4);
+        /* adding 0.5 (2^-1) makes the FPU round a * 2^24 to an integer for us */
+        float r = a + 0.5f;
+        uint32_t rb;
+        memcpy(&rb, &r, 4);
+        return sign | (uint16_t)(rb - 0x3f000000u);
+    }
+    uint32_t mant_odd = (abs >> 13) & 1u;
+    abs += 0xc8000fffu + mant_odd; /* rebias exponent (-112 << 23) and round to nearest even */
+    return sign | (uint16_t)(abs >> 13);
+}
+
+/* out[i] = (float)src[start + i] for i < len. */
+static inline void fk_load_f32(fk_dtype dtype, const void *src, int64_t start, int64_t len,
+                               float *out) {
+    if (dtype == FK_FLOAT32) {
+        memcpy(out, (const float *)src + start, (size_t)len * sizeof(float));
+    } else if (dtype == FK_BFLOAT16) {
+        const uint16_t *s = (const uint16_t *)src + start;
+        for (int64_t i = 0; i < len; i++) out[i] = fk_bf16_to_f32(s[i]);
+    } else {
+        const uint16_t *s = (const uint16_t *)src + start;
+        for (int64_t i = 0; i < len; i++) out[i] = fk_f16_to_f32(s[i]);
+    }
+}
+
+/* dst[start + i] = in[i] rounded to dtype, for i < len. */
+static inline void fk_store_f32(fk_dtype dtype, const float *in, int64_t start, int64_t len,
+                                void *dst) {
+    if (dtype == FK_FLOAT32) {
+        memcpy((float *)dst + start, in, (size_t)len * sizeof(float));
+    } else if (dtype == FK_BFLOAT16) {
+        uint16_t *d = (uint16_t *)dst + start;
+        for (int64_t i = 0; i < len; i++) d[i] = fk_f32_to_bf16(in[i]);
+    } else {
+        uint16_t *d = (uint16_t *)dst + start;
+        for (int64_t i = 0; i < len; i++) d[i] = fk_f32_to_f16(in[i]);
+    }
+}
+
+/* FK_OK for the dtypes the CPU kernels take, else a TypeError naming the op. */
+static inline fk_status fk_cpu_check_dtype(fk_dtype dtype, const char *op) {
+    if (dtype == FK_FLOAT32 || dtype == FK_FLOAT16 || dtype == FK_BFLOAT16 || dtype == FK_FLOAT64)
+        return FK_OK;
+    return fk_fail(FK_ERR_TYPE, "%s: unsupported dtype code %d on CPU", op, (int)dtype);
+}
+
+#endif

@@ -1,0 +1,56 @@
+// CUDA runtime facts for module.c, and the helpers common.cuh declares.
+#include <stdio.h>
+
+#include "common.cuh"
+
+#ifndef FK_CUDA_ARCHS
+#define FK_CUDA_ARCHS "unknown"
+#endif
+
+namespace fk {
+
+int sm_count(int device) {
+    static int counts[64];
+    if (device < 0 || device >= 64) return 132;
+    if (counts[device] == 0) {
+        int n = 0;
+        if (cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, device) != cudaSuccess || n <= 0) {
+            cudaGetLastError();
+            return 132;
+        }
+        counts[device] = n;
+    }
+    return counts[device];
+}
+
+fk_status cuda_status(cudaError_t error, const char *op) {
+    if (error == cudaSuccess) return FK_OK;
+    cudaGetLastError();  // clear a sticky-free error so the next call starts clean
+    return fk_fail(FK_ERR_RUNTIME, "%s: CUDA error %s (%s)", op, cudaGetErrorName(error),
+                   cudaGetErrorString(error));
+}
+
+fk_status launch_status(const char *op) { return cuda_status(cudaGetLastError(), op); }
+
+}  // namespace fk
+
+extern "C" int fk_cuda_device_count(void) {
+    int n = 0;
+    if (cudaGetDeviceCount(&n) != cudaSuccess) {
+        cudaGetLastError();
+        return 0;
+    }
+    return n;
+}
+
+extern "C" fk_status fk_cuda_device_name(int device, char *buf, int len, int *major, int *minor) {
+    cudaDeviceProp prop;
+    cudaError_t error = cudaGetDeviceProperties(&prop, device);
+    if (error != cudaSuccess) return fk::cuda_status(error, "device_name");
+    snprintf(buf, (size_t)len, "%s", prop.name);
+    *major = prop.major;
+    *minor = prop.minor;
+    return FK_OK;
+}
+
+extern "C" const char *fk_cuda_archs(void) { return FK_CUDA_ARCHS; }

@@ -1,0 +1,94 @@
+// Shared by the CUDA kernels: dtype conversion, 16-byte packs, warp / block reductions, the
+// device guard and launch checks. Kernels compute in fp32 whatever the storage dtype.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+#include <stdint.h>
+
+#include "../fastkern.h"
+
+namespace fk {
+
+__device__ __forceinline__ float to_f32(float v) { return v; }
+__device__ __forceinline__ float to_f32(__half v) { return __half2float(v); }
+__device__ __forceinline__ float to_f32(__nv_bfloat16 v) { return __bfloat162float(v); }
+
+template <typename T> __device__ __forceinline__ T from_f32(float v);
+template <> __device__ __forceinline__ float from_f32<float>(float v) { return v; }
+template <> __device__ __forceinline__ __half from_f32<__half>(float v) { return __float2half_rn(v); }
+template <> __device__ __forceinline__ __nv_bfloat16 from_f32<__nv_bfloat16>(float v) {
+    return __float2bfloat16_rn(v);
+}
+
+// 16 bytes of T: one 128-bit load or store.
+template <typename T> struct alignas(16) Pack {
+    static constexpr int N = 16 / sizeof(T);
+    T v[N];
+};
+
+template <typename T> __device__ __forceinline__ Pack<T> load_pack(const T *p) {
+    Pack<T> out;
+    *reinterpret_cast<uint4 *>(&out) = __ldg(reinterpret_cast<const uint4 *>(p));
+    return out;
+}
+
+template <typename T> __device__ __forceinline__ void store_pack(T *p, const Pack<T> &v) {
+    *reinterpret_cast<uint4 *>(p) = *reinterpret_cast<const uint4 *>(&v);
+}
+
+__host__ __device__ __forceinline__ bool aligned16(const void *p) {
+    return (reinterpret_cast<uintptr_t>(p) & 15) == 0;
+}
+
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+    for (int offset = 16; offset > 0; offset >>= 1) v += __shfl_xor_sync(0xffffffffu, v, offset);
+    return v;
+}
+
+__device__ __forceinline__ float warp_max(float v) {
+#pragma unroll
+    for (int offset = 16; offset > 0; offset >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, offset));
+    return v;
+}
+
+// Runs `body` with T bound to the storage type of `dtype`; fp64 is CPU-only.
+#define FK_DISPATCH_CUDA_DTYPE(dtype, op, ...)                                                    \
+    switch (dtype) {                                                                              \
+    case FK_FLOAT32: { using T = float; __VA_ARGS__; break; }                                     \
+    case FK_FLOAT16: { using T = __half; __VA_ARGS__; break; }                                    \
+    case FK_BFLOAT16: { using T = __nv_bfloat16; __VA_ARGS__; break; }                            \
+    default:                                                                                      \
+        return fk_fail(FK_ERR_TYPE, "%s: dtype code %d is not supported on CUDA (float32, "       \
+                       "float16, bfloat16)", op, (int)(dtype));                                   \
+    }
+
+// Makes `device` current for the scope of a launch and restores the caller's device after it.
+struct DeviceGuard {
+    int previous = -1;
+    cudaError_t error = cudaSuccess;
+    explicit DeviceGuard(int device) {
+        error = cudaGetDevice(&previous);
+        if (error == cudaSuccess && previous != device) error = cudaSetDevice(device);
+        else previous = -1;
+    }
+    ~DeviceGuard() {
+        if (previous >= 0) cudaSetDevice(previous);
+    }
+};
+
+// Multiprocessor count of `device`, read once per device.
+int sm_count(int device);
+
+// FK_OK, or a RuntimeError carrying the CUDA error of the last launch.
+fk_status launch_status(const char *op);
+fk_status cuda_status(cudaError_t error, const char *op);
+
+}  // namespace fk
+
+// Opens an entry point: checks the guard and turns its failure into a status.
+#define FK_CUDA_ENTER(op, device)                                                                 \
+    fk::DeviceGuard fk_guard_(device);                                                            \
+    if (fk_guard_.error != cudaSuccess) return fk::cuda_status(fk_guard_.error, op)

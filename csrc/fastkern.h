@@ -1,0 +1,104 @@
+/* fastkern: the narrow waist between the CPython module and the kernels.
+ *
+ * Everything below this header works on raw pointers, element counts and a dtype code; it knows
+ * nothing of torch or Python. Each op has one CPU entry point (csrc/cpu/<op>.c) and one CUDA entry
+ * point (csrc/cuda/<op>.cu). Entry points never abort, print or allocate: they return a status and,
+ * on failure, leave a message for fk_error_message(). CUDA entry points launch on the given stream
+ * (a cudaStream_t passed as void *) on the given device and never synchronise with the host.
+ *
+ * Conventions shared by every op:
+ *   - tensors are dense and row-major; sizes and indices are int64_t (tensors over 2^31 elements);
+ *   - fp16 / bf16 / fp32 are computed in fp32; fp64 (CPU only) is computed in fp64;
+ *   - per-row statistics (softmax log-sum-exp, partial bias sums) are fp32, or fp64 for fp64 input.
+ */
+#ifndef FASTKERN_H
+#define FASTKERN_H
+
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define FK_VERSION "0.1.0"
+
+typedef enum {
+    FK_FLOAT32 = 0,
+    FK_FLOAT16 = 1,
+    FK_BFLOAT16 = 2,
+    FK_FLOAT64 = 3,
+} fk_dtype;
+
+/* Each non-OK status maps to one Python exception type in module.c. */
+typedef enum {
+    FK_OK = 0,
+    FK_ERR_VALUE = 1,   /* ValueError: a size, shape or option out of range  */
+    FK_ERR_TYPE = 2,    /* TypeError: a dtype the op does not support here   */
+    FK_ERR_RUNTIME = 3, /* RuntimeError: CUDA failures, missing CUDA support */
+} fk_status;
+
+/* Records a message for the calling thread and returns `status`. */
+fk_status fk_fail(fk_status status, const char *fmt, ...)
+#if defined(__GNUC__)
+    __attribute__((format(printf, 2, 3)))
+#endif
+    ;
+/* The message of the last failure on this thread. */
+const char *fk_error_message(void);
+
+/* Bytes of one element of `dtype`, or 0 for an unknown code. */
+int fk_dtype_size(fk_dtype dtype);
+
+/* ---- GELU ------------------------------------------------------------------------------------
+ * x, y, dy, dx: `rows * cols` elements of `dtype`, row-major. bias: `cols` elements of `dtype`, or
+ * NULL. approximate: 0 = erf ("none"), 1 = tanh.
+ * forward:  y = gelu(x + bias)
+ * backward: dx = dy * gelu'(x + bias); when dbias is not NULL it receives sum over rows of dx
+ *           (`cols` elements of `dtype`).
+ * The CUDA backward reduces dbias deterministically through `workspace`, fp32, of
+ * fk_cuda_gelu_bwd_workspace(rows, cols, device) elements (0 when dbias is NULL).            */
+fk_status fk_cpu_gelu_fwd(const void *x, const void *bias, void *y, int64_t rows, int64_t cols,
+                          int approximate, fk_dtype dtype);
+fk_status fk_cpu_gelu_bwd(const void *dy, const void *x, const void *bias, void *dx, void *dbias,
+                          int64_t rows, int64_t cols, int approximate, fk_dtype dtype);
+fk_status fk_cuda_gelu_fwd(const void *x, const void *bias, void *y, int64_t rows, int64_t cols,
+                           int approximate, fk_dtype dtype, int device, void *stream);
+int64_t fk_cuda_gelu_bwd_workspace(int64_t rows, int64_t cols, int device);
+fk_status fk_cuda_gelu_bwd(const void *dy, const void *x, const void *bias, void *dx, void *dbias,
+                           float *workspace, int64_t rows, int64_t cols, int approximate,
+                           fk_dtype dtype, int device, void *stream);
+
+/* ---- Softmax / log-softmax --------------------------------------------------------------------
+ * x, y, dy, dx: `outer * n * inner` elements of `dtype`, row-major, reduced along the middle axis
+ * (length n, stride inner): one "row" is x[o, :, i]. The op is softmax(x * scale) (log: log_softmax).
+ * causal_sq > 0 (only with inner == 1): rows are the query rows of (causal_sq, n) score blocks; row
+ * r is query q = r % causal_sq and key j is masked (-inf) when j > q + (n - causal_sq).
+ * lse: `outer * inner` per-row log-sum-exp of the scaled, masked row; fp64 when dtype is FK_FLOAT64,
+ * fp32 otherwise. forward writes y and lse; backward reads x and lse (never y) and writes
+ *   softmax:     dx = scale * y * (dy - sum_j dy_j * y_j),   y = exp(x * scale - lse)
+ *   log_softmax: dx = scale * (dy - y * sum_j dy_j)
+ * Masked positions get y = 0 (log: -inf) and dx = 0. Rows whose lse is NaN or -inf produce NaN, as
+ * torch.softmax does for rows that are all -inf or hold +inf / NaN.                            */
+fk_status fk_cpu_softmax_fwd(const void *x, void *y, void *lse, int64_t outer, int64_t n,
+                             int64_t inner, double scale, int64_t causal_sq, int log,
+                             fk_dtype dtype);
+fk_status fk_cpu_softmax_bwd(const void *dy, const void *x, const void *lse, void *dx,
+                             int64_t outer, int64_t n, int64_t inner, double scale,
+                             int64_t causal_sq, int log, fk_dtype dtype);
+fk_status fk_cuda_softmax_fwd(const void *x, void *y, float *lse, int64_t outer, int64_t n,
+                              int64_t inner, double scale, int64_t causal_sq, int log,
+                              fk_dtype dtype, int device, void *stream);
+fk_status fk_cuda_softmax_bwd(const void *dy, const void *x, const float *lse, void *dx,
+                              int64_t outer, int64_t n, int64_t inner, double scale,
+                              int64_t causal_sq, int log, fk_dtype dtype, int device,
+                              void *stream);
+
+/* ---- CUDA runtime facts (csrc/cuda/common.cu) ------------------------------------------------- */
+int fk_cuda_device_count(void);                       /* 0 without a driver or a GPU */
+fk_status fk_cuda_device_name(int device, char *buf, int len, int *major, int *minor);
+const char *fk_cuda_archs(void);                      /* the compiled targets, e.g. "sm_80,sm_90a" */
+
+#ifdef __cplusplus
+}
+#endif
+#endif

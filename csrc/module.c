@@ -1,0 +1,215 @@
+/* fastkern._C: the CPython face of csrc/fastkern.h. Argument parsing and error translation only.
+ *
+ * Every op takes data pointers as Python ints, sizes, a dtype code, a device index (-1 = CPU) and a
+ * CUDA stream handle (an int; ignored on CPU). The Python layer (python/fastkern/ops) validates
+ * tensors and allocates outputs; this layer forwards to the CPU or CUDA entry point and maps a
+ * failed status to ValueError / TypeError / RuntimeError with the C message. CPU kernels run with
+ * the GIL released.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+#include "fastkern.h"
+
+#ifdef FASTKERN_WITH_CUDA
+#define FK_HAS_CUDA 1
+#else
+#define FK_HAS_CUDA 0
+#endif
+
+static PyObject *raise_status(fk_status status) {
+    PyObject *type = status == FK_ERR_VALUE  ? PyExc_ValueError
+                     : status == FK_ERR_TYPE ? PyExc_TypeError
+                                             : PyExc_RuntimeError;
+    PyErr_SetString(type, fk_error_message());
+    return NULL;
+}
+
+static PyObject *finish(fk_status status) {
+    if (status != FK_OK) return raise_status(status);
+    Py_RETURN_NONE;
+}
+
+#if !FK_HAS_CUDA
+static PyObject *no_cuda(const char *op) {
+    PyErr_Format(PyExc_RuntimeError,
+                 "fastkern.%s: this build of fastkern has no CUDA support (rebuild with nvcc on the "
+                 "PATH, or FASTKERN_CUDA=1)", op);
+    return NULL;
+}
+#endif
+
+#define PTR(v) ((void *)(uintptr_t)(v))
+
+/* gelu_fwd(x, bias, y, rows, cols, approximate, dtype, device, stream) */
+static PyObject *py_gelu_fwd(PyObject *self, PyObject *args) {
+    (void)self;
+    unsigned long long x, bias, y, stream;
+    long long rows, cols;
+    int approximate, dtype, device;
+    if (!PyArg_ParseTuple(args, "KKKLLiiiK", &x, &bias, &y, &rows, &cols, &approximate, &dtype,
+                          &device, &stream))
+        return NULL;
+    fk_status status;
+    if (device < 0) {
+        Py_BEGIN_ALLOW_THREADS
+        status = fk_cpu_gelu_fwd(PTR(x), PTR(bias), PTR(y), rows, cols, approximate, (fk_dtype)dtype);
+        Py_END_ALLOW_THREADS
+    } else {
+#if FK_HAS_CUDA
+        status = fk_cuda_gelu_fwd(PTR(x), PTR(bias), PTR(y), rows, cols, approximate,
+                                  (fk_dtype)dtype, device, PTR(stream));
+#else
+        return no_cuda("gelu");
+#endif
+    }
+    return finish(status);
+}
+
+/* gelu_bwd(dy, x, bias, dx, dbias, workspace, rows, cols, approximate, dtype, device, stream) */
+static PyObject *py_gelu_bwd(PyObject *self, PyObject *args) {
+    (void)self;
+    unsigned long long dy, x, bias, dx, dbias, workspace, stream;
+    long long rows, cols;
+    int approximate, dtype, device;
+    if (!PyArg_ParseTuple(args, "KKKKKKLLiiiK", &dy, &x, &bias, &dx, &dbias, &workspace, &rows,
+                          &cols, &approximate, &dtype, &device, &stream))
+        return NULL;
+    fk_status status;
+    if (device < 0) {
+        Py_BEGIN_ALLOW_THREADS
+        status = fk_cpu_gelu_bwd(PTR(dy), PTR(x), PTR(bias), PTR(dx), PTR(dbias), rows, cols,
+                                 approximate, (fk_dtype)dtype);
+        Py_END_ALLOW_THREADS
+    } else {
+#if FK_HAS_CUDA
+        status = fk_cuda_gelu_bwd(PTR(dy), PTR(x), PTR(bias), PTR(dx), PTR(dbias), PTR(workspace),
+                                  rows, cols, approximate, (fk_dtype)dtype, device, PTR(stream));
+#else
+        return no_cuda("gelu");
+#endif
+    }
+    return finish(status);
+}
+
+/* gelu_bwd_workspace(rows, cols, device) -> fp32 elements the CUDA bias gradient needs */
+static PyObject *py_gelu_bwd_workspace(PyObject *self, PyObject *args) {
+    (void)self;
+    long long rows, cols;
+    int device;
+    if (!PyArg_ParseTuple(args, "LLi", &rows, &cols, &device)) return NULL;
+#if FK_HAS_CUDA
+    if (device >= 0) return PyLong_FromLongLong(fk_cuda_gelu_bwd_workspace(rows, cols, device));
+#endif
+    return PyLong_FromLong(0);
+}
+
+/* softmax_fwd(x, y, lse, outer, n, inner, scale, causal_sq, log, dtype, device, stream) */
+static PyObject *py_softmax_fwd(PyObject *self, PyObject *args) {
+    (void)self;
+    unsigned long long x, y, lse, stream;
+    long long outer, n, inner, causal_sq;
+    double scale;
+    int log, dtype, device;
+    if (!PyArg_ParseTuple(args, "KKKLLLdLiiiK", &x, &y, &lse, &outer, &n, &inner, &scale,
+                          &causal_sq, &log, &dtype, &device, &stream))
+        return NULL;
+    fk_status status;
+    if (device < 0) {
+        Py_BEGIN_ALLOW_THREADS
+        status = fk_cpu_softmax_fwd(PTR(x), PTR(y), PTR(lse), outer, n, inner, scale, causal_sq, log,
+                                    (fk_dtype)dtype);
+        Py_END_ALLOW_THREADS
+    } else {
+#if FK_HAS_CUDA
+        status = fk_cuda_softmax_fwd(PTR(x), PTR(y), PTR(lse), outer, n, inner, scale, causal_sq,
+                                     log, (fk_dtype)dtype, device, PTR(stream));
+#else
+        return no_cuda("softmax");
+#endif
+    }
+    return finish(status);
+}
+
+/* softmax_bwd(dy, x, lse, dx, outer, n, inner, scale, causal_sq, log, dtype, device, stream) */
+static PyObject *py_softmax_bwd(PyObject *self, PyObject *args) {
+    (void)self;
+    unsigned long long dy, x, lse, dx, stream;
+    long long outer, n, inner, causal_sq;
+    double scale;
+    int log, dtype, device;
+    if (!PyArg_ParseTuple(args, "KKKKLLLdLiiiK", &dy, &x, &lse, &dx, &outer, &n, &inner, &scale,
+                          &causal_sq, &log, &dtype, &device, &stream))
+        return NULL;
+    fk_status status;
+    if (device < 0) {
+        Py_BEGIN_ALLOW_THREADS
+        status = fk_cpu_softmax_bwd(PTR(dy), PTR(x), PTR(lse), PTR(dx), outer, n, inner, scale,
+                                    causal_sq, log, (fk_dtype)dtype);
+        Py_END_ALLOW_THREADS
+    } else {
+#if FK_HAS_CUDA
+        status = fk_cuda_softmax_bwd(PTR(dy), PTR(x), PTR(lse), PTR(dx), outer, n, inner, scale,
+                                     causal_sq, log, (fk_dtype)dtype, device, PTR(stream));
+#else
+        return no_cuda("softmax");
+#endif
+    }
+    return finish(status);
+}
+
+/* build_info() -> dict: version, cuda (compiled in), archs, devices [(name, major, minor)] */
+static PyObject *py_build_info(PyObject *self, PyObject *noargs) {
+    (void)self;
+    (void)noargs;
+    PyObject *devices = PyList_New(0);
+    if (!devices) return NULL;
+#if FK_HAS_CUDA
+    int count = fk_cuda_device_count();
+    for (int i = 0; i < count; i++) {
+        char name[256];
+        int major = 0, minor = 0;
+        if (fk_cuda_device_name(i, name, (int)sizeof name, &major, &minor) != FK_OK) continue;
+        PyObject *entry = Py_BuildValue("(sii)", name, major, minor);
+        if (!entry || PyList_Append(devices, entry) < 0) {
+            Py_XDECREF(entry);
+            Py_DECREF(devices);
+            return NULL;
+        }
+        Py_DECREF(entry);
+    }
+    const char *archs = fk_cuda_archs();
+#else
+    const char *archs = "";
+#endif
+    PyObject *info = Py_BuildValue("{s:s,s:O,s:s,s:N}", "version", FK_VERSION, "cuda",
+                                   FK_HAS_CUDA ? Py_True : Py_False, "archs", archs, "devices",
+                                   devices);
+    return info;
+}
+
+static PyMethodDef methods[] = {
+    {"gelu_fwd", py_gelu_fwd, METH_VARARGS, "GELU forward on raw pointers."},
+    {"gelu_bwd", py_gelu_bwd, METH_VARARGS, "GELU backward (and bias gradient) on raw pointers."},
+    {"gelu_bwd_workspace", py_gelu_bwd_workspace, METH_VARARGS,
+     "fp32 workspace elements the CUDA GELU bias gradient needs."},
+    {"softmax_fwd", py_softmax_fwd, METH_VARARGS, "Softmax / log-softmax forward on raw pointers."},
+    {"softmax_bwd", py_softmax_bwd, METH_VARARGS, "Softmax / log-softmax backward on raw pointers."},
+    {"build_info", py_build_info, METH_NOARGS, "Version, CUDA support, archs and visible devices."},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {
+    PyModuleDef_HEAD_INIT, "fastkern._C", "fastkern kernels on raw pointers (CPython C API).", -1,
+    methods, NULL, NULL, NULL, NULL,
+};
+
+PyMODINIT_FUNC PyInit__C(void) {
+    PyObject *m = PyModule_Create(&module);
+    if (!m) return NULL;
+    if (PyModule_AddStringConstant(m, "__version__", FK_VERSION) < 0) {
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
+}

@@ -1,0 +1,20 @@
+"""fastkern: fused GELU, softmax and attention kernels for PyTorch, written in C and CUDA C.
+
+    import fastkern
+    y = fastkern.gelu(x, approximate="tanh", bias=b)
+
+Each function matches the torch one it replaces; fastkern.nn has drop-in modules.
+"""
+from ._backend import BUILD_INFO
+from .ops.gelu import gelu
+from . import nn
+
+__version__ = BUILD_INFO["version"]
+
+
+def cuda_available():
+    """True when this build has CUDA kernels and a CUDA device is visible."""
+    return BUILD_INFO["cuda"] and len(BUILD_INFO["devices"]) > 0
+
+
+__all__ = ["gelu", "nn", "cuda_available", "BUILD_INFO", "__version__"]

@@ -1,0 +1,1 @@
+"""One module per op: torch.library definitions, fake implementations and autograd."""

@@ -1,0 +1,116 @@
+"""GELU with an optional fused bias: torch.library ops fastkern::gelu and fastkern::gelu_backward.
+
+Forward saves x and bias only; backward recomputes gelu'(x + bias) from them, so no activation-size
+intermediate (x + bias, or the output) is kept for autograd. The bias gradient comes out of the
+same backward kernel.
+"""
+import torch
+
+from .. import _backend as B
+from .._backend import _C
+
+_APPROXIMATIONS = {"none": 0, "tanh": 1}
+
+torch.library.define("fastkern::gelu", "(Tensor x, Tensor? bias, str approximate) -> Tensor")
+torch.library.define(
+    "fastkern::gelu_backward",
+    "(Tensor grad, Tensor x, Tensor? bias, str approximate, bool bias_grad) -> (Tensor, Tensor)")
+
+
+def _check(x, bias, approximate, op="gelu"):
+    """Validates arguments; returns (rows, cols, dtype code, approximation code)."""
+    B.check_tensor(x, op, "x")
+    code = B.dtype_code(x, op, "x")
+    if approximate not in _APPROXIMATIONS:
+        raise ValueError(f"fastkern.{op}: approximate must be 'none' or 'tanh', got {approximate!r}")
+    if bias is None:
+        return 1, x.numel(), code, _APPROXIMATIONS[approximate]
+    B.check_tensor(bias, op, "bias")
+    if x.dim() == 0:
+        raise ValueError(f"fastkern.{op}: a bias needs x with at least one dim, got a 0-dim x")
+    if bias.shape != x.shape[-1:]:
+        raise ValueError(f"fastkern.{op}: bias must have shape ({x.shape[-1]},), the last dim of x, "
+                         f"got {tuple(bias.shape)}")
+    B.check_same(bias, x, op, "bias", "x")
+    cols = x.shape[-1]
+    return (x.numel() // cols if cols else 0), cols, code, _APPROXIMATIONS[approximate]
+
+
+@torch.library.impl("fastkern::gelu", ("cpu", "cuda"))
+def _gelu(x, bias, approximate):
+    rows, cols, code, approx = _check(x, bias, approximate)
+    x = B.dense(x)
+    bias = None if bias is None else B.dense(bias)
+    y = torch.empty_like(x)
+    if y.numel():
+        device, stream = B.launch_args(x)
+        _C.gelu_fwd(x.data_ptr(), B.ptr(bias), y.data_ptr(), rows, cols, approx, code, device, stream)
+    return y
+
+
+@torch.library.register_fake("fastkern::gelu")
+def _gelu_fake(x, bias, approximate):
+    _check(x, bias, approximate)
+    return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+
+@torch.library.impl("fastkern::gelu_backward", ("cpu", "cuda"))
+def _gelu_backward(grad, x, bias, approximate, bias_grad):
+    rows, cols, code, approx = _check(x, bias, approximate, "gelu_backward")
+    B.check_tensor(grad, "gelu_backward", "grad")
+    B.check_same(grad, x, "gelu_backward", "grad", "x")
+    if grad.shape != x.shape:
+        raise ValueError(f"fastkern.gelu_backward: grad has shape {tuple(grad.shape)}, x has "
+                         f"{tuple(x.shape)}")
+    grad, x = B.dense(grad), B.dense(x)
+    bias = None if bias is None else B.dense(bias)
+    dx = torch.empty_like(x)
+    want_dbias = bias_grad and bias is not None
+    dbias = torch.empty_like(bias) if want_dbias else x.new_empty(0)
+    if want_dbias and x.numel() == 0:
+        return dx, dbias.zero_()
+    if x.numel():
+        device, stream = B.launch_args(x)
+        workspace = None
+        if want_dbias and device >= 0:
+            workspace = torch.empty(_C.gelu_bwd_workspace(rows, cols, device), dtype=torch.float32,
+                                    device=x.device)
+        _C.gelu_bwd(grad.data_ptr(), x.data_ptr(), B.ptr(bias), dx.data_ptr(),
+                    dbias.data_ptr() if want_dbias else 0, B.ptr(workspace), rows, cols, approx, code,
+                    device, stream)
+    return dx, dbias
+
+
+@torch.library.register_fake("fastkern::gelu_backward")
+def _gelu_backward_fake(grad, x, bias, approximate, bias_grad):
+    _check(x, bias, approximate, "gelu_backward")
+    dx = torch.empty_like(x, memory_format=torch.contiguous_format)
+    want_dbias = bias_grad and bias is not None
+    return dx, (torch.empty_like(bias, memory_format=torch.contiguous_format) if want_dbias
+                else x.new_empty(0))
+
+
+def _setup_context(ctx, inputs, output):
+    x, bias, approximate = inputs
+    ctx.save_for_backward(x, bias)
+    ctx.approximate = approximate
+
+
+def _backward(ctx, grad):
+    x, bias = ctx.saved_tensors
+    bias_grad = bias is not None and ctx.needs_input_grad[1]
+    dx, dbias = torch.ops.fastkern.gelu_backward.default(grad, x, bias, ctx.approximate, bias_grad)
+    return dx, (dbias if bias_grad else None), None
+
+
+torch.library.register_autograd("fastkern::gelu", _backward, setup_context=_setup_context)
+
+_gelu_op = torch.ops.fastkern.gelu.default
+
+
+def gelu(x, approximate="none", bias=None):
+    """gelu(x + bias) with torch.nn.functional.gelu's semantics; bias (shape x.shape[-1:]) is
+    optional and fused. float32 / float16 / bfloat16 on CUDA, those and float64 on CPU."""
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"fastkern.gelu: x must be a torch.Tensor, got {type(x).__name__}")
+    return _gelu_op(x, bias, approximate)
