@@ -109,7 +109,8 @@ fk_status fk_cpu_gelu_bwd(const void *dy, const void *x, const void *bias, void 
             if (dbias) memcpy((double *)dbias + c0, sum, (size_t)len * sizeof(double));
             continue;
         }
-        float b[FK_CHUNK], v[FK_CHUNK], g[FK_CHUNK], sum[FK_CHUNK] = {0};
+        float b[FK_CHUNK], v[FK_CHUNK], g[FK_CHUNK];
+        double sum[FK_CHUNK] = {0}; /* a long column sum in fp32 would lose to torch's cascade */
         if (bias) fk_load_f32(dtype, bias, c0, len, b);
         else memset(b, 0, sizeof b);
         for (int64_t r = 0; r < rows; r++) {
@@ -121,7 +122,10 @@ fk_status fk_cpu_gelu_bwd(const void *dy, const void *x, const void *bias, void 
             }
             fk_store_f32(dtype, v, r * cols + c0, len, dx);
         }
-        if (dbias) fk_store_f32(dtype, sum, c0, len, dbias);
+        if (dbias) {
+            for (int64_t i = 0; i < len; i++) v[i] = (float)sum[i];
+            fk_store_f32(dtype, v, c0, len, dbias);
+        }
     }
     return FK_OK;
 }

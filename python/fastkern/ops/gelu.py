@@ -111,6 +111,10 @@ _gelu_op = torch.ops.fastkern.gelu.default
 def gelu(x, approximate="none", bias=None):
     """gelu(x + bias) with torch.nn.functional.gelu's semantics; bias (shape x.shape[-1:]) is
     optional and fused. float32 / float16 / bfloat16 on CUDA, those and float64 on CPU."""
-    if not isinstance(x, torch.Tensor):
-        raise TypeError(f"fastkern.gelu: x must be a torch.Tensor, got {type(x).__name__}")
+    # what the op schema would reject with a bare RuntimeError, rejected here by name
+    B.check_tensor(x, "gelu", "x")
+    if bias is not None:
+        B.check_tensor(bias, "gelu", "bias")
+    if approximate not in _APPROXIMATIONS:
+        raise ValueError(f"fastkern.gelu: approximate must be 'none' or 'tanh', got {approximate!r}")
     return _gelu_op(x, bias, approximate)

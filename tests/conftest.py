@@ -1,0 +1,77 @@
+"""Shared test helpers: devices, float64 references and the "at most 2x torch's error" rule."""
+import math
+
+import pytest
+import torch
+
+import fastkern
+
+CUDA = fastkern.cuda_available() and torch.cuda.is_available()
+needs_cuda = pytest.mark.skipif(not CUDA, reason="needs a CUDA device and a CUDA build of fastkern")
+
+DEVICES = ["cpu", pytest.param("cuda", marks=needs_cuda)]
+
+
+def dtypes_for(device):
+    base = [torch.float32, torch.float16, torch.bfloat16]
+    return base + [torch.float64] if device == "cpu" else base
+
+
+def _device_dtype_params():
+    params = []
+    for device in ("cpu", "cuda"):
+        for dtype in dtypes_for(device):
+            marks = (needs_cuda,) if device == "cuda" else ()
+            params.append(pytest.param(device, dtype, id=f"{device}-{str(dtype)[6:]}", marks=marks))
+    return params
+
+
+DEVICE_DTYPES = _device_dtype_params()
+
+
+def rel_error(out, ref):
+    """‖out - ref‖ / ‖ref‖ over the finite reference entries, in float64; NaN and inf must sit where
+    the reference has them."""
+    out, ref = out.double(), ref.double()
+    assert torch.equal(torch.isnan(out), torch.isnan(ref)), "NaN pattern differs from the reference"
+    inf = torch.isinf(ref)
+    assert torch.equal(out[inf], ref[inf]) and not torch.isinf(out[~inf]).any(), \
+        "inf pattern differs from the reference"
+    finite = torch.isfinite(ref)
+    out, ref = out[finite], ref[finite]
+    denom, diff = ref.norm().item(), (out - ref).norm().item()
+    return diff / denom if denom > 0 else diff
+
+
+def assert_within_torch_error(out, torch_out, ref, what, factor=2.0, eps=None):
+    """fastkern's error against the float64 reference is at most `factor` x torch's own error in
+    the same dtype, plus a tiny epsilon scaled to the dtype. In float64 torch *is* the reference,
+    so there the epsilon alone (1e-9, room for cancellation in tiny derivatives) is the bound."""
+    if eps is None:
+        eps = {torch.float64: 1e-9, torch.float32: 1e-7}.get(out.dtype, 1e-5)
+    ours, theirs = rel_error(out, ref), rel_error(torch_out, ref)
+    assert ours <= factor * theirs + eps, f"{what}: fastkern error {ours:.3g} > {factor} x torch {theirs:.3g}"
+
+
+@pytest.fixture
+def poison(monkeypatch):
+    """Makes every torch.empty / empty_like during the test return NaN-filled floating memory, so an
+    element an op forgets to write shows up as NaN."""
+    real_empty_like, real_empty = torch.empty_like, torch.empty
+
+    def fill(t):
+        if t.is_floating_point() and t.numel():
+            t.fill_(math.nan)
+        return t
+
+    monkeypatch.setattr(torch, "empty_like", lambda *a, **k: fill(real_empty_like(*a, **k)))
+    monkeypatch.setattr(torch, "empty", lambda *a, **k: fill(real_empty(*a, **k)))
+
+
+def misaligned(shape, dtype, device, offset=1):
+    """A contiguous tensor whose storage offset breaks 16-byte alignment."""
+    n = math.prod(shape)
+    buf = torch.randn(n + offset, dtype=torch.float32, device=device).to(dtype)
+    t = buf[offset:].view(shape)
+    assert t.data_ptr() % 16 != 0
+    return t

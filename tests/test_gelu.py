@@ -1,0 +1,246 @@
+"""fastkern.gelu: values and gradients against float64, autograd, compile, graphs, bad input."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+import fastkern
+from conftest import (CUDA, DEVICE_DTYPES, DEVICES, assert_within_torch_error, misaligned,
+                      needs_cuda)
+
+SHAPES = [(1,), (7,), (1023,), (4096,), (2**20 + 3,), (3, 7), (33, 1000), (2, 3, 4096)]
+
+
+def make(shape, dtype, device, requires_grad=False):
+    # drawn in fp32 and rounded, so every dtype sees the same distribution (fresh each call)
+    return (torch.randn(shape, device=device) * 3).to(dtype).requires_grad_(requires_grad)
+
+
+def check_against_torch(x, bias, approximate, dtype):
+    """Forward and backward of fastkern vs torch (same dtype) vs float64, with the 2x rule."""
+    x = x.detach().requires_grad_()
+    b = None if bias is None else bias.detach().requires_grad_()
+    y = fastkern.gelu(x, approximate=approximate, bias=b)
+    assert y.dtype == dtype and y.shape == x.shape
+    grad = torch.randn_like(y)
+    y.backward(grad)
+
+    def torch_version(x_, b_):
+        x_ = x_.detach().requires_grad_()
+        b_ = None if b_ is None else b_.detach().requires_grad_()
+        out = F.gelu(x_ if b_ is None else x_ + b_, approximate=approximate)
+        out.backward(grad.to(out.dtype))
+        return out, x_.grad, (None if b_ is None else b_.grad)
+
+    t_y, t_dx, t_db = torch_version(x, b)
+    r_y, r_dx, r_db = torch_version(x.double(), None if b is None else b.double())
+    assert_within_torch_error(y, t_y, r_y, "output")
+    assert_within_torch_error(x.grad, t_dx, r_dx, "grad x")
+    if b is not None:
+        assert b.grad.dtype == dtype
+        assert_within_torch_error(b.grad, t_db, r_db, "grad bias")
+
+
+@pytest.mark.parametrize("device,dtype", DEVICE_DTYPES)
+@pytest.mark.parametrize("approximate", ["none", "tanh"])
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+@pytest.mark.parametrize("with_bias", [False, True], ids=["nobias", "bias"])
+def test_matches_float64_reference(device, dtype, approximate, shape, with_bias, poison):
+    x = make(shape, dtype, device)
+    bias = make(shape[-1:], dtype, device) if with_bias else None
+    check_against_torch(x, bias, approximate, dtype)
+
+
+@pytest.mark.parametrize("device,dtype", DEVICE_DTYPES)
+@pytest.mark.parametrize("layout", ["transposed", "strided", "misaligned"])
+def test_views(device, dtype, layout, poison):
+    if layout == "transposed":
+        x = make((64, 1000), dtype, device).t()
+    elif layout == "strided":
+        x = make((33, 2048), dtype, device)[:, ::2]
+    else:
+        x = misaligned((33, 1000), dtype, device)
+    bias = misaligned((x.shape[-1],), dtype, device, offset=3)
+    check_against_torch(x, bias, "tanh", dtype)
+    check_against_torch(x, None, "none", dtype)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_empty_and_scalar(device):
+    for shape in [(0,), (0, 5), (5, 0)]:
+        x = torch.randn(shape, device=device, requires_grad=True)
+        b = torch.randn(shape[-1:], device=device, requires_grad=True)
+        y = fastkern.gelu(x, bias=b)
+        assert y.shape == x.shape
+        y.sum().backward()
+        assert torch.equal(b.grad, torch.zeros_like(b))
+    x = torch.tensor(0.7, device=device, requires_grad=True)
+    y = fastkern.gelu(x, approximate="tanh")
+    assert y.shape == () and torch.allclose(y, F.gelu(x.detach(), approximate="tanh"))
+    y.backward()
+    assert x.grad.shape == ()
+
+
+@pytest.mark.parametrize("approximate", ["none", "tanh"])
+def test_gradcheck_float64(approximate):
+    x = torch.randn(4, 9, dtype=torch.float64, requires_grad=True)
+    b = torch.randn(9, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda x, b: fastkern.gelu(x, approximate, b), (x, b))
+    assert torch.autograd.gradcheck(lambda x: fastkern.gelu(x, approximate), (x,))
+
+
+def test_backward_saves_inputs_not_outputs():
+    x = torch.randn(8, 16, requires_grad=True)
+    b = torch.randn(16, requires_grad=True)
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        fastkern.gelu(x, bias=b)
+    assert len(saved) == 2
+    assert saved[0] is x and saved[1] is b
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_opcheck(device):
+    x = torch.randn(5, 12, device=device, requires_grad=True)
+    b = torch.randn(12, device=device, requires_grad=True)
+    for args in [(x, b, "tanh"), (x, None, "none")]:
+        torch.library.opcheck(torch.ops.fastkern.gelu.default, args)
+    g = torch.randn(5, 12, device=device)
+    torch.library.opcheck(torch.ops.fastkern.gelu_backward.default, (g, x.detach(), b.detach(), "none", True))
+
+
+class MLP(torch.nn.Module):
+    def __init__(self, act):
+        super().__init__()
+        self.up, self.act, self.down = torch.nn.Linear(32, 64), act, torch.nn.Linear(64, 32)
+
+    def forward(self, x):
+        return self.down(self.act(self.up(x)))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_compile_fullgraph_matches_eager(device):
+    torch._dynamo.reset()
+    model = MLP(fastkern.nn.GELU("tanh")).to(device)
+    compiled = torch.compile(model, fullgraph=True)
+    x = torch.randn(16, 32, device=device)
+    y_eager, y_compiled = model(x), compiled(x)
+    assert torch.allclose(y_eager, y_compiled, atol=1e-5, rtol=1e-5)
+    g_eager = torch.autograd.grad(y_eager.sum(), list(model.parameters()))
+    g_compiled = torch.autograd.grad(y_compiled.sum(), list(model.parameters()))
+    for a, b in zip(g_eager, g_compiled):
+        assert torch.allclose(a, b, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_compile_bias_gelu_function(device):
+    torch._dynamo.reset()
+    x = torch.randn(8, 48, device=device, requires_grad=True)
+    b = torch.randn(48, device=device, requires_grad=True)
+    f = torch.compile(lambda x, b: fastkern.gelu(x * 2, approximate="none", bias=b).sum(), fullgraph=True)
+    dx, db = torch.autograd.grad(f(x, b), (x, b))
+    ex, eb = torch.autograd.grad(fastkern.gelu(x * 2, bias=b).sum(), (x, b))
+    assert torch.allclose(dx, ex, atol=1e-5) and torch.allclose(db, eb, atol=1e-5)
+
+
+def test_modules_and_swap():
+    m = fastkern.nn.GELU(approximate="tanh")
+    assert repr(m) == repr(torch.nn.GELU(approximate="tanh"))
+    assert repr(fastkern.nn.GELU()) == "GELU(approximate='none')"
+    model = MLP(torch.nn.GELU("tanh"))
+    x = torch.randn(4, 32)
+    before = model(x)
+    fastkern.nn.swap_modules(model)
+    assert isinstance(model.act, fastkern.nn.GELU) and model.act.approximate == "tanh"
+    assert torch.allclose(model(x), before, atol=1e-6)
+
+
+@needs_cuda
+def test_cuda_graph_capture_and_replay():
+    x = torch.randn(256, 1024, device="cuda", requires_grad=True)
+    b = torch.randn(1024, device="cuda", requires_grad=True)
+    grad = torch.randn(256, 1024, device="cuda")
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):  # warm up outside capture
+        for _ in range(2):
+            x.grad = b.grad = None
+            fastkern.gelu(x, "tanh", b).backward(grad)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    x.grad = b.grad = None
+    with torch.cuda.graph(graph):
+        y = fastkern.gelu(x, "tanh", b)
+        y.backward(grad)
+    for _ in range(2):
+        with torch.no_grad():
+            x.copy_(torch.randn_like(x))
+            b.copy_(torch.randn_like(b))
+            grad.copy_(torch.randn_like(grad))
+        graph.replay()
+        torch.cuda.synchronize()
+        xr, br = x.detach().clone().requires_grad_(), b.detach().clone().requires_grad_()
+        yr = F.gelu(xr + br, approximate="tanh")
+        yr.backward(grad)
+        assert torch.allclose(y, yr, atol=1e-5)
+        assert torch.allclose(x.grad, xr.grad, atol=1e-5) and torch.allclose(b.grad, br.grad, atol=1e-3)
+
+
+@needs_cuda
+def test_runs_on_current_stream_and_device():
+    x = torch.randn(1 << 20, device="cuda")
+    s = torch.cuda.Stream()
+    with torch.cuda.stream(s):
+        torch.cuda._sleep(10_000_000)  # keeps s busy: a launch elsewhere would finish first
+        y = fastkern.gelu(x)
+    s.synchronize()
+    assert torch.allclose(y, F.gelu(x), atol=1e-6)
+
+
+@needs_cuda
+def test_over_2_pow_31_elements():
+    n = 2**31 + 21
+    try:
+        x = torch.empty(n, dtype=torch.bfloat16, device="cuda")
+    except torch.OutOfMemoryError:
+        pytest.skip("not enough GPU memory")
+    x[-4096:] = torch.randn(4096, device="cuda").bfloat16()
+    x[:4096] = torch.randn(4096, device="cuda").bfloat16()
+    y = fastkern.gelu(x, approximate="tanh")
+    for part in (slice(0, 4096), slice(n - 4096, n)):
+        assert torch.equal(y[part], F.gelu(x[part].float(), approximate="tanh").bfloat16()) or \
+            (y[part].float() - F.gelu(x[part].float(), approximate="tanh")).abs().max() < 0.02
+    del x, y
+    torch.cuda.empty_cache()
+
+
+# ---- bad input ---------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_bad_input(device):
+    x = torch.randn(4, 8, device=device)
+    with pytest.raises(TypeError, match=r"fastkern.gelu: x must be a torch.Tensor, got list"):
+        fastkern.gelu([1.0, 2.0])
+    with pytest.raises(TypeError, match=r"x must be a floating-point tensor .* got torch.int32"):
+        fastkern.gelu(torch.ones(4, dtype=torch.int32, device=device))
+    with pytest.raises(ValueError, match=r"approximate must be 'none' or 'tanh', got 'fast'"):
+        fastkern.gelu(x, approximate="fast")
+    with pytest.raises(ValueError, match=r"bias must have shape \(8,\), the last dim of x, got \(4,\)"):
+        fastkern.gelu(x, bias=torch.randn(4, device=device))
+    with pytest.raises(ValueError, match=r"bias must have shape \(8,\), the last dim of x, got \(1, 8\)"):
+        fastkern.gelu(x, bias=torch.randn(1, 8, device=device))
+    with pytest.raises(TypeError, match=r"bias has dtype torch.float16 but x has torch.float32"):
+        fastkern.gelu(x, bias=torch.randn(8, device=device, dtype=torch.float16))
+    with pytest.raises(TypeError, match=r"bias must be a torch.Tensor, got float"):
+        fastkern.gelu(x, bias=1.0)
+    with pytest.raises(ValueError, match=r"a bias needs x with at least one dim"):
+        fastkern.gelu(torch.tensor(1.0, device=device), bias=torch.randn(1, device=device))
+
+
+@needs_cuda
+def test_bad_input_cuda():
+    x = torch.randn(4, 8, device="cuda")
+    with pytest.raises(ValueError, match=r"bias is on cpu but x is on cuda:0"):
+        fastkern.gelu(x, bias=torch.randn(8))
+    with pytest.raises(TypeError, match=r"x must be a floating-point tensor of dtype float32, float16, "
+                                        r"bfloat16 on cuda, got torch.float64"):
+        fastkern.gelu(x.double())
