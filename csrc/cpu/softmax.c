@@ -78,7 +78,7 @@ static inline int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
  * double (fp64 storage). LOAD / STORE move a chunk between storage and the work type. */
 #define DEFINE_SOFTMAX_KERNELS(real, sfx, EXP, LOG, LOAD, STORE)                                    \
                                                                                                     \
-    static inline real ref_##sfx(real m) { return m == -(real)INFINITY ? (real)0 : m; }              \
+    static inline real ref_##sfx(real m) { return m == -(real)INFINITY ? (real)0 : m; }             \
                                                                                                     \
     /* s was accumulated against ref(from); re-express it against to >= from. */                    \
     static inline real rescale_##sfx(real s, real from, real to) {                                  \
@@ -101,18 +101,36 @@ static inline int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
         return m;                                                                                   \
     }                                                                                               \
                                                                                                     \
-    /* sum of exp(v - ref), or of a * exp(v - ref) when a is not NULL */                            \
-    static inline real sum_exp_##sfx(const real *v, const real *a, int64_t len, real ref) {         \
+    static inline real sum_exp_##sfx(const real *v, int64_t len, real ref) {                        \
         real acc[LANES] = {0};                                                                      \
         int64_t i = 0;                                                                              \
-        if (a) {                                                                                    \
+        for (; i + LANES <= len; i += LANES)                                                        \
+            for (int l = 0; l < LANES; l++) acc[l] += EXP(v[i + l] - ref);                          \
+        for (; i < len; i++) acc[0] += EXP(v[i] - ref);                                             \
+        real s = 0;                                                                                 \
+        for (int l = 0; l < LANES; l++) s += acc[l];                                                \
+        return s;                                                                                   \
+    }                                                                                               \
+                                                                                                    \
+    /* y = exp(x * scale - lse) with the exponent rounded once: x * scale rounded on its own would  \
+     * add an error of ulp(x * scale) that does not cancel against lse. */                          \
+    static inline real probs_##sfx(real x, double scale, double lse) {                              \
+        return EXP((real)((double)x * scale - lse));                                                \
+    }                                                                                               \
+                                                                                                    \
+    /* sum of y' (g == NULL) or of g * y' */                                                        \
+    static inline real sum_probs_##sfx(const real *x, const real *g, int64_t len, double scale,     \
+                                       double lse) {                                                \
+        real acc[LANES] = {0};                                                                      \
+        int64_t i = 0;                                                                              \
+        if (g) {                                                                                    \
             for (; i + LANES <= len; i += LANES)                                                    \
-                for (int l = 0; l < LANES; l++) acc[l] += a[i + l] * EXP(v[i + l] - ref);           \
-            for (; i < len; i++) acc[0] += a[i] * EXP(v[i] - ref);                                  \
+                for (int l = 0; l < LANES; l++) acc[l] += g[i + l] * probs_##sfx(x[i + l], scale, lse); \
+            for (; i < len; i++) acc[0] += g[i] * probs_##sfx(x[i], scale, lse);                    \
         } else {                                                                                    \
             for (; i + LANES <= len; i += LANES)                                                    \
-                for (int l = 0; l < LANES; l++) acc[l] += EXP(v[i + l] - ref);                      \
-            for (; i < len; i++) acc[0] += EXP(v[i] - ref);                                         \
+                for (int l = 0; l < LANES; l++) acc[l] += probs_##sfx(x[i + l], scale, lse);        \
+            for (; i < len; i++) acc[0] += probs_##sfx(x[i], scale, lse);                           \
         }                                                                                           \
         real s = 0;                                                                                 \
         for (int l = 0; l < LANES; l++) s += acc[l];                                                \
@@ -132,8 +150,8 @@ static inline int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
                                                                                                     \
     /* v[i] (scaled input) -> output for positions start + i; positions >= valid are masked. */     \
     static inline void fwd_out_##sfx(real *v, int64_t len, int64_t start, int64_t valid, real ref,  \
-                                     real s, real log_s, int is_log) {                                 \
-        if (is_log) {                                                                                  \
+                                     real s, real log_s, int is_log) {                              \
+        if (is_log) {                                                                               \
             real masked = (-(real)INFINITY - ref) - log_s;                                          \
             for (int64_t i = 0; i < len; i++)                                                       \
                 v[i] = start + i < valid ? (v[i] - ref) - log_s : masked;                           \
@@ -144,22 +162,26 @@ static inline int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
         }                                                                                           \
     }                                                                                               \
                                                                                                     \
-    /* v: scaled input, g: dy -> dx in g, for positions start + i; >= valid are masked. */          \
-    static inline void bwd_out_##sfx(const real *v, real *g, int64_t len, int64_t start,            \
-                                     int64_t valid, real lse, real sum, real scale, int is_log) {      \
-        if (is_log) {                                                                                  \
+    /* x: input, g: dy -> dx in g, for positions start + i; >= valid are masked. The recomputed     \
+     * probabilities are divided by their sum z: lse carries a rounding error of ulp(lse) that would \
+     * otherwise scale every y of the row (and dominate dx for rows with a large max). */           \
+    static inline void bwd_out_##sfx(const real *x, real *g, int64_t len, int64_t start,            \
+                                     int64_t valid, real lse, real z, real a, real scale, int is_log) { \
+        if (is_log) {                                                                               \
             for (int64_t i = 0; i < len; i++)                                                       \
-                g[i] = start + i < valid ? scale * (g[i] - EXP(v[i] - lse) * sum) : (real)0;        \
+                g[i] = start + i < valid ? scale * (g[i] - probs_##sfx(x[i], scale, lse) / z * a)   \
+                                         : (real)0;                                                 \
         } else {                                                                                    \
+            real a_z = a / z;                                                                       \
             for (int64_t i = 0; i < len; i++) {                                                     \
-                real y = EXP(v[i] - lse);                                                           \
-                g[i] = start + i < valid ? scale * (y * (g[i] - sum)) : (real)0;                    \
+                real y = probs_##sfx(x[i], scale, lse) / z;                                         \
+                g[i] = start + i < valid ? scale * (y * (g[i] - a_z)) : (real)0;                    \
             }                                                                                       \
         }                                                                                           \
     }                                                                                               \
                                                                                                     \
     static void fwd_row_##sfx(fk_dtype dtype, const void *x, void *y, real *lse, int64_t base,      \
-                              int64_t n, int64_t valid, real scale, int is_log) {                      \
+                              int64_t n, int64_t valid, real scale, int is_log) {                   \
         real v[FK_CHUNK];                                                                           \
         real m = -(real)INFINITY, s = 0;                                                            \
         for (int64_t c = 0; c < valid; c += FK_CHUNK) {                                             \
@@ -167,7 +189,7 @@ static inline int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
             LOAD(dtype, x, base + c, len, v);                                                       \
             scale_##sfx(v, len, scale);                                                             \
             real cm = max_##sfx(v, len), m_new = cm > m ? cm : m;                                   \
-            s = rescale_##sfx(s, m, m_new) + sum_exp_##sfx(v, NULL, len, ref_##sfx(m_new));         \
+            s = rescale_##sfx(s, m, m_new) + sum_exp_##sfx(v, len, ref_##sfx(m_new));               \
             m = m_new;                                                                              \
         }                                                                                           \
         real ref = ref_##sfx(m), log_s = LOG(s);                                                    \
@@ -178,33 +200,34 @@ static inline int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
                 LOAD(dtype, x, base + c, len, v);                                                   \
                 scale_##sfx(v, len, scale);                                                         \
             }                                                                                       \
-            fwd_out_##sfx(v, len, c, valid, ref, s, log_s, is_log);                                    \
+            fwd_out_##sfx(v, len, c, valid, ref, s, log_s, is_log);                                 \
             STORE(dtype, v, base + c, len, y);                                                      \
         }                                                                                           \
     }                                                                                               \
                                                                                                     \
+    /* z = sum of the recomputed probabilities (1 up to lse's rounding); a = sum of dy * y' (softmax) \
+     * or of dy over the whole row, masked keys included (log_softmax). */                          \
     static void bwd_row_##sfx(fk_dtype dtype, const void *dy, const void *x, real lse, void *dx,    \
-                              int64_t base, int64_t n, int64_t valid, real scale, int is_log) {        \
+                              int64_t base, int64_t n, int64_t valid, real scale, int is_log) {     \
         real v[FK_CHUNK], g[FK_CHUNK];                                                              \
-        real sum = 0;                                                                               \
-        for (int64_t c = 0; c < (is_log ? n : valid); c += FK_CHUNK) {                             \
+        real z = 0, a = 0;                                                                          \
+        for (int64_t c = 0; c < (is_log ? n : valid); c += FK_CHUNK) {                              \
             int64_t len = min64(FK_CHUNK, (is_log ? n : valid) - c);                                \
             LOAD(dtype, dy, base + c, len, g);                                                      \
-            if (is_log) {                                                                              \
-                sum += sum_##sfx(g, len);                                                           \
-            } else {                                                                                \
-                LOAD(dtype, x, base + c, len, v);                                                   \
-                scale_##sfx(v, len, scale);                                                         \
-                sum += sum_exp_##sfx(v, g, len, lse);                                               \
+            if (c < valid) {                                                                        \
+                int64_t vlen = min64(len, valid - c);                                               \
+                LOAD(dtype, x, base + c, vlen, v);                                                  \
+                z += sum_probs_##sfx(v, NULL, vlen, scale, lse);                                    \
+                if (!is_log) a += sum_probs_##sfx(v, g, vlen, scale, lse);                          \
             }                                                                                       \
+            if (is_log) a += sum_##sfx(g, len);                                                     \
         }                                                                                           \
         for (int64_t c = 0; c < n; c += FK_CHUNK) {                                                 \
             int64_t len = min64(FK_CHUNK, n - c);                                                   \
             if (c < valid) {                                                                        \
                 LOAD(dtype, x, base + c, len, v);                                                   \
                 LOAD(dtype, dy, base + c, len, g);                                                  \
-                scale_##sfx(v, len, scale);                                                         \
-                bwd_out_##sfx(v, g, len, c, valid, lse, sum, scale, is_log);                           \
+                bwd_out_##sfx(v, g, len, c, valid, lse, z, a, scale, is_log);                       \
             } else {                                                                                \
                 memset(g, 0, (size_t)len * sizeof(real));                                           \
             }                                                                                       \
@@ -221,7 +244,7 @@ static inline int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
                                                                                                     \
     static void fwd_cols_##sfx(fk_dtype dtype, const void *x, void *y, real *lse, int64_t o,        \
                                int64_t i0, int64_t w, int64_t n, int64_t inner, real scale,         \
-                               int is_log) {                                                           \
+                               int is_log) {                                                        \
         real v[COLS_J * COLS_W], m[COLS_W], s[COLS_W], ref[COLS_W], log_s[COLS_W];                  \
         int64_t slab = o * n * inner;                                                               \
         for (int64_t c = 0; c < w; c++) m[c] = -(real)INFINITY, s[c] = 0;                           \
@@ -240,7 +263,7 @@ static inline int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
                 ref[c] = ref_##sfx(m_new[c]);                                                       \
             }                                                                                       \
             for (int64_t r = 0; r < rows; r++)                                                      \
-                for (int64_t c = 0; c < w; c++) s[c] += EXP(v[r * w + c] - ref[c]);                \
+                for (int64_t c = 0; c < w; c++) s[c] += EXP(v[r * w + c] - ref[c]);                 \
         }                                                                                           \
         for (int64_t c = 0; c < w; c++) {                                                           \
             log_s[c] = LOG(s[c]);                                                                   \
@@ -252,7 +275,7 @@ static inline int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
             scale_##sfx(v, rows * w, scale);                                                        \
             for (int64_t r = 0; r < rows; r++)                                                      \
                 for (int64_t c = 0; c < w; c++)                                                     \
-                    v[r * w + c] = is_log ? (v[r * w + c] - ref[c]) - log_s[c]                         \
+                    v[r * w + c] = is_log ? (v[r * w + c] - ref[c]) - log_s[c]                      \
                                        : EXP(v[r * w + c] - ref[c]) / s[c];                         \
             for (int64_t r = 0; r < rows; r++)                                                      \
                 STORE(dtype, v + r * w, slab + (j0 + r) * inner + i0, w, y);                        \
@@ -261,33 +284,30 @@ static inline int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
                                                                                                     \
     static void bwd_cols_##sfx(fk_dtype dtype, const void *dy, const void *x, const real *lse,      \
                                void *dx, int64_t o, int64_t i0, int64_t w, int64_t n,               \
-                               int64_t inner, real scale, int is_log) {                                \
-        real v[COLS_J * COLS_W], g[COLS_J * COLS_W], l[COLS_W], sum[COLS_W];                        \
+                               int64_t inner, real scale, int is_log) {                             \
+        real v[COLS_J * COLS_W], g[COLS_J * COLS_W], l[COLS_W], z[COLS_W], a[COLS_W];               \
         int64_t slab = o * n * inner;                                                               \
-        for (int64_t c = 0; c < w; c++) l[c] = lse[o * inner + i0 + c], sum[c] = 0;                 \
+        for (int64_t c = 0; c < w; c++) l[c] = lse[o * inner + i0 + c], z[c] = 0, a[c] = 0;         \
         for (int64_t j0 = 0; j0 < n; j0 += COLS_J) {                                                \
             int64_t rows = min64(COLS_J, n - j0);                                                   \
             load_tile_##sfx(dtype, dy, slab, j0, rows, i0, w, inner, g);                            \
-            if (is_log) {                                                                              \
-                for (int64_t r = 0; r < rows; r++)                                                  \
-                    for (int64_t c = 0; c < w; c++) sum[c] += g[r * w + c];                         \
-            } else {                                                                                \
-                load_tile_##sfx(dtype, x, slab, j0, rows, i0, w, inner, v);                         \
-                scale_##sfx(v, rows * w, scale);                                                    \
-                for (int64_t r = 0; r < rows; r++)                                                  \
-                    for (int64_t c = 0; c < w; c++)                                                 \
-                        sum[c] += g[r * w + c] * EXP(v[r * w + c] - l[c]);                          \
-            }                                                                                       \
+            load_tile_##sfx(dtype, x, slab, j0, rows, i0, w, inner, v);                             \
+            for (int64_t r = 0; r < rows; r++)                                                      \
+                for (int64_t c = 0; c < w; c++) {                                                   \
+                    real yv = probs_##sfx(v[r * w + c], scale, l[c]), gv = g[r * w + c];            \
+                    z[c] += yv;                                                                     \
+                    a[c] += is_log ? gv : gv * yv;                                                  \
+                }                                                                                   \
         }                                                                                           \
+        for (int64_t c = 0; c < w; c++) a[c] = is_log ? a[c] : a[c] / z[c];                         \
         for (int64_t j0 = 0; j0 < n; j0 += COLS_J) {                                                \
             int64_t rows = min64(COLS_J, n - j0);                                                   \
             load_tile_##sfx(dtype, x, slab, j0, rows, i0, w, inner, v);                             \
             load_tile_##sfx(dtype, dy, slab, j0, rows, i0, w, inner, g);                            \
-            scale_##sfx(v, rows * w, scale);                                                        \
             for (int64_t r = 0; r < rows; r++)                                                      \
                 for (int64_t c = 0; c < w; c++) {                                                   \
-                    real yv = EXP(v[r * w + c] - l[c]), gv = g[r * w + c];                          \
-                    g[r * w + c] = is_log ? scale * (gv - yv * sum[c]) : scale * (yv * (gv - sum[c])); \
+                    real yv = probs_##sfx(v[r * w + c], scale, l[c]) / z[c], gv = g[r * w + c];     \
+                    g[r * w + c] = is_log ? scale * (gv - yv * a[c]) : scale * (yv * (gv - a[c]));  \
                 }                                                                                   \
             for (int64_t r = 0; r < rows; r++)                                                      \
                 STORE(dtype, g + r * w, slab + (j0 + r) * inner + i0, w, dx);                       \

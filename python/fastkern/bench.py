@@ -1,0 +1,237 @@
+"""`python -m fastkern.bench [gelu|softmax|all] [--out FILE] [--quick]`: fastkern against its peers.
+
+Every case is timed in one process next to its peers (torch eager, torch.compile, Triton where
+importable) and next to the device's own ceiling, measured in the same run: a device-to-device
+copy, counting bytes read plus written. Each case reports ms, GB/s over the fewest bytes the op must
+move, percent of that copy bandwidth, and the ratio of each peer's time to fastkern's (> 1: fastkern
+is faster). Results go to stdout as a table and, with --out, to a JSON file.
+"""
+import argparse
+import datetime
+import json
+import statistics
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+import fastkern
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - Triton is optional
+    triton = None
+
+
+# ---- timing ------------------------------------------------------------------------------------
+
+def time_ms(fn, device, batch=10, repeats=15):
+    """Median milliseconds per call: `repeats` timings of `batch` back-to-back calls each, after a
+    warm-up that also triggers any compilation."""
+    for _ in range(3):
+        fn()
+    samples = []
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        for _ in range(repeats):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(batch):
+                fn()
+            end.record()
+            end.synchronize()
+            samples.append(start.elapsed_time(end) / batch)
+    else:
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            for _ in range(batch):
+                fn()
+            samples.append((time.perf_counter() - t0) * 1e3 / batch)
+    return statistics.median(samples)
+
+
+def copy_bandwidth_gbs(device, nbytes=1 << 30):
+    """Measured copy bandwidth (bytes read + written per second) of a large tensor copy."""
+    if device.type == "cpu":
+        nbytes = 1 << 27
+    src = torch.empty(nbytes // 4, dtype=torch.float32, device=device).uniform_()
+    dst = torch.empty_like(src)
+    ms = time_ms(lambda: dst.copy_(src), device, batch=5, repeats=9)
+    return 2 * nbytes / ms / 1e6
+
+
+def host_overhead_us(fn, device, calls=2000):
+    """Microseconds of host time per call of `fn` on a tiny tensor (launch-bound)."""
+    for _ in range(50):
+        fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    samples = []
+    for _ in range(5):
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        samples.append((time.perf_counter() - t0) * 1e6 / calls)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return statistics.median(samples)
+
+
+# ---- peers ---------------------------------------------------------------------------------------
+
+def gelu_tanh_manual(x):
+    """The unfused textbook formula: one kernel per operator in eager mode."""
+    return 0.5 * x * (1.0 + torch.tanh(0.7978845608028654 * (x + 0.044715 * x * x * x)))
+
+
+def gelu_tanh_manual_grad(g, x):
+    """d/dx of gelu_tanh_manual times g, written out (what torch.compile fuses for backward)."""
+    u = 0.7978845608028654 * (x + 0.044715 * x * x * x)
+    t = torch.tanh(u)
+    du = 0.7978845608028654 * (1.0 + 3 * 0.044715 * x * x)
+    return g * (0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * du)
+
+
+if triton is not None:
+    @triton.jit
+    def _triton_gelu_tanh(x_ptr, y_ptr, n, BLOCK: tl.constexpr):
+        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        mask = offs < n
+        x = tl.load(x_ptr + offs, mask=mask).to(tl.float32)
+        u = 0.7978845608028654 * (x + 0.044715 * x * x * x)
+        t = 1.0 - 2.0 / (tl.exp(2.0 * u) + 1.0)
+        tl.store(y_ptr + offs, (0.5 * x * (1.0 + t)).to(y_ptr.dtype.element_ty), mask=mask)
+
+    def triton_gelu_tanh(x):
+        y = torch.empty_like(x)
+        n = x.numel()
+        _triton_gelu_tanh[(triton.cdiv(n, 1024),)](x, y, n, BLOCK=1024)
+        return y
+
+
+def _compiled(fn):
+    torch._dynamo.reset()  # every case compiles fresh, for its own shapes
+    return torch.compile(fn)
+
+
+# ---- cases ---------------------------------------------------------------------------------------
+
+def gelu_cases(device, quick=False):
+    """(name, bytes moved, {impl: fn}) for each GELU case of the issue."""
+    n = 1 << (22 if quick or device.type == "cpu" else 26)
+    rows, cols = (1024, 4096) if quick or device.type == "cpu" else (16384, 4096)
+    cases = []
+    for dtype in (torch.float32, torch.bfloat16):
+        size = torch.finfo(dtype).bits // 8
+        x = torch.randn(n, device=device, dtype=dtype)
+        g = torch.randn(n, device=device, dtype=dtype)
+        impls = {
+            "fastkern": lambda x=x: fastkern.gelu(x, approximate="tanh"),
+            "torch": lambda x=x: F.gelu(x, approximate="tanh"),
+            "manual": lambda x=x: gelu_tanh_manual(x),
+            "compile": (lambda f=_compiled(gelu_tanh_manual), x=x: f(x)),
+        }
+        if triton is not None and device.type == "cuda":
+            impls["triton"] = lambda x=x: triton_gelu_tanh(x)
+        cases.append((f"gelu fwd {str(dtype)[6:]} 2^{n.bit_length() - 1}", 2 * n * size, impls))
+
+        cases.append((f"gelu bwd {str(dtype)[6:]} 2^{n.bit_length() - 1}", 3 * n * size, {
+            "fastkern": lambda g=g, x=x: torch.ops.fastkern.gelu_backward.default(g, x, None, "tanh", False),
+            "torch": lambda g=g, x=x: torch.ops.aten.gelu_backward(g, x, approximate="tanh"),
+            "compile": lambda f=_compiled(gelu_tanh_manual_grad), g=g, x=x: f(g, x),
+        }))
+
+    dtype = torch.bfloat16
+    x = torch.randn(rows, cols, device=device, dtype=dtype, requires_grad=True)
+    b = torch.randn(cols, device=device, dtype=dtype, requires_grad=True)
+    g = torch.randn(rows, cols, device=device, dtype=dtype)
+    eager = lambda x, b: F.gelu(x + b, approximate="tanh")
+    compiled = _compiled(eager)
+    ours = lambda x, b: fastkern.gelu(x, approximate="tanh", bias=b)
+    with torch.no_grad():
+        cases.append((f"bias+gelu fwd bf16 ({rows},{cols})", 2 * x.numel() * 2, {
+            "fastkern": lambda: ours(x, b), "torch": lambda: eager(x, b), "compile": lambda: compiled(x, b)}))
+
+    def fwd_bwd(f):
+        return lambda: torch.autograd.grad(f(x, b), (x, b), g)
+    cases.append((f"bias+gelu fwd+bwd bf16 ({rows},{cols})", 5 * x.numel() * 2, {
+        "fastkern": fwd_bwd(ours), "torch": fwd_bwd(eager), "compile": fwd_bwd(compiled)}))
+    return cases
+
+
+SUITES = {"gelu": gelu_cases}
+
+
+def host_overheads(device):
+    x = torch.randn(16, device=device)
+    return {"fastkern.gelu": host_overhead_us(lambda: fastkern.gelu(x), device),
+            "F.gelu": host_overhead_us(lambda: F.gelu(x), device)}
+
+
+# ---- running -------------------------------------------------------------------------------------
+
+def run(suites, device=None, quick=False):
+    """Times every case of `suites` on `device`; returns the JSON-ready report."""
+    device = torch.device(device or ("cuda" if fastkern.cuda_available() and torch.cuda.is_available() else "cpu"))
+    copy_gbs = copy_bandwidth_gbs(device)
+    report = {
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "torch": torch.__version__,
+        "fastkern": fastkern.__version__,
+        "triton": getattr(triton, "__version__", None),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "ceilings": {"copy_gbs": round(copy_gbs, 1)},
+        "host_overhead_us": {k: round(v, 2) for k, v in host_overheads(device).items()},
+        "cases": [],
+    }
+    for suite in suites:
+        for name, nbytes, impls in SUITES[suite](device, quick):
+            times = {impl: time_ms(fn, device) for impl, fn in impls.items()}
+            ours = times["fastkern"]
+            peers = {k: v for k, v in times.items() if k != "fastkern"}
+            best_peer = min(peers, key=peers.get)
+            report["cases"].append({
+                "suite": suite, "case": name, "bytes": nbytes,
+                "ms": {k: round(v, 5) for k, v in times.items()},
+                "gbs": {k: round(nbytes / v / 1e6, 1) for k, v in times.items()},
+                "pct_of_copy": round(100 * nbytes / ours / 1e6 / copy_gbs, 1),
+                "floor_ms": round(nbytes / copy_gbs / 1e6, 5),
+                "speedup_vs": {k: round(v / ours, 3) for k, v in peers.items()},
+                "best_peer": best_peer,
+            })
+    return report
+
+
+def format_table(report):
+    lines = [f"device: {report['device']}   torch {report['torch']}   copy bandwidth "
+             f"{report['ceilings']['copy_gbs']:.0f} GB/s",
+             "host overhead per tiny call (us): " +
+             ", ".join(f"{k} {v:.1f}" for k, v in report["host_overhead_us"].items()),
+             f"{'case':42s} {'fastkern ms':>11s} {'GB/s':>7s} {'%copy':>6s}  speedup vs peers"]
+    for c in report["cases"]:
+        peers = "  ".join(f"{k} {v:.2f}x" for k, v in c["speedup_vs"].items())
+        lines.append(f"{c['case']:42s} {c['ms']['fastkern']:11.4f} {c['gbs']['fastkern']:7.0f} "
+                     f"{c['pct_of_copy']:6.1f}  {peers}")
+    return "\n".join(lines)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(prog="python -m fastkern.bench", description=__doc__.splitlines()[0])
+    parser.add_argument("suite", nargs="?", default="all", choices=["all", *SUITES])
+    parser.add_argument("--out", help="write the JSON report here")
+    parser.add_argument("--device", help="cuda or cpu (default: cuda when available)")
+    parser.add_argument("--quick", action="store_true", help="smaller sizes, for a smoke run")
+    args = parser.parse_args(argv)
+    suites = list(SUITES) if args.suite == "all" else [args.suite]
+    report = run(suites, args.device, args.quick)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(report, f, indent=1)
+    print(format_table(report))
+    return report
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
