@@ -56,14 +56,16 @@ int fk_dtype_size(fk_dtype dtype);
  * backward: dx = dy * gelu'(x + bias); when dbias is not NULL it receives sum over rows of dx
  *           (`cols` elements of `dtype`).
  * The CUDA backward reduces dbias deterministically through `workspace`, fp32, of
- * fk_cuda_gelu_bwd_workspace(rows, cols, device) elements (0 when dbias is NULL).            */
+ * fk_cuda_gelu_bwd_workspace(...) elements, asked with the same pointers and sizes as the call. */
 fk_status fk_cpu_gelu_fwd(const void *x, const void *bias, void *y, int64_t rows, int64_t cols,
                           int approximate, fk_dtype dtype);
 fk_status fk_cpu_gelu_bwd(const void *dy, const void *x, const void *bias, void *dx, void *dbias,
                           int64_t rows, int64_t cols, int approximate, fk_dtype dtype);
 fk_status fk_cuda_gelu_fwd(const void *x, const void *bias, void *y, int64_t rows, int64_t cols,
                            int approximate, fk_dtype dtype, int device, void *stream);
-int64_t fk_cuda_gelu_bwd_workspace(int64_t rows, int64_t cols, int device);
+int64_t fk_cuda_gelu_bwd_workspace(const void *dy, const void *x, const void *bias, const void *dx,
+                                   int64_t rows, int64_t cols, int approximate, fk_dtype dtype,
+                                   int device);
 fk_status fk_cuda_gelu_bwd(const void *dy, const void *x, const void *bias, void *dx, void *dbias,
                            float *workspace, int64_t rows, int64_t cols, int approximate,
                            fk_dtype dtype, int device, void *stream);

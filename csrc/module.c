@@ -92,14 +92,23 @@ static PyObject *py_gelu_bwd(PyObject *self, PyObject *args) {
     return finish(status);
 }
 
-/* gelu_bwd_workspace(rows, cols, device) -> fp32 elements the CUDA bias gradient needs */
+/* gelu_bwd_workspace(dy, x, bias, dx, rows, cols, approximate, dtype, device) -> fp32 elements
+ * the CUDA bias gradient needs for that call (0 on CPU) */
 static PyObject *py_gelu_bwd_workspace(PyObject *self, PyObject *args) {
     (void)self;
+    unsigned long long dy, x, bias, dx;
     long long rows, cols;
-    int device;
-    if (!PyArg_ParseTuple(args, "LLi", &rows, &cols, &device)) return NULL;
+    int approximate, dtype, device;
+    if (!PyArg_ParseTuple(args, "KKKKLLiii", &dy, &x, &bias, &dx, &rows, &cols, &approximate,
+                          &dtype, &device))
+        return NULL;
 #if FK_HAS_CUDA
-    if (device >= 0) return PyLong_FromLongLong(fk_cuda_gelu_bwd_workspace(rows, cols, device));
+    if (device >= 0)
+        return PyLong_FromLongLong(fk_cuda_gelu_bwd_workspace(PTR(dy), PTR(x), PTR(bias), PTR(dx),
+                                                              rows, cols, approximate,
+                                                              (fk_dtype)dtype, device));
+#else
+    (void)dy, (void)x, (void)bias, (void)dx, (void)rows, (void)cols, (void)approximate, (void)dtype;
 #endif
     return PyLong_FromLong(0);
 }

@@ -2,16 +2,22 @@
 //
 // Napkin math (H200, copy bandwidth ~4.2 TB/s read + write): forward moves 2 x bytes(x), backward
 // 3 x bytes(x) (dy and x read, dx written). 2^26 bf16 elements: 256 MB -> 61 us forward, 384 MB ->
-// 91 us backward. That is ~4 elements per SM per clock, ~30 fp32 instructions per element before
-// the math, not the memory, sets the pace: fp32 keeps libdevice's erff / tanhf / expf (its own
-// rounding must stay within 2x of torch's), fp16 / bf16 use the hardware exp2 / reciprocal for
-// tanh and exp, whose ~1e-6 relative error vanishes under the 16-bit output rounding.
-// Every thread moves 16-byte packs, UNROLL of them in flight; misaligned views and rows whose
-// length breaks the pack fall back to one element per lane.
-// The bias gradient is a column sum of dx: each block sums its rows into registers, a shared-memory
-// pass folds the block's row lanes, one fp32 row of partials per block row goes to the workspace
-// (P x cols, P ~ 2 waves of blocks / column tiles) and a second small kernel sums the P partials in
-// a fixed order, so the result is deterministic and costs P x cols x 8 bytes, ~1% at (16384, 4096).
+// 91 us backward: ~4 elements per SM per clock, so with 16-bit storage the instruction count, not
+// the memory, can set the pace. The tanh form is computed as x * sigmoid(2u) = x / (1 + exp(-2u)):
+// one exp and one division, no cancellation in 1 + tanh(u) for negative x. fp32 keeps libdevice's
+// accurate expf / erff and IEEE division (its rounding must stay within 2x of torch's); fp16 / bf16
+// use the hardware exp2 and reciprocal, whose ~1e-6 relative error vanishes under 16-bit rounding.
+//
+// Two kernel shapes, both persistent (one wave of resident blocks, the work split evenly so no
+// block is left with a tail wave), moving 16-byte packs with several in flight per thread, and one
+// element per lane where a view is misaligned or a row breaks the pack:
+//  - gelu_flat: the tensor as one flat array (no bias, or a bias on rows narrower than a warp's
+//    worth of packs, found by a 64-bit modulo per fragment);
+//  - gelu_rows: blocks own a column tile and an even share of the rows, so each thread keeps its
+//    bias fragment in registers and, in backward, sums its column of dx. A shared-memory pass folds
+//    the block's row lanes into one fp32 row of partials per row group (P x cols in the workspace,
+//    P ~ resident blocks / column tiles); a second small kernel sums the P partials in a fixed
+//    order: deterministic, and P x cols x 8 bytes, ~1% of the traffic at (16384, 4096).
 #include "common.cuh"
 
 namespace {
@@ -22,149 +28,174 @@ constexpr float kSqrt2OverPi = 0.79788456080286535588f;
 constexpr float kTanhCoef = 0.044715f;
 constexpr float kLog2e = 1.44269504088896340736f;
 
-// tanh(u) = sign(u) (1 - 2 / (exp(2|u|) + 1)), through the SFU: for 16-bit storage only.
-__device__ __forceinline__ float tanh_fast(float u) {
-    float e = exp2f(2.0f * kLog2e * fabsf(u));
-    return copysignf(1.0f - __fdividef(2.0f, e + 1.0f), u);
-}
-
-template <bool kFast> __device__ __forceinline__ float tanh_any(float u) {
-    return kFast ? tanh_fast(u) : tanhf(u);
-}
-
 template <bool kFast> __device__ __forceinline__ float exp_any(float v) {
     return kFast ? exp2f(kLog2e * v) : expf(v);
 }
 
+template <bool kFast> __device__ __forceinline__ float div_any(float a, float b) {
+    return kFast ? __fdividef(a, b) : a / b;
+}
+
+// exp(-2u) for the tanh form, clamped so that e * sigmoid stays finite (e <= 1.6e38).
+template <bool kFast> __device__ __forceinline__ float tanh_form_exp(float v) {
+    float u = kSqrt2OverPi * (v + kTanhCoef * v * v * v);
+    return exp_any<kFast>(fminf(-2.0f * u, 88.0f));
+}
+
 template <int kApprox, bool kFast> __device__ __forceinline__ float gelu(float v) {
-    if (kApprox) return 0.5f * v * (1.0f + tanh_any<kFast>(kSqrt2OverPi * (v + kTanhCoef * v * v * v)));
+    if (kApprox) return div_any<kFast>(v, 1.0f + tanh_form_exp<kFast>(v));
     return 0.5f * v * (1.0f + erff(v * kSqrt1_2));
 }
 
+// d/dx x * s, s = sigmoid(2u): s + x * 2u' * s * (1 - s), with 1 - s = e * s.
 template <int kApprox, bool kFast> __device__ __forceinline__ float gelu_grad(float v) {
     if (kApprox) {
-        float v2 = v * v;
-        float t = tanh_any<kFast>(kSqrt2OverPi * (v + kTanhCoef * v2 * v));
-        float du = kSqrt2OverPi * (1.0f + 3.0f * kTanhCoef * v2);
-        return 0.5f * (1.0f + t) + 0.5f * v * (1.0f - t * t) * du;
+        float e = tanh_form_exp<kFast>(v);
+        float s = div_any<kFast>(1.0f, 1.0f + e);
+        float du2 = 2.0f * kSqrt2OverPi * (1.0f + 3.0f * kTanhCoef * v * v);
+        return s * (1.0f + v * du2 * e * s);
     }
     return 0.5f * (1.0f + erff(v * kSqrt1_2)) + v * kInvSqrt2Pi * exp_any<kFast>(-0.5f * v * v);
 }
 
-// N consecutive elements in fp32: one 16-byte access when N fills a pack, else N scalar ones.
-template <typename T, int N> struct Frag {
-    float v[N];
+// N consecutive elements kept in their storage type (half the registers of fp32 for 16-bit
+// types): one 16-byte access when N fills a pack, else N scalar ones.
+template <typename T, int N> struct alignas(N == fk::Pack<T>::N ? 16 : alignof(T)) Frag {
+    T v[N];
     __device__ __forceinline__ void load(const T *p) {
         if constexpr (N == fk::Pack<T>::N) {
-            fk::Pack<T> pack = fk::load_pack(p);
-#pragma unroll
-            for (int i = 0; i < N; i++) v[i] = fk::to_f32(pack.v[i]);
+            *reinterpret_cast<uint4 *>(v) = __ldg(reinterpret_cast<const uint4 *>(p));
         } else {
 #pragma unroll
-            for (int i = 0; i < N; i++) v[i] = fk::to_f32(p[i]);
+            for (int i = 0; i < N; i++) v[i] = p[i];
         }
     }
     __device__ __forceinline__ void store(T *p) const {
         if constexpr (N == fk::Pack<T>::N) {
-            fk::Pack<T> pack;
-#pragma unroll
-            for (int i = 0; i < N; i++) pack.v[i] = fk::from_f32<T>(v[i]);
-            fk::store_pack(p, pack);
+            *reinterpret_cast<uint4 *>(p) = *reinterpret_cast<const uint4 *>(v);
         } else {
 #pragma unroll
-            for (int i = 0; i < N; i++) p[i] = fk::from_f32<T>(v[i]);
+            for (int i = 0; i < N; i++) p[i] = v[i];
         }
     }
 };
 
 constexpr int kThreads = 256;
-constexpr int kUnroll = 4;
+constexpr int kUnroll = 4;   // fragments in flight per thread and tensor
+constexpr int kLanesX = 32;  // gelu_rows: fragment columns per block
+constexpr int kLanesY = kThreads / kLanesX;
 
-// Forward (dy == nullptr): out = gelu(x + bias). Backward: out = dy * gelu'(x + bias).
-// Each thread owns kUnroll fragments of N elements, a block's fragments contiguous per step; the
-// last (count % N) elements are done by the first threads of the grid one by one.
-template <typename T, int N, int kApprox, bool kBackward>
-__global__ void __launch_bounds__(kThreads)
-gelu_elementwise(const T *__restrict__ dy, const T *__restrict__ x, const T *__restrict__ bias,
-                 T *__restrict__ out, int64_t count, int64_t cols) {
+// x <- gelu(x + bias) (forward) or dy * gelu'(x + bias) (backward), in place; returns the fp32
+// results through `sum` (added) for the bias gradient.
+template <int kApprox, bool kBackward, typename T, int N>
+__device__ __forceinline__ void apply(Frag<T, N> &x, const Frag<T, N> &dy, const float (&bias)[N],
+                                      float (&sum)[N]) {
     constexpr bool kFast = sizeof(T) == 2;
-    const int64_t frags = count / N;
-    const int64_t first = (int64_t)blockIdx.x * kThreads * kUnroll + threadIdx.x;
-    Frag<T, N> xs[kUnroll], gs[kUnroll];
 #pragma unroll
-    for (int u = 0; u < kUnroll; u++) {
-        int64_t f = first + u * kThreads;
-        if (f < frags) {
-            xs[u].load(x + f * N);
-            if (kBackward) gs[u].load(dy + f * N);
-        }
-    }
-#pragma unroll
-    for (int u = 0; u < kUnroll; u++) {
-        int64_t f = first + u * kThreads;
-        if (f >= frags) continue;
-        if (bias) {
-            Frag<T, N> b;
-            b.load(bias + (f * N) % cols);  // N divides cols whenever a bias rides on packs
-#pragma unroll
-            for (int i = 0; i < N; i++) xs[u].v[i] += b.v[i];
-        }
-#pragma unroll
-        for (int i = 0; i < N; i++)
-            xs[u].v[i] = kBackward ? gs[u].v[i] * gelu_grad<kApprox, kFast>(xs[u].v[i])
-                                   : gelu<kApprox, kFast>(xs[u].v[i]);
-        xs[u].store(out + f * N);
-    }
-    const int64_t tail = frags * N + (int64_t)blockIdx.x * kThreads + threadIdx.x;
-    if (N > 1 && tail < count) {
-        float v = fk::to_f32(x[tail]) + (bias ? fk::to_f32(bias[tail % cols]) : 0.0f);
-        v = kBackward ? fk::to_f32(dy[tail]) * gelu_grad<kApprox, kFast>(v) : gelu<kApprox, kFast>(v);
-        out[tail] = fk::from_f32<T>(v);
+    for (int i = 0; i < N; i++) {
+        float v = fk::to_f32(x.v[i]) + bias[i];
+        v = kBackward ? fk::to_f32(dy.v[i]) * gelu_grad<kApprox, kFast>(v) : gelu<kApprox, kFast>(v);
+        sum[i] += v;
+        x.v[i] = fk::from_f32<T>(v);
     }
 }
 
-// Backward with the bias gradient. Block = (kLanesX fragment columns) x (kLanesY rows); grid =
-// (column tiles, row groups). Each thread walks rows r = group * kLanesY + y, step P * kLanesY.
-constexpr int kLanesX = 32;
-constexpr int kLanesY = kThreads / kLanesX;
-
-template <typename T, int N, int kApprox>
-__global__ void __launch_bounds__(kThreads)
-gelu_backward_bias(const T *__restrict__ dy, const T *__restrict__ x, const T *__restrict__ bias,
-                   T *__restrict__ dx, float *__restrict__ partial, int64_t rows, int64_t cols) {
-    constexpr bool kFast = sizeof(T) == 2;
-    __shared__ float fold[kLanesY][kLanesX * N + 1];
-    const int64_t col = ((int64_t)blockIdx.x * kLanesX + threadIdx.x) * N;
-    const bool active = col < cols;  // with N > 1, N divides cols
-    const int64_t step = (int64_t)gridDim.y * kLanesY;
-    float acc[N] = {};
-    if (active) {
-        Frag<T, N> b;
-        b.load(bias + col);
-        for (int64_t r = (int64_t)blockIdx.y * kLanesY + threadIdx.y; r < rows; r += step) {
-            Frag<T, N> xv, gv;
-            xv.load(x + r * cols + col);
-            gv.load(dy + r * cols + col);
+template <typename T, int N> __device__ __forceinline__ void load_f32(const T *p, float (&out)[N]) {
+    Frag<T, N> f;
+    f.load(p);
 #pragma unroll
-            for (int i = 0; i < N; i++) {
-                xv.v[i] = gv.v[i] * gelu_grad<kApprox, kFast>(xv.v[i] + b.v[i]);
-                acc[i] += xv.v[i];
+    for (int i = 0; i < N; i++) out[i] = fk::to_f32(f.v[i]);
+}
+
+// Forward (kBackward false): out = gelu(x + bias). Backward: out = dy * gelu'(x + bias).
+// Block b owns fragments [b * share, (b + 1) * share) and walks them kUnroll * kThreads at a time;
+// the last count % N elements (when N > 1) go one per thread to the first threads of the grid.
+template <typename T, int N, int kApprox, bool kBackward>
+__global__ void __launch_bounds__(kThreads)
+gelu_flat(const T *__restrict__ dy, const T *__restrict__ x, const T *__restrict__ bias,
+          T *__restrict__ out, int64_t count, int64_t cols, int64_t share) {
+    const int64_t frags = count / N;
+    const int64_t begin = (int64_t)blockIdx.x * share;
+    float unused[N];
+    const int64_t end = min(frags, begin + share);
+    for (int64_t base = begin + threadIdx.x; base < end; base += kThreads * kUnroll) {
+        Frag<T, N> xs[kUnroll], gs[kUnroll];
+#pragma unroll
+        for (int u = 0; u < kUnroll; u++) {
+            int64_t f = base + u * kThreads;
+            if (f < end) {
+                xs[u].load(x + f * N);
+                if (kBackward) gs[u].load(dy + f * N);
             }
-            xv.store(dx + r * cols + col);
+        }
+#pragma unroll
+        for (int u = 0; u < kUnroll; u++) {
+            int64_t f = base + u * kThreads;
+            if (f >= end) continue;
+            float b[N] = {};
+            if (bias) load_f32<T, N>(bias + (f * N) % cols, b);  // N divides cols with packs
+            apply<kApprox, kBackward>(xs[u], gs[u], b, unused);
+            xs[u].store(out + f * N);
         }
     }
+    const int64_t tail = frags * N + (int64_t)blockIdx.x * kThreads + threadIdx.x;
+    if (N > 1 && tail < count) {
+        Frag<T, 1> v, g;
+        v.load(x + tail);
+        if (kBackward) g.load(dy + tail);
+        float b[1] = {bias ? fk::to_f32(bias[tail % cols]) : 0.0f}, sum[1];
+        apply<kApprox, kBackward>(v, g, b, sum);
+        v.store(out + tail);
+    }
+}
+
+// Row-tiled form for a bias: block (kLanesX fragment columns) x (kLanesY row lanes); grid = (column
+// tiles, row groups), each group an even share of the rows. With kBiasGrad, each thread sums its
+// column of dx and the block writes one row of fp32 partials for its group.
+template <typename T, int N, int kApprox, bool kBackward, bool kBiasGrad>
+__global__ void __launch_bounds__(kThreads)
+gelu_rows(const T *__restrict__ dy, const T *__restrict__ x, const T *__restrict__ bias,
+          T *__restrict__ out, float *__restrict__ partial, int64_t rows, int64_t cols,
+          int64_t share) {
+    const int64_t col = ((int64_t)blockIdx.x * kLanesX + threadIdx.x) * N;
+    const int64_t begin = (int64_t)blockIdx.y * share;
+    const int64_t end = min(rows, begin + share);
+    float acc[N] = {};
+    if (col < cols) {  // with N > 1, N divides cols
+        float b[N];
+        load_f32<T, N>(bias + col, b);
+        for (int64_t base = begin + threadIdx.y; base < end; base += kLanesY * kUnroll) {
+            Frag<T, N> xs[kUnroll], gs[kUnroll];
 #pragma unroll
-    for (int i = 0; i < N; i++) fold[threadIdx.y][threadIdx.x * N + i] = acc[i];
-    __syncthreads();
-    // kLanesY * kLanesX threads fold kLanesX * N columns: each thread takes N / kLanesY of them
-    // (or one, when N < kLanesY) and sums down the kLanesY rows in order.
-    const int tid = threadIdx.y * kLanesX + threadIdx.x;
-    for (int c = tid; c < kLanesX * N; c += kThreads) {
-        float s = 0.0f;
+            for (int u = 0; u < kUnroll; u++) {
+                int64_t r = base + u * kLanesY;
+                if (r < end) {
+                    xs[u].load(x + r * cols + col);
+                    if (kBackward) gs[u].load(dy + r * cols + col);
+                }
+            }
 #pragma unroll
-        for (int y = 0; y < kLanesY; y++) s += fold[y][c];
-        int64_t out_col = (int64_t)blockIdx.x * kLanesX * N + c;
-        if (out_col < cols) partial[(int64_t)blockIdx.y * cols + out_col] = s;
+            for (int u = 0; u < kUnroll; u++) {
+                int64_t r = base + u * kLanesY;
+                if (r >= end) continue;
+                apply<kApprox, kBackward>(xs[u], gs[u], b, acc);
+                xs[u].store(out + r * cols + col);
+            }
+        }
+    }
+    if constexpr (kBiasGrad) {
+        __shared__ float fold[kLanesY][kLanesX * N + 1];
+#pragma unroll
+        for (int i = 0; i < N; i++) fold[threadIdx.y][threadIdx.x * N + i] = acc[i];
+        __syncthreads();
+        // the block's threads fold its kLanesX * N columns down the kLanesY rows, in order
+        for (int c = threadIdx.y * kLanesX + threadIdx.x; c < kLanesX * N; c += kThreads) {
+            float s = 0.0f;
+#pragma unroll
+            for (int y = 0; y < kLanesY; y++) s += fold[y][c];
+            int64_t out_col = (int64_t)blockIdx.x * kLanesX * N + c;
+            if (out_col < cols) partial[(int64_t)blockIdx.y * cols + out_col] = s;
+        }
     }
 }
 
@@ -180,71 +211,110 @@ __global__ void gelu_bias_grad_finalize(const float *__restrict__ partial, T *__
 
 int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
-// 16-byte packs are usable when every pointer is 16-byte aligned and, with a bias, rows keep the
-// pack whole (cols a multiple of the pack).
+// Blocks of `kernel` resident on one SM, read once per kernel (and device architecture).
+template <typename Kernel> int64_t resident_blocks(Kernel kernel, int device) {
+    static int per_sm = 0;
+    if (per_sm == 0) {
+        int n = 0;
+        if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, kThreads, 0) != cudaSuccess || n < 1) {
+            cudaGetLastError();
+            n = 1;
+        }
+        per_sm = n;
+    }
+    return (int64_t)per_sm * fk::sm_count(device);
+}
+
+// How a call runs: pack width, kernel shape and grid. Computed identically for the workspace query
+// and the launch, so the workspace always matches the row groups.
+struct Plan {
+    bool packs;   // 16-byte packs (else one element per lane)
+    bool rows;    // gelu_rows (else gelu_flat)
+    int64_t tiles, groups, share;
+};
+
+template <typename T, int N, int kApprox, bool kBackward, bool kBiasGrad>
+void plan_rows(Plan &p, int64_t rows, int64_t cols, int device) {
+    p.tiles = ceil_div(cols, (int64_t)kLanesX * N);
+    int64_t resident = resident_blocks(gelu_rows<T, N, kApprox, kBackward, kBiasGrad>, device);
+    int64_t groups = resident / p.tiles;
+    groups = groups < 1 ? 1 : groups;
+    groups = min(groups, ceil_div(rows, (int64_t)kLanesY));
+    p.groups = groups < 1 ? 1 : min(groups, (int64_t)65535);
+    p.share = ceil_div(rows, p.groups);
+}
+
+template <typename T, int N, int kApprox, bool kBackward>
+void plan_flat(Plan &p, int64_t count, int device) {
+    int64_t frags = count / N;
+    int64_t resident = resident_blocks(gelu_flat<T, N, kApprox, kBackward>, device);
+    int64_t blocks = min(resident, ceil_div(frags, (int64_t)kThreads * kUnroll));
+    blocks = max(blocks, ceil_div(count % N, (int64_t)kThreads));  // enough threads for the tail
+    blocks = max(blocks, (int64_t)1);
+    p.groups = blocks;
+    p.share = ceil_div(ceil_div(frags, blocks), 32) * 32;  // whole warps per block
+}
+
 template <typename T>
-bool packs_fit(const void *a, const void *b, const void *c, const void *bias, int64_t cols) {
+Plan make_plan(const void *a, const void *b, const void *c, const void *bias, bool bias_grad,
+               int64_t rows, int64_t cols, int approximate, bool backward, int device) {
     constexpr int n = fk::Pack<T>::N;
-    return fk::aligned16(a) && fk::aligned16(b) && fk::aligned16(c) &&
-           (bias == nullptr || (fk::aligned16(bias) && cols % n == 0));
-}
-
-template <typename T, int N, bool kBackward>
-void launch_elementwise(const T *dy, const T *x, const T *bias, T *out, int64_t count, int64_t cols,
-                        int approximate, cudaStream_t stream) {
-    int64_t blocks = ceil_div(ceil_div(count, N), (int64_t)kThreads * kUnroll);
-    if (blocks == 0) blocks = 1;  // the tail alone
-    if (approximate)
-        gelu_elementwise<T, N, 1, kBackward><<<(unsigned)blocks, kThreads, 0, stream>>>(dy, x, bias, out, count, cols);
-    else
-        gelu_elementwise<T, N, 0, kBackward><<<(unsigned)blocks, kThreads, 0, stream>>>(dy, x, bias, out, count, cols);
-}
-
-template <typename T, bool kBackward>
-fk_status elementwise(const T *dy, const T *x, const T *bias, T *out, int64_t rows, int64_t cols,
-                      int approximate, cudaStream_t stream, const char *op) {
-    int64_t count = rows * cols;
-    if (count == 0) return FK_OK;
-    if (ceil_div(count, (int64_t)kThreads * kUnroll) > 0x7fffffffLL)
-        return fk_fail(FK_ERR_VALUE, "%s: %lld elements exceed the grid limit", op, (long long)count);
-    if (packs_fit<T>(x, kBackward ? (const void *)dy : (const void *)x, out, bias, cols))
-        launch_elementwise<T, fk::Pack<T>::N, kBackward>(dy, x, bias, out, count, cols, approximate, stream);
-    else
-        launch_elementwise<T, 1, kBackward>(dy, x, bias, out, count, cols, approximate, stream);
-    return fk::launch_status(op);
-}
-
-// Row groups P of the bias-gradient kernel: about two waves of 8 blocks per SM in all.
-int64_t bias_grad_groups(int64_t rows, int64_t cols, int device) {
-    int64_t tiles = ceil_div(cols, (int64_t)kLanesX * 8);  // conservative N = 8 for 16-bit types
-    int64_t want = ceil_div((int64_t)fk::sm_count(device) * 16, tiles);
-    int64_t most = ceil_div(rows, (int64_t)kLanesY);
-    int64_t groups = want < most ? want : most;
-    return groups < 1 ? 1 : (groups > 65535 ? 65535 : groups);
+    Plan p{};
+    p.packs = fk::aligned16(a) && fk::aligned16(b) && fk::aligned16(c) &&
+              (bias == nullptr || (fk::aligned16(bias) && cols % n == 0));
+    // a bias rides on row tiles when a warp's worth of fragments fills a row, or when its gradient
+    // is wanted; otherwise on the flat kernel
+    p.rows = bias_grad || (bias != nullptr && cols >= kLanesX * (p.packs ? n : 1));
+#define FK_PLAN(N, A)                                                                               \
+    if (p.rows && bias_grad) plan_rows<T, N, A, true, true>(p, rows, cols, device);                 \
+    else if (p.rows && backward) plan_rows<T, N, A, true, false>(p, rows, cols, device);            \
+    else if (p.rows) plan_rows<T, N, A, false, false>(p, rows, cols, device);                       \
+    else if (backward) plan_flat<T, N, A, true>(p, rows * cols, device);                            \
+    else plan_flat<T, N, A, false>(p, rows * cols, device);
+    if (p.packs && approximate) { FK_PLAN(n, 1) }
+    else if (p.packs) { FK_PLAN(n, 0) }
+    else if (approximate) { FK_PLAN(1, 1) }
+    else { FK_PLAN(1, 0) }
+#undef FK_PLAN
+    return p;
 }
 
 template <typename T, int N, int kApprox>
-void launch_backward_bias(const T *dy, const T *x, const T *bias, T *dx, T *dbias, float *partial,
-                          int64_t rows, int64_t cols, int64_t groups, cudaStream_t stream) {
-    dim3 grid((unsigned)ceil_div(cols, (int64_t)kLanesX * N), (unsigned)groups);
-    gelu_backward_bias<T, N, kApprox><<<grid, dim3(kLanesX, kLanesY), 0, stream>>>(dy, x, bias, dx, partial, rows, cols);
-    gelu_bias_grad_finalize<T><<<(unsigned)ceil_div(cols, 256), 256, 0, stream>>>(partial, dbias, groups, cols);
+void launch(const Plan &p, const T *dy, const T *x, const T *bias, T *out, T *dbias, float *partial,
+            int64_t rows, int64_t cols, bool backward, cudaStream_t stream) {
+    if (!p.rows) {
+        if (backward)
+            gelu_flat<T, N, kApprox, true><<<(unsigned)p.groups, kThreads, 0, stream>>>(dy, x, bias, out, rows * cols, cols, p.share);
+        else
+            gelu_flat<T, N, kApprox, false><<<(unsigned)p.groups, kThreads, 0, stream>>>(dy, x, bias, out, rows * cols, cols, p.share);
+        return;
+    }
+    dim3 grid((unsigned)p.tiles, (unsigned)p.groups), block(kLanesX, kLanesY);
+    if (dbias) {
+        gelu_rows<T, N, kApprox, true, true><<<grid, block, 0, stream>>>(dy, x, bias, out, partial, rows, cols, p.share);
+        gelu_bias_grad_finalize<T><<<(unsigned)ceil_div(cols, 256), 256, 0, stream>>>(partial, dbias, p.groups, cols);
+    } else if (backward) {
+        gelu_rows<T, N, kApprox, true, false><<<grid, block, 0, stream>>>(dy, x, bias, out, partial, rows, cols, p.share);
+    } else {
+        gelu_rows<T, N, kApprox, false, false><<<grid, block, 0, stream>>>(dy, x, bias, out, partial, rows, cols, p.share);
+    }
 }
 
 template <typename T>
-fk_status backward_bias(const T *dy, const T *x, const T *bias, T *dx, T *dbias, float *partial,
-                        int64_t rows, int64_t cols, int approximate, int device, cudaStream_t stream) {
-    if (cols == 0) return FK_OK;
+fk_status run(const T *dy, const T *x, const T *bias, T *out, T *dbias, float *partial, int64_t rows,
+              int64_t cols, int approximate, bool backward, int device, cudaStream_t stream,
+              const char *op) {
+    if (rows * cols == 0) return FK_OK;
     if (ceil_div(cols, (int64_t)kLanesX) > 0x7fffffffLL)
-        return fk_fail(FK_ERR_VALUE, "gelu_backward: %lld columns exceed the grid limit", (long long)cols);
-    int64_t groups = bias_grad_groups(rows, cols, device);
+        return fk_fail(FK_ERR_VALUE, "%s: %lld columns exceed the grid limit", op, (long long)cols);
+    Plan p = make_plan<T>(x, backward ? (const void *)dy : (const void *)x, out, bias, dbias != nullptr,
+                          rows, cols, approximate, backward, device);
     constexpr int n = fk::Pack<T>::N;
-    bool packs = packs_fit<T>(dy, x, dx, bias, cols);
-    if (packs && approximate) launch_backward_bias<T, n, 1>(dy, x, bias, dx, dbias, partial, rows, cols, groups, stream);
-    else if (packs) launch_backward_bias<T, n, 0>(dy, x, bias, dx, dbias, partial, rows, cols, groups, stream);
-    else if (approximate) launch_backward_bias<T, 1, 1>(dy, x, bias, dx, dbias, partial, rows, cols, groups, stream);
-    else launch_backward_bias<T, 1, 0>(dy, x, bias, dx, dbias, partial, rows, cols, groups, stream);
-    return fk::launch_status("gelu_backward");
+    if (p.packs && approximate) launch<T, n, 1>(p, dy, x, bias, out, dbias, partial, rows, cols, backward, stream);
+    else if (p.packs) launch<T, n, 0>(p, dy, x, bias, out, dbias, partial, rows, cols, backward, stream);
+    else if (approximate) launch<T, 1, 1>(p, dy, x, bias, out, dbias, partial, rows, cols, backward, stream);
+    else launch<T, 1, 0>(p, dy, x, bias, out, dbias, partial, rows, cols, backward, stream);
+    return fk::launch_status(op);
 }
 
 }  // namespace
@@ -254,24 +324,31 @@ extern "C" fk_status fk_cuda_gelu_fwd(const void *x, const void *bias, void *y, 
                                       void *stream) {
     FK_CUDA_ENTER("gelu", device);
     FK_DISPATCH_CUDA_DTYPE(dtype, "gelu",
-        return elementwise<T, false>(nullptr, (const T *)x, (const T *)bias, (T *)y, rows, cols,
-                                     approximate, (cudaStream_t)stream, "gelu"));
+        return run<T>(nullptr, (const T *)x, (const T *)bias, (T *)y, nullptr, nullptr, rows, cols,
+                      approximate, false, device, (cudaStream_t)stream, "gelu"));
 }
 
-extern "C" int64_t fk_cuda_gelu_bwd_workspace(int64_t rows, int64_t cols, int device) {
-    return bias_grad_groups(rows, cols, device) * cols;
+extern "C" int64_t fk_cuda_gelu_bwd_workspace(const void *dy, const void *x, const void *bias,
+                                              const void *dx, int64_t rows, int64_t cols,
+                                              int approximate, fk_dtype dtype, int device) {
+    fk::DeviceGuard guard(device);
+    int64_t groups = 0;
+    switch (dtype) {
+    case FK_FLOAT32: groups = make_plan<float>(x, dy, dx, bias, true, rows, cols, approximate, true, device).groups; break;
+    case FK_FLOAT16: groups = make_plan<__half>(x, dy, dx, bias, true, rows, cols, approximate, true, device).groups; break;
+    case FK_BFLOAT16: groups = make_plan<__nv_bfloat16>(x, dy, dx, bias, true, rows, cols, approximate, true, device).groups; break;
+    default: break;
+    }
+    return groups * cols;
 }
 
 extern "C" fk_status fk_cuda_gelu_bwd(const void *dy, const void *x, const void *bias, void *dx,
                                       void *dbias, float *workspace, int64_t rows, int64_t cols,
                                       int approximate, fk_dtype dtype, int device, void *stream) {
     FK_CUDA_ENTER("gelu_backward", device);
-    if (dbias != nullptr && bias == nullptr)
-        return fk_fail(FK_ERR_VALUE, "gelu_backward: dbias needs bias");
+    if (dbias != nullptr && (bias == nullptr || workspace == nullptr))
+        return fk_fail(FK_ERR_VALUE, "gelu_backward: a bias gradient needs bias and a workspace");
     FK_DISPATCH_CUDA_DTYPE(dtype, "gelu_backward",
-        if (dbias == nullptr)
-            return elementwise<T, true>((const T *)dy, (const T *)x, (const T *)bias, (T *)dx, rows,
-                                        cols, approximate, (cudaStream_t)stream, "gelu_backward");
-        return backward_bias<T>((const T *)dy, (const T *)x, (const T *)bias, (T *)dx, (T *)dbias,
-                                workspace, rows, cols, approximate, device, (cudaStream_t)stream));
+        return run<T>((const T *)dy, (const T *)x, (const T *)bias, (T *)dx, (T *)dbias, workspace,
+                      rows, cols, approximate, true, device, (cudaStream_t)stream, "gelu_backward"));
 }

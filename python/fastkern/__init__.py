@@ -2,11 +2,13 @@
 
     import fastkern
     y = fastkern.gelu(x, approximate="tanh", bias=b)
+    p = fastkern.softmax(scores, dim=-1, scale=0.125, causal=True)
 
 Each function matches the torch one it replaces; fastkern.nn has drop-in modules.
 """
 from ._backend import BUILD_INFO
 from .ops.gelu import gelu
+from .ops.softmax import log_softmax, softmax
 from . import nn
 
 __version__ = BUILD_INFO["version"]
@@ -17,4 +19,4 @@ def cuda_available():
     return BUILD_INFO["cuda"] and len(BUILD_INFO["devices"]) > 0
 
 
-__all__ = ["gelu", "nn", "cuda_available", "BUILD_INFO", "__version__"]
+__all__ = ["gelu", "softmax", "log_softmax", "nn", "cuda_available", "BUILD_INFO", "__version__"]

@@ -3,6 +3,7 @@
 Nothing above this module touches pointers; nothing below ops/ touches torch.
 """
 import torch
+from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from . import _C
 
@@ -18,6 +19,23 @@ try:  # the raw stream handle without building a torch.cuda.Stream object (induc
 except AttributeError:  # pragma: no cover - older or CPU-only torch builds
     def _raw_stream(index):
         return torch.cuda.current_stream(index).cuda_stream
+
+
+def plain_eager(*tensors):
+    """True when an op may skip the torch dispatcher: plain tensors (None allowed) in plain eager
+    mode, with no compile or tracing, no dispatch mode and no functorch transform active. The
+    dispatcher round trip and the custom-op autograd wrapper cost more host time (~10-20 us) than a
+    small kernel runs, so eager calls go straight to the kernel (or a torch.autograd.Function)."""
+    for t in tensors:
+        if t is not None and type(t) is not torch.Tensor:
+            return False
+    return (not torch.compiler.is_compiling() and _get_current_dispatch_mode() is None
+            and torch._C._functorch.peek_interpreter_stack() is None)
+
+
+def needs_grad(*tensors):
+    """True when autograd must record an op on these tensors."""
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
 
 
 def dtype_code(t, op, name):

@@ -165,9 +165,13 @@ SUITES = {"gelu": gelu_cases}
 
 
 def host_overheads(device):
+    """Host microseconds per tiny call: inference (no grad) and training (input requires grad)."""
     x = torch.randn(16, device=device)
+    xg = x.clone().requires_grad_()
     return {"fastkern.gelu": host_overhead_us(lambda: fastkern.gelu(x), device),
-            "F.gelu": host_overhead_us(lambda: F.gelu(x), device)}
+            "F.gelu": host_overhead_us(lambda: F.gelu(x), device),
+            "fastkern.gelu (grad)": host_overhead_us(lambda: fastkern.gelu(xg), device),
+            "F.gelu (grad)": host_overhead_us(lambda: F.gelu(xg), device)}
 
 
 # ---- running -------------------------------------------------------------------------------------

@@ -1,0 +1,153 @@
+"""Softmax and log-softmax with a fused scale and causal mask: torch.library ops
+fastkern::softmax and fastkern::softmax_backward.
+
+Forward returns the output and one fp32 log-sum-exp per row; autograd saves x and that row
+statistic (never the output) and backward recomputes y = exp(x * scale - lse) inside its kernel.
+Rows are reduced along any dim without a transposed copy: the kernels see x as (outer, n, inner).
+"""
+import math
+import numbers
+
+import torch
+
+from .. import _backend as B
+from .._backend import _C
+
+torch.library.define(
+    "fastkern::softmax", "(Tensor x, int dim, float scale, bool causal, bool log) -> (Tensor, Tensor)")
+torch.library.define(
+    "fastkern::softmax_backward",
+    "(Tensor grad, Tensor x, Tensor lse, int dim, float scale, bool causal, bool log) -> Tensor")
+
+
+def _name(log):
+    return "log_softmax" if log else "softmax"
+
+
+def _check(x, dim, scale, causal, log):
+    """Validates arguments; returns (outer, n, inner, causal_sq, dtype code)."""
+    op = _name(log)
+    B.check_tensor(x, op, "x")
+    code = B.dtype_code(x, op, "x")
+    ndim = max(x.dim(), 1)
+    if not -ndim <= dim < ndim:
+        raise ValueError(f"fastkern.{op}: dim {dim} is out of range for x with {x.dim()} dims "
+                         f"(expected -{ndim} <= dim < {ndim})")
+    dim %= ndim
+    shape = x.shape if x.dim() else (1,)
+    causal_sq = 0
+    if causal:
+        if x.dim() < 2:
+            raise ValueError(f"fastkern.{op}: causal=True needs x with at least 2 dims (query, key), "
+                             f"got {x.dim()}")
+        if dim != x.dim() - 1:
+            raise ValueError(f"fastkern.{op}: causal=True needs dim=-1 (keys on the last dim), got "
+                             f"dim={dim}")
+        causal_sq = shape[-2]
+    return math.prod(shape[:dim]), shape[dim], math.prod(shape[dim + 1:]), causal_sq, code
+
+
+def _lse_dtype(x):
+    return torch.float64 if x.dtype == torch.float64 else torch.float32
+
+
+def _softmax(x, dim, scale, causal, log):
+    outer, n, inner, causal_sq, code = _check(x, dim, scale, causal, log)
+    x = B.dense(x)
+    y = torch.empty_like(x)
+    lse = torch.empty(outer * inner, dtype=_lse_dtype(x), device=x.device)
+    if y.numel():
+        device, stream = B.launch_args(x)
+        _C.softmax_fwd(x.data_ptr(), y.data_ptr(), lse.data_ptr(), outer, n, inner, float(scale),
+                       causal_sq, int(log), code, device, stream)
+    return y, lse
+
+
+def _softmax_fake(x, dim, scale, causal, log):
+    outer, _, inner, _, _ = _check(x, dim, scale, causal, log)
+    return (torch.empty_like(x, memory_format=torch.contiguous_format),
+            x.new_empty(outer * inner, dtype=_lse_dtype(x)))
+
+
+def _softmax_backward(grad, x, lse, dim, scale, causal, log):
+    outer, n, inner, causal_sq, code = _check(x, dim, scale, causal, log)
+    op = _name(log) + "_backward"
+    B.check_tensor(grad, op, "grad")
+    B.check_same(grad, x, op, "grad", "x")
+    if grad.shape != x.shape:
+        raise ValueError(f"fastkern.{op}: grad has shape {tuple(grad.shape)}, x has {tuple(x.shape)}")
+    if lse.shape != (outer * inner,) or lse.dtype != _lse_dtype(x) or lse.device != x.device:
+        raise ValueError(f"fastkern.{op}: lse must be the ({outer * inner},) {_lse_dtype(x)} row "
+                         f"statistic the forward returned")
+    grad, x = B.dense(grad), B.dense(x)
+    dx = torch.empty_like(x)
+    if dx.numel():
+        device, stream = B.launch_args(x)
+        _C.softmax_bwd(grad.data_ptr(), x.data_ptr(), lse.data_ptr(), dx.data_ptr(), outer, n, inner,
+                       float(scale), causal_sq, int(log), code, device, stream)
+    return dx
+
+
+def _softmax_backward_fake(grad, x, lse, dim, scale, causal, log):
+    _check(x, dim, scale, causal, log)
+    return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+
+def _setup_context(ctx, inputs, output):
+    x, dim, scale, causal, log = inputs
+    ctx.save_for_backward(x, output[1])
+    ctx.args = (dim, scale, causal, log)
+
+
+def _backward(ctx, grad, grad_lse):
+    x, lse = ctx.saved_tensors
+    backward = _softmax_backward if B.plain_eager(grad, x) else _softmax_backward_op
+    return backward(grad, x, lse, *ctx.args), None, None, None, None
+
+
+class _SoftmaxFunction(torch.autograd.Function):
+    """The eager autograd path: same forward, context and backward as the registered op."""
+
+    @staticmethod
+    def forward(ctx, x, dim, scale, causal, log):
+        output = _softmax(x, dim, scale, causal, log)
+        _setup_context(ctx, (x, dim, scale, causal, log), output)
+        ctx.mark_non_differentiable(output[1])
+        return output
+
+    backward = staticmethod(_backward)
+
+
+torch.library.impl("fastkern::softmax", ("cpu", "cuda"), _softmax)
+torch.library.register_fake("fastkern::softmax", _softmax_fake)
+torch.library.impl("fastkern::softmax_backward", ("cpu", "cuda"), _softmax_backward)
+torch.library.register_fake("fastkern::softmax_backward", _softmax_backward_fake)
+torch.library.register_autograd("fastkern::softmax", _backward, setup_context=_setup_context)
+
+_softmax_op = torch.ops.fastkern.softmax.default
+_softmax_backward_op = torch.ops.fastkern.softmax_backward.default
+
+
+def _call(x, dim, scale, causal, log):
+    op = _name(log)
+    B.check_tensor(x, op, "x")
+    if not isinstance(dim, numbers.Integral) or isinstance(dim, bool):
+        raise TypeError(f"fastkern.{op}: dim must be an int, got {type(dim).__name__}")
+    if not isinstance(scale, numbers.Real) or isinstance(scale, bool):
+        raise TypeError(f"fastkern.{op}: scale must be a float, got {type(scale).__name__}")
+    if not B.plain_eager(x):
+        return _softmax_op(x, dim, scale, bool(causal), log)[0]
+    if B.needs_grad(x):
+        return _SoftmaxFunction.apply(x, dim, scale, bool(causal), log)[0]
+    return _softmax(x, dim, scale, bool(causal), log)[0]
+
+
+def softmax(x, dim=-1, *, scale=1.0, causal=False):
+    """softmax(x * scale) along `dim`, like torch.softmax(x, dim) when scale=1 and causal=False.
+    causal=True treats the last two dims as (query, key) scores and masks key j > query i + Sk - Sq."""
+    return _call(x, dim, scale, causal, False)
+
+
+def log_softmax(x, dim=-1, *, scale=1.0, causal=False):
+    """log_softmax(x * scale) along `dim`, like torch.log_softmax; scale and causal as in softmax."""
+    return _call(x, dim, scale, causal, True)

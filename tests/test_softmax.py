@@ -1,0 +1,249 @@
+"""fastkern.softmax / log_softmax: values and gradients against float64, special values, dims,
+scale and causal masks, autograd, compile, graphs, bad input."""
+import pytest
+import torch
+
+import fastkern
+from conftest import DEVICE_DTYPES, DEVICES, assert_within_torch_error, misaligned, needs_cuda
+
+LENGTHS = [1, 2, 31, 32, 33, 127, 1000, 1024, 4097, 65536 + 7, 300000]
+ROW_COUNTS = [0, 1, 3, 1000]
+# every length with 0, 1 and 3 rows; 1000 rows only where it stays small
+SIZES = [(r, n) for n in LENGTHS for r in ROW_COUNTS if r < 1000 or n <= 4097]
+
+
+def torch_fn(log):
+    return torch.log_softmax if log else torch.softmax
+
+
+def fk_fn(log):
+    return fastkern.log_softmax if log else fastkern.softmax
+
+
+def masked(x, scale, causal):
+    """The unfused reference: scale, then -inf above the causal diagonal (offset Sk - Sq)."""
+    x = x * scale
+    if causal:
+        sq, sk = x.shape[-2:]
+        mask = torch.ones(sq, sk, dtype=torch.bool, device=x.device).triu(sk - sq + 1)
+        x = x.masked_fill(mask, float("-inf"))
+    return x
+
+
+def check(x, dim, log, scale=1.0, causal=False, grad=True):
+    """fastkern vs torch (same dtype) vs float64, forward and backward, with the 2x rule."""
+    x = x.detach().requires_grad_(grad)
+    y = fk_fn(log)(x, dim, scale=scale, causal=causal)
+    assert y.dtype == x.dtype and y.shape == x.shape
+
+    def torch_version(x_):
+        x_ = x_.detach().requires_grad_(grad)
+        return x_, torch_fn(log)(masked(x_, scale, causal), dim)
+
+    tx, ty = torch_version(x)
+    rx, ry = torch_version(x.double())
+    assert_within_torch_error(y, ty, ry, "output")
+    if not grad or x.numel() == 0:
+        return
+    g = torch.randn_like(y)
+    (dx,) = torch.autograd.grad(y, x, g)
+    (tdx,) = torch.autograd.grad(ty, tx, g)
+    (rdx,) = torch.autograd.grad(ry, rx, g.double())
+    assert_within_torch_error(dx, tdx, rdx, "grad")
+
+
+@pytest.mark.parametrize("device,dtype", DEVICE_DTYPES)
+@pytest.mark.parametrize("log", [False, True], ids=["softmax", "log"])
+@pytest.mark.parametrize("rows,n", SIZES, ids=str)
+def test_rows(device, dtype, log, rows, n, poison):
+    x = (torch.randn(rows, n, device=device) * 4).to(dtype)
+    check(x, -1, log)
+
+
+@pytest.mark.parametrize("device,dtype", DEVICE_DTYPES)
+@pytest.mark.parametrize("log", [False, True], ids=["softmax", "log"])
+@pytest.mark.parametrize("dim", [0, 1, -1, 2, -3])
+@pytest.mark.parametrize("shape", [(5, 7, 9), (3, 1000, 4), (64, 3, 33)], ids=str)
+def test_dims(device, dtype, log, dim, shape, poison):
+    check((torch.randn(shape, device=device) * 4).to(dtype), dim, log)
+
+
+@pytest.mark.parametrize("device,dtype", DEVICE_DTYPES)
+@pytest.mark.parametrize("log", [False, True], ids=["softmax", "log"])
+@pytest.mark.parametrize("sq,sk", [(17, 17), (5, 40), (40, 5), (128, 1000)], ids=str)
+@pytest.mark.parametrize("scale", [1.0, 0.125])
+def test_scale_and_causal(device, dtype, log, sq, sk, scale, poison):
+    x = (torch.randn(2, 3, sq, sk, device=device) * 4).to(dtype)
+    # with Sq > Sk the first rows are fully masked: NaN, as in the masked reference
+    check(x, -1, log, scale=scale, causal=True, grad=sq <= sk)
+    check(x, -1, log, scale=scale, causal=False)
+
+
+@pytest.mark.parametrize("device,dtype", DEVICE_DTYPES)
+@pytest.mark.parametrize("log", [False, True], ids=["softmax", "log"])
+@pytest.mark.parametrize("n", [7, 1000, 4097, 65543])
+def test_special_values(device, dtype, log, n):
+    x = torch.randn(6, n, device=device)
+    x[0] = float("-inf")                                 # all -inf: NaN row
+    x[1, n // 2] = float("inf")                           # +inf: NaN row
+    x[2, n // 3] = float("nan")                           # NaN: NaN row
+    x[3, : n // 2] = float("-inf")                        # partly -inf: zeros (log: -inf) there
+    x[4] = x[4] * 3e4 if dtype != torch.bfloat16 else x[4] * 1e30  # near the dtype's max
+    x[5] = -x[5].abs() * 6e4 if dtype != torch.bfloat16 else x[5] * -1e35
+    check(x.to(dtype), -1, log, grad=False)
+
+
+@pytest.mark.parametrize("device,dtype", DEVICE_DTYPES)
+def test_views(device, dtype, poison):
+    check((torch.randn(300, 64, device=device) * 4).to(dtype).t(), -1, False)
+    check((torch.randn(33, 2048, device=device) * 4).to(dtype)[:, 1::2], -1, True)
+    check(misaligned((33, 1000), dtype, device) * 4, -1, False)
+    check(misaligned((5, 4097), dtype, device, offset=3) * 4, -1, True)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_scalar_and_empty(device):
+    x = torch.tensor(1.5, device=device)
+    assert fastkern.softmax(x, 0).item() == 1.0 and fastkern.log_softmax(x, -1).item() == 0.0
+    for shape in [(0, 5), (5, 0), (2, 0, 3)]:
+        x = torch.randn(shape, device=device, requires_grad=True)
+        y = fastkern.softmax(x, 1 if len(shape) == 3 else -1)
+        assert y.shape == x.shape
+        y.sum().backward()
+        assert x.grad.shape == x.shape
+
+
+@pytest.mark.parametrize("log", [False, True])
+def test_gradcheck_float64(log):
+    x = torch.randn(4, 6, dtype=torch.float64, requires_grad=True)
+    for dim in (0, -1):
+        assert torch.autograd.gradcheck(lambda x: fk_fn(log)(x, dim, scale=0.7), (x,))
+    if not log:  # log-softmax is -inf at masked keys: finite differences are NaN there
+        assert torch.autograd.gradcheck(lambda x: fastkern.softmax(x, -1, scale=0.7, causal=True), (x,))
+
+
+def test_backward_saves_input_and_row_statistic():
+    x = torch.randn(8, 16, requires_grad=True)
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        fastkern.softmax(x, -1)
+    assert len(saved) == 2 and saved[0] is x
+    assert saved[1].shape == (8,) and saved[1].dtype == torch.float32
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_opcheck(device):
+    x = torch.randn(6, 40, device=device, requires_grad=True)
+    for args in [(x, -1, 1.0, False, False), (x, 0, 0.5, False, True), (x, -1, 0.3, True, False)]:
+        torch.library.opcheck(torch.ops.fastkern.softmax.default, args)
+    y, lse = torch.ops.fastkern.softmax.default(x.detach(), -1, 0.3, True, False)
+    torch.library.opcheck(torch.ops.fastkern.softmax_backward.default,
+                          (torch.randn_like(y), x.detach(), lse, -1, 0.3, True, False))
+
+
+class Attention(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.qk, self.softmax = torch.nn.Linear(32, 64), fastkern.nn.Softmax(dim=-1)
+
+    def forward(self, x):
+        q, k = self.qk(x).chunk(2, dim=-1)
+        scores = q @ k.transpose(-1, -2)
+        return fastkern.softmax(scores, scale=0.17, causal=True) + fastkern.log_softmax(scores, 1) + self.softmax(scores)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_compile_fullgraph_matches_eager(device):
+    torch._dynamo.reset()
+    model = Attention().to(device)
+    compiled = torch.compile(model, fullgraph=True)
+    x = torch.randn(2, 24, 32, device=device)
+    y_eager, y_compiled = model(x), compiled(x)
+    assert torch.allclose(y_eager, y_compiled, atol=1e-5, rtol=1e-5)
+    g_eager = torch.autograd.grad(y_eager.square().sum(), list(model.parameters()))
+    g_compiled = torch.autograd.grad(y_compiled.square().sum(), list(model.parameters()))
+    for a, b in zip(g_eager, g_compiled):
+        assert torch.allclose(a, b, atol=1e-4, rtol=1e-4)
+
+
+def test_modules_and_swap():
+    assert repr(fastkern.nn.Softmax(dim=1)) == repr(torch.nn.Softmax(dim=1)).replace("torch.nn.", "")
+    assert repr(fastkern.nn.LogSoftmax(dim=-1)) == "LogSoftmax(dim=-1)"
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Softmax(dim=-1), torch.nn.LogSoftmax(dim=0))
+    x = torch.randn(3, 8)
+    before = model(x)
+    fastkern.nn.swap_modules(model)
+    assert isinstance(model[1], fastkern.nn.Softmax) and isinstance(model[2], fastkern.nn.LogSoftmax)
+    assert torch.allclose(model(x), before, atol=1e-6)
+    legacy = torch.randn(2, 3, 4)  # dim=None picks torch's legacy dim (0 for 3-d input)
+    assert torch.allclose(fastkern.nn.Softmax()(legacy), torch.softmax(legacy, 0), atol=1e-6)
+
+
+@needs_cuda
+def test_cuda_graph_capture_and_replay():
+    x = torch.randn(64, 3000, device="cuda", requires_grad=True)
+    g = torch.randn(64, 3000, device="cuda")
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(2):
+            x.grad = None
+            fastkern.softmax(x, scale=0.5, causal=True).backward(g)
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    x.grad = None
+    with torch.cuda.graph(graph):
+        y = fastkern.softmax(x, scale=0.5, causal=True)
+        y.backward(g)
+    for _ in range(2):
+        with torch.no_grad():
+            x.copy_(torch.randn_like(x))
+            g.copy_(torch.randn_like(g))
+        graph.replay()
+        torch.cuda.synchronize()
+        xr = x.detach().clone().requires_grad_()
+        yr = torch.softmax(masked(xr, 0.5, True), -1)
+        yr.backward(g)
+        assert torch.allclose(y, yr, atol=1e-6) and torch.allclose(x.grad, xr.grad, atol=1e-6)
+
+
+@needs_cuda
+def test_over_2_pow_31_elements():
+    rows, n = 2**31 // 4096 + 3, 4096
+    try:
+        x = torch.randn(rows, n, device="cuda", dtype=torch.bfloat16)
+    except torch.OutOfMemoryError:
+        pytest.skip("not enough GPU memory")
+    y = fastkern.softmax(x, -1)
+    for part in (slice(0, 8), slice(rows - 8, rows)):
+        ref = torch.softmax(x[part].float(), -1)
+        assert (y[part].float() - ref).abs().max() < 1e-2 * ref.abs().max()
+    del x, y
+    torch.cuda.empty_cache()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_bad_input(device):
+    x = torch.randn(4, 8, device=device)
+    with pytest.raises(TypeError, match=r"fastkern.softmax: x must be a floating-point tensor .* got torch.int64"):
+        fastkern.softmax(torch.ones(4, 8, dtype=torch.int64, device=device))
+    with pytest.raises(TypeError, match=r"fastkern.log_softmax: x must be a torch.Tensor, got list"):
+        fastkern.log_softmax([1.0, 2.0])
+    with pytest.raises(ValueError, match=r"dim 2 is out of range for x with 2 dims \(expected -2 <= dim < 2\)"):
+        fastkern.softmax(x, 2)
+    with pytest.raises(ValueError, match=r"dim -3 is out of range"):
+        fastkern.log_softmax(x, -3)
+    with pytest.raises(TypeError, match=r"dim must be an int, got float"):
+        fastkern.softmax(x, 1.0)
+    with pytest.raises(TypeError, match=r"scale must be a float, got str"):
+        fastkern.softmax(x, scale="2")
+    with pytest.raises(ValueError, match=r"causal=True needs x with at least 2 dims \(query, key\), got 1"):
+        fastkern.softmax(torch.randn(8, device=device), causal=True)
+    with pytest.raises(ValueError, match=r"causal=True needs dim=-1 \(keys on the last dim\), got dim=0"):
+        fastkern.softmax(x, 0, causal=True)
+
+
+@needs_cuda
+def test_bad_input_cuda():
+    with pytest.raises(TypeError, match=r"float32, float16, bfloat16 on cuda, got torch.float64"):
+        fastkern.softmax(torch.randn(3, 3, device="cuda", dtype=torch.float64))
