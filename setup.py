@@ -5,6 +5,7 @@ Environment:
   FASTKERN_CUDA_ARCHS=...   targets, comma separated: sm_XY -> SASS, compute_XY -> PTX
                             (default sm_80,sm_90a,compute_90)
   FASTKERN_JOBS=N           parallel compile jobs (default: the CPU count)
+  FASTKERN_NVCC_FLAGS=...   extra nvcc flags (e.g. -Xptxas -v, or -D switches for experiments)
   CUDA_HOME                 where to find nvcc and libcudart_static.a (else nvcc on PATH)
 
 The CUDA runtime is linked statically, so the module imports on machines with no driver, and the
@@ -90,7 +91,7 @@ class BuildFastkern(build_ext):
             os.makedirs(os.path.dirname(obj), exist_ok=True)
             cmd = [os.path.join(cuda_home, "bin", "nvcc"), "-std=c++17", "-O3", "-c", src, "-o", obj,
                    "-Xcompiler", "-fPIC", "-Xcompiler", "-Wall", f'-DFK_CUDA_ARCHS="{archs}"',
-                   *gencode_flags(archs)]
+                   *gencode_flags(archs), *os.environ.get("FASTKERN_NVCC_FLAGS", "").split()]
             print(" ".join(cmd), flush=True)
             subprocess.run(cmd, check=True)
             return obj

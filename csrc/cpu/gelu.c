@@ -15,21 +15,24 @@
 #define FK_SQRT_2_OVER_PI 0.79788456080286535588
 #define FK_TANH_COEF 0.044715
 
+/* The tanh form as x * sigmoid(2u) = x / (1 + exp(-2u)), like the GPU: one expf (several times
+ * cheaper than tanhf in glibc) and no cancellation in 1 + tanh(u) for negative x. The exponent is
+ * clamped so that e * s below stays finite. */
+static inline float tanh_form_exp(float v) {
+    float u = (float)FK_SQRT_2_OVER_PI * (v + (float)FK_TANH_COEF * v * v * v);
+    return expf(fminf(-2.0f * u, 88.0f));
+}
+
 static inline float gelu_f32(float v, int approximate) {
-    if (approximate) {
-        float u = (float)FK_SQRT_2_OVER_PI * (v + (float)FK_TANH_COEF * v * v * v);
-        return 0.5f * v * (1.0f + tanhf(u));
-    }
+    if (approximate) return v / (1.0f + tanh_form_exp(v));
     return 0.5f * v * (1.0f + erff(v * (float)FK_SQRT1_2));
 }
 
 static inline float gelu_grad_f32(float v, int approximate) {
-    if (approximate) {
-        float v2 = v * v;
-        float u = (float)FK_SQRT_2_OVER_PI * (v + (float)FK_TANH_COEF * v2 * v);
-        float t = tanhf(u);
-        float du = (float)FK_SQRT_2_OVER_PI * (1.0f + 3.0f * (float)FK_TANH_COEF * v2);
-        return 0.5f * (1.0f + t) + 0.5f * v * (1.0f - t * t) * du;
+    if (approximate) { /* d/dx x * s, s = sigmoid(2u): s * (1 + 2u' x (1 - s)), 1 - s = e * s */
+        float e = tanh_form_exp(v), s = 1.0f / (1.0f + e);
+        float du2 = 2.0f * (float)FK_SQRT_2_OVER_PI * (1.0f + 3.0f * (float)FK_TANH_COEF * v * v);
+        return s * (1.0f + v * du2 * (e * s));
     }
     float cdf = 0.5f * (1.0f + erff(v * (float)FK_SQRT1_2));
     float pdf = (float)FK_INV_SQRT_2PI * expf(-0.5f * v * v);

@@ -28,9 +28,11 @@ template <typename T> struct alignas(16) Pack {
     T v[N];
 };
 
+// A plain 128-bit load: on an H200 the read-only path (__ldg) streamed bf16 GELU backward at 84%
+// of copy bandwidth against 97% for this.
 template <typename T> __device__ __forceinline__ Pack<T> load_pack(const T *p) {
     Pack<T> out;
-    *reinterpret_cast<uint4 *>(&out) = __ldg(reinterpret_cast<const uint4 *>(p));
+    *reinterpret_cast<uint4 *>(&out) = *reinterpret_cast<const uint4 *>(p);
     return out;
 }
 

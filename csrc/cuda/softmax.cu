@@ -2,36 +2,38 @@
 //
 // Napkin math. Forward moves 1 read + 1 write per element, backward 2 reads (x, dy) + 1 write: the
 // bytes for (16384, 4096) bf16 are 268 MB forward, i.e. 64 us at the H200's 4.2 TB/s copy rate,
-// and the aim is >= 90% of that. At 4.2 TB/s an SM must retire ~4 bf16 elements per clock, which
-// leaves ~30 instructions per element: one expf (FFMA + MUFU.EX2 range reduction), one max, one add
-// and a multiply by 1 / sum fit; a second expf per element would not, hence rows held in registers.
-// Little's law: 4.2 TB/s x ~1 us latency = ~32 KB in flight per SM, so every thread issues several
-// 16-byte loads before it uses the first one.
+// and the aim is >= 90% of that. At 4.2 TB/s an SM must retire ~4 bf16 elements per clock (128
+// lane-instructions per clock: ~30 per element). The budget per element here is ~12: unpack, the
+// scaled max, then exp as FFMA + FMUL + MUFU.EX2 (ex2.approx.ftz, ~2 ulp) once for the sum and once
+// for the output, an add, a multiply by 1 / sum and half a pack. Masks cost nothing on rows without
+// one (kCausal is a template parameter), and out-of-row checks are per 16-byte access, not per element.
+// Little's law: 4.2 TB/s x ~1 us latency = ~32 KB in flight per SM; every thread issues all loads of
+// its slice (64 bytes) before it uses the first, so an SM has ~64 KB in flight.
 //
 // Strategies for inner == 1 (rows contiguous), by row length n:
-//   n <= 1024            a warp (or a 1..16-lane group for very short rows) per row, 1..4 rows per
-//                        group so each lane has >= 64 bytes in flight; row in registers, read once.
-//   n <= 512 * 16        a CTA of up to 512 threads per row, 16 elements per thread in registers
-//   (bwd: 512 * 8)       (bwd: 8 of y and 8 of dy; more spills under the 64-register cap that two
-//                        CTAs of 512 per SM need), CTA reductions through shared memory, read once.
-//   longer               K CTAs per row (K <= 16, a thread-block cluster on sm_90 exchanging its
-//                        partial max / sum through distributed shared memory), each CTA holding its
-//                        slice in registers: (256, 262144) is 4096 CTAs instead of 256 CTAs of 1 MB
-//                        on 132 SMs (2 waves, and no CTA could hold 1 MB on chip). Slices larger
-//                        than one CTA's registers (rows > 131072 forward, > 65536 backward, or any
-//                        long row without clusters) are read twice: an online max / rescaled-sum
-//                        pass, then the write pass, whose re-read of the slice (<= 64 KB per CTA
-//                        for the shapes above) mostly hits L2.
+//   n <= 1024     a warp (or a 1..16-lane group for very short rows) per row, 1..4 rows per group so
+//                 each lane has >= 64 bytes in flight; row in registers, read once.
+//   longer        K CTAs per row (K = 1, else a thread-block cluster of up to 16 on sm_90), each
+//                 thread holding 64 bytes (backward: 32 of x and 32 of dy) raw in registers, CTAs of
+//                 ~256 threads so 4..8 CTAs share an SM and one CTA's barrier is covered by the
+//                 others' loads. One combined reduction of (max, sum of exp) pairs (backward: the two
+//                 sums) per row: warp shuffles, one __syncthreads, and for clusters one exchange
+//                 through distributed shared memory (each CTA writes its pair into every peer, then
+//                 one cluster barrier). (256, 262144) bf16 is 16 CTAs of 512 threads per row.
+//                 Slices that do not fit one CTA's registers (forward rows > 131072 fp32 / 262144
+//                 bf16, or > 8192 / 16384 without clusters; backward half that) loop over chunks: an
+//                 online max / rescaled-sum pass, then the write pass re-reading the slice (64 KB
+//                 per CTA, so the re-read mostly hits L2).
 // inner > 1: a thread per (outer, inner) column, 32 columns per warp so loads stay coalesced, 8..32
 // threads splitting n, online max / sum down n, then a write pass (x read twice).
 //
-// Numerics: fp32 arithmetic, accurate expf / logf. x * scale is rounded on its own (__fmul_rn, never
-// contracted into an FMA) so a value re-read in a second pass equals the one the max was taken of.
-// y = exp(v - max) / sum, so the output error is that of torch. Masked keys become -inf, so fully
-// masked or all -inf rows give 0 / 0 = NaN and rows with +inf / NaN give NaN, exactly as
-// torch.softmax after masked_fill(-inf). Backward recomputes y' = exp(fma(x, scale, -lse)) and
-// divides by z = sum y': lse is stored in fp32, and its rounding error of ulp(lse) would otherwise
-// scale every y of the row.
+// Numerics: fp32 arithmetic. The max is taken of x * scale rounded (__fmul_rn), and exponents are
+// fmaf(x, scale, -max): exact near the max, where the output's mass is, so exp2(that * log2(e))
+// costs ~2 ulp, as accurate expf does. y = e / sum (fp32) or e * (1 / sum) (16-bit outputs round far
+// coarser). Masked keys and all -inf rows contribute nothing to the sum, so fully masked or all
+// -inf rows give 0 * (1 / 0) = NaN and rows with +inf / NaN give NaN, exactly as torch.softmax after
+// masked_fill(-inf). Backward recomputes y' = exp(fmaf(x, scale, -lse)) and divides by z = sum y':
+// lse is stored in fp32, and its rounding error of ulp(lse) would otherwise scale every y of the row.
 #include <cooperative_groups.h>
 
 #include <type_traits>
@@ -42,25 +44,32 @@ namespace {
 
 namespace cg = cooperative_groups;
 
-constexpr int kWarpMaxN = 1024;       // longest row the warp kernel holds (32 lanes x 32 elements)
-constexpr int kWarpBlock = 128;       // threads per CTA of the warp kernels
-constexpr int kBlockThreads = 512;    // most threads per CTA of the row-block kernels: 2 CTAs / SM
-constexpr int kBlockElemsFwd = 16;    // elements per thread per chunk, forward (within 64 registers)
-constexpr int kBlockElemsBwd = 8;     // per tensor: backward holds y and dy
+constexpr int kWarpMaxN = 1024;     // longest row the warp kernel holds (32 lanes x 32 elements)
+constexpr int kWarpBlock = 128;     // threads per CTA of the warp kernels
+constexpr int kCtaThreads = 256;    // preferred threads per CTA of the row-block kernels
+constexpr int kBlockThreads = 512;  // most threads per CTA of the row-block kernels: 2 CTAs / SM
 constexpr int kMaxCluster = 16;
+constexpr float kLog2e = 1.4426950408889634f;
 
-// Keys of row `row` at or beyond the returned length are masked (causal_sq == 0: none are).
+// Keys of row `row` at or beyond the returned length are masked.
 __device__ __forceinline__ int64_t causal_len(int64_t row, int64_t n, int64_t causal_sq) {
-    if (causal_sq == 0) return n;
     int64_t len = row % causal_sq + 1 + n - causal_sq;
     return len < 0 ? 0 : (len > n ? n : len);
+}
+
+// e^t as one FMUL and MUFU.EX2 (~2 ulp; results below 2^-126 flush to 0, irrelevant next to the max).
+__device__ __forceinline__ float fast_exp(float t) {
+    float r;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(t * kLog2e));
+    return r;
 }
 
 // exp is taken relative to the max, or to 0 while the max is -inf, so that -inf - -inf never
 // turns a partial sum into NaN before a finite value arrives.
 __device__ __forceinline__ float exp_ref(float m) { return m == -INFINITY ? 0.f : m; }
 
-// s was accumulated against exp_ref(from); re-express it against to >= from.
+// s was accumulated against exp_ref(from); re-express it against to >= from. Accurate expf: it
+// runs once per partial, and one factor scales many elements (the column kernels' fp32 error).
 __device__ __forceinline__ float rescale(float s, float from, float to) {
     return from == -INFINITY ? s : s * expf(from - to);
 }
@@ -96,55 +105,72 @@ template <typename T, int VEC> __device__ __forceinline__ void store_vec(T *p, c
     }
 }
 
-struct OpMax {
-    static __device__ __forceinline__ float identity() { return -INFINITY; }
-    __device__ __forceinline__ float operator()(float a, float b) const { return fmaxf(a, b); }
+// Per-row statistics combined across lanes, warps and CTAs: (max, sum of exp relative to it) for
+// the forward pass (a max alone for the warp kernel), two plain sums for the backward pass.
+struct MaxSum {
+    static __device__ __forceinline__ float2 identity() { return make_float2(-INFINITY, 0.f); }
+    static __device__ __forceinline__ float2 combine(float2 a, float2 b) {
+        const float m = fmaxf(a.x, b.x), ref = exp_ref(m);
+        return make_float2(m, rescale(a.y, a.x, ref) + rescale(b.y, b.x, ref));
+    }
 };
-struct OpSum {
-    static __device__ __forceinline__ float identity() { return 0.f; }
-    __device__ __forceinline__ float operator()(float a, float b) const { return a + b; }
+struct MaxOnly {
+    static __device__ __forceinline__ float2 combine(float2 a, float2 b) {
+        return make_float2(fmaxf(a.x, b.x), 0.f);
+    }
+};
+struct SumSum {
+    static __device__ __forceinline__ float2 identity() { return make_float2(0.f, 0.f); }
+    static __device__ __forceinline__ float2 combine(float2 a, float2 b) {
+        return make_float2(a.x + b.x, a.y + b.y);
+    }
 };
 
 // Reduction over the `group` lanes (a power of two <= 32) that share a row.
-template <typename Op> __device__ __forceinline__ float group_reduce(float v, int group) {
+template <typename Op> __device__ __forceinline__ float2 group_reduce(float2 v, int group) {
 #pragma unroll
-    for (int offset = 16; offset > 0; offset >>= 1)
-        if (offset < group) v = Op()(v, __shfl_xor_sync(0xffffffffu, v, offset));
+    for (int offset = 16; offset > 0; offset >>= 1) {
+        if (offset < group) {
+            const float2 other = make_float2(__shfl_xor_sync(0xffffffffu, v.x, offset),
+                                             __shfl_xor_sync(0xffffffffu, v.y, offset));
+            v = Op::combine(v, other);
+        }
+    }
     return v;
 }
 
-// Reduction over the CTA, then over the K CTAs of the row's cluster. red: 33 floats, slot: 1 float
-// of shared memory. The trailing cluster barrier keeps every CTA alive until the others have read
-// its slot, so consecutive calls (and kernel exit) are safe.
+// Shared memory of one row-block reduction: a pair per warp, then a pair per CTA of the cluster.
+struct RowReduceSmem {
+    float2 warp[kBlockThreads / 32];
+    float2 cta[kMaxCluster];
+};
+
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+// Split cluster barrier: the early arrive tells peers this CTA has started (so its shared memory
+// may be written); the wait before the first remote write then costs nothing.
+__device__ __forceinline__ void cluster_arrive_relaxed() { asm volatile("barrier.cluster.arrive.relaxed.aligned;" ::: "memory"); }
+__device__ __forceinline__ void cluster_wait() { asm volatile("barrier.cluster.wait.aligned;" ::: "memory"); }
+#endif
+
+// Reduction over the CTA, then over the K CTAs of the row's cluster; every thread gets the result.
+// One __syncthreads; with a cluster, each CTA writes its pair into every peer's smem, then one
+// cluster barrier. Used once per kernel, so no slot is ever reused.
 template <typename Op>
-__device__ __forceinline__ float row_reduce(float v, float *red, float *slot, int cluster_k) {
+__device__ __forceinline__ float2 row_reduce(float2 v, RowReduceSmem &smem, int cluster_k) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
     v = group_reduce<Op>(v, 32);
-    if (lane == 0) red[warp] = v;
+    if (lane == 0) smem.warp[warp] = v;
     __syncthreads();
-    if (warp == 0) {
-        v = lane < warps ? red[lane] : Op::identity();
-        v = group_reduce<Op>(v, 32);
-        if (lane == 0) red[32] = v;
-    }
-    __syncthreads();
-    v = red[32];
+    v = group_reduce<Op>(lane < warps ? smem.warp[lane] : Op::identity(), 32);
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     if (cluster_k > 1) {
         cg::cluster_group cluster = cg::this_cluster();
-        if (threadIdx.x == 0) *slot = v;
+        cluster_wait();  // pairs with cluster_arrive_relaxed at kernel start
+        if (warp == 0 && lane < cluster_k)
+            *cluster.map_shared_rank(&smem.cta[cluster.block_rank()], lane) = v;
         cluster.sync();
-        if (warp == 0) {
-            float other = lane < cluster_k ? *cluster.map_shared_rank(slot, lane) : Op::identity();
-            other = group_reduce<Op>(other, 32);
-            if (lane == 0) red[32] = other;
-        }
-        cluster.sync();
-        v = red[32];
+        v = group_reduce<Op>(lane < cluster_k ? smem.cta[lane] : Op::identity(), 32);
     }
-#else
-    (void)slot;
-    (void)cluster_k;
 #endif
     return v;
 }
@@ -158,10 +184,10 @@ template <typename T, int C> __host__ __device__ constexpr int warp_rows() {
 }
 
 // C elements per lane (C / VEC accesses); `group` lanes per row, group * C >= n.
-template <typename T, int VEC, int C>
+template <typename T, int VEC, int C, bool kCausal, bool kLog>
 __global__ void __launch_bounds__(kWarpBlock)
 softmax_fwd_rows_warp(const T *__restrict__ x, T *__restrict__ y, float *__restrict__ lse,
-                      int64_t rows, int n, int group, float scale, int64_t causal_sq, int is_log) {
+                      int64_t rows, int n, int group, float scale, int64_t causal_sq) {
     constexpr int ROWS = warp_rows<T, C>(), P = C / VEC;
     const int lane = threadIdx.x & 31, li = lane & (group - 1);
     const int64_t warp = (int64_t)blockIdx.x * (kWarpBlock / 32) + (threadIdx.x >> 5);
@@ -172,7 +198,7 @@ softmax_fwd_rows_warp(const T *__restrict__ x, T *__restrict__ y, float *__restr
 #pragma unroll
     for (int r = 0; r < ROWS; r++) {
         const int64_t row = first + r;
-        valid[r] = row < rows ? (int)causal_len(row, n, causal_sq) : 0;
+        valid[r] = row >= rows ? 0 : kCausal ? (int)causal_len(row, n, causal_sq) : n;
 #pragma unroll
         for (int p = 0; p < P; p++) {
             const int col = (p * group + li) * VEC;
@@ -182,27 +208,28 @@ softmax_fwd_rows_warp(const T *__restrict__ x, T *__restrict__ y, float *__restr
 #pragma unroll
     for (int r = 0; r < ROWS; r++) {
         const int64_t row = first + r;
-        float v[C];
+        // element k of access p is a key: without a mask whole accesses are in or out (n % VEC == 0)
+        auto is_key = [&](int p, int k) {
+            const int col = (p * group + li) * VEC;
+            return kCausal ? col + k < valid[r] : col < valid[r];
+        };
         float m = -INFINITY;
 #pragma unroll
-        for (int p = 0; p < P; p++) {
-            const int col = (p * group + li) * VEC;
+        for (int p = 0; p < P; p++)
 #pragma unroll
-            for (int k = 0; k < VEC; k++) {
-                v[p * VEC + k] = col + k < valid[r] ? __fmul_rn(raw_at<T, VEC>(raw[r][p], k), scale) : -INFINITY;
-                m = fmaxf(m, v[p * VEC + k]);
-            }
-        }
-        m = group_reduce<OpMax>(m, group);
+            for (int k = 0; k < VEC; k++)
+                if (is_key(p, k)) m = fmaxf(m, __fmul_rn(raw_at<T, VEC>(raw[r][p], k), scale));
+        m = group_reduce<MaxOnly>(make_float2(m, 0.f), group).x;
         const float ref = exp_ref(m);
+        auto e = [&](int p, int k) {
+            return is_key(p, k) ? fast_exp(fmaf(raw_at<T, VEC>(raw[r][p], k), scale, -ref)) : 0.f;
+        };
         float s = 0.f;
 #pragma unroll
-        for (int k = 0; k < C; k++) {
-            const float e = expf(v[k] - ref);
-            s += e;
-            if (!is_log) v[k] = e;
-        }
-        s = group_reduce<OpSum>(s, group);
+        for (int p = 0; p < P; p++)
+#pragma unroll
+            for (int k = 0; k < VEC; k++) s += e(p, k);
+        s = group_reduce<SumSum>(make_float2(s, 0.f), group).x;
         const float inv_s = 1.f / s, log_s = logf(s);
         if (row < rows) {
             if (li == 0) lse[row] = m + log_s;
@@ -212,8 +239,10 @@ softmax_fwd_rows_warp(const T *__restrict__ x, T *__restrict__ y, float *__restr
                 if (col < n) {
                     float o[VEC];
 #pragma unroll
-                    for (int k = 0; k < VEC; k++)
-                        o[k] = is_log ? (v[p * VEC + k] - ref) - log_s : normalize<T>(v[p * VEC + k], s, inv_s);
+                    for (int k = 0; k < VEC; k++) {
+                        if (kLog) o[k] = is_key(p, k) ? fmaf(raw_at<T, VEC>(raw[r][p], k), scale, -ref) - log_s : -INFINITY - log_s;
+                        else o[k] = normalize<T>(e(p, k), s, inv_s);
+                    }
                     store_vec<T, VEC>(y + row * n + col, o);
                 }
             }
@@ -221,54 +250,54 @@ softmax_fwd_rows_warp(const T *__restrict__ x, T *__restrict__ y, float *__restr
     }
 }
 
-template <typename T, int VEC, int C>
+template <typename T, int VEC, int C, bool kCausal, bool kLog>
 __global__ void __launch_bounds__(kWarpBlock)
 softmax_bwd_rows_warp(const T *__restrict__ dy, const T *__restrict__ x, const float *__restrict__ lse,
                       T *__restrict__ dx, int64_t rows, int n, int group, float scale,
-                      int64_t causal_sq, int is_log) {
+                      int64_t causal_sq) {
     constexpr int ROWS = warp_rows<T, 2 * C>(), P = C / VEC;  // x and dy: 64 bytes between them
     const int lane = threadIdx.x & 31, li = lane & (group - 1);
     const int64_t warp = (int64_t)blockIdx.x * (kWarpBlock / 32) + (threadIdx.x >> 5);
     const int64_t first = (warp * (32 / group) + lane / group) * ROWS;
 
     Raw<T, VEC> raw_x[ROWS][P], raw_dy[ROWS][P];
-    int valid[ROWS];
+    int valid[ROWS], dy_len[ROWS];
     float row_lse[ROWS];
 #pragma unroll
     for (int r = 0; r < ROWS; r++) {
         const int64_t row = first + r;
-        valid[r] = row < rows ? (int)causal_len(row, n, causal_sq) : 0;
+        valid[r] = row >= rows ? 0 : kCausal ? (int)causal_len(row, n, causal_sq) : n;
         // log_softmax sums dy over masked keys too (their y is 0, not their dy)
-        const int dy_len = row < rows ? (is_log ? n : valid[r]) : 0;
+        dy_len[r] = row >= rows ? 0 : kLog ? n : valid[r];
         row_lse[r] = row < rows ? lse[row] : 0.f;
 #pragma unroll
         for (int p = 0; p < P; p++) {
             const int col = (p * group + li) * VEC;
             if (col < valid[r]) raw_x[r][p] = load_raw<T, VEC>(x + row * n + col);
-            if (col < dy_len) raw_dy[r][p] = load_raw<T, VEC>(dy + row * n + col);
+            if (col < dy_len[r]) raw_dy[r][p] = load_raw<T, VEC>(dy + row * n + col);
         }
     }
 #pragma unroll
     for (int r = 0; r < ROWS; r++) {
         const int64_t row = first + r;
-        const int dy_len = row < rows ? (is_log ? n : valid[r]) : 0;
-        float yv[C], g[C];
-        float z = 0.f, a = 0.f;
-#pragma unroll
-        for (int p = 0; p < P; p++) {
+        auto in = [&](int p, int k, int len) {
             const int col = (p * group + li) * VEC;
+            return kCausal ? col + k < len : col < len;
+        };
+        float yv[C], g[C];
+        float2 za = make_float2(0.f, 0.f);  // (z, a): sum of y', sum of dy * y' (log: of dy)
+#pragma unroll
+        for (int p = 0; p < P; p++)
 #pragma unroll
             for (int k = 0; k < VEC; k++) {
                 const int i = p * VEC + k;
-                yv[i] = col + k < valid[r] ? expf(fmaf(raw_at<T, VEC>(raw_x[r][p], k), scale, -row_lse[r])) : 0.f;
-                g[i] = col + k < dy_len ? raw_at<T, VEC>(raw_dy[r][p], k) : 0.f;
-                z += yv[i];
-                a += is_log ? g[i] : g[i] * yv[i];
+                yv[i] = in(p, k, valid[r]) ? fast_exp(fmaf(raw_at<T, VEC>(raw_x[r][p], k), scale, -row_lse[r])) : 0.f;
+                g[i] = in(p, k, dy_len[r]) ? raw_at<T, VEC>(raw_dy[r][p], k) : 0.f;
+                za.x += yv[i];
+                za.y += kLog ? g[i] : g[i] * yv[i];
             }
-        }
-        z = group_reduce<OpSum>(z, group);
-        a = group_reduce<OpSum>(a, group);
-        const float inv_z = 1.f / z, a_z = is_log ? a : a * inv_z;
+        za = group_reduce<SumSum>(za, group);
+        const float inv_z = 1.f / za.x, a_z = kLog ? za.y : za.y * inv_z;
         if (row < rows) {
 #pragma unroll
             for (int p = 0; p < P; p++) {
@@ -278,7 +307,8 @@ softmax_bwd_rows_warp(const T *__restrict__ dy, const T *__restrict__ x, const f
 #pragma unroll
                     for (int k = 0; k < VEC; k++) {
                         const float yk = yv[p * VEC + k] * inv_z, gk = g[p * VEC + k];
-                        o[k] = col + k >= valid[r] ? 0.f : scale * (is_log ? gk - yk * a_z : yk * (gk - a_z));
+                        const float d = scale * (kLog ? gk - yk * a_z : yk * (gk - a_z));
+                        o[k] = kCausal && !in(p, k, valid[r]) ? 0.f : d;
                     }
                     store_vec<T, VEC>(dx + row * n + col, o);
                 }
@@ -287,23 +317,35 @@ softmax_bwd_rows_warp(const T *__restrict__ dy, const T *__restrict__ x, const f
     }
 }
 
+// ---- longer rows: K CTAs per row, each owning the slice [rank * seg, rank * seg + seg) ---------
+
+// Elements per thread per chunk: 64 bytes forward, 32 bytes of each of x and dy backward (the
+// scalar path keeps 8 of each: a register apiece), within the 64 registers of 2 x 512 threads.
+template <typename T, int VEC> __host__ __device__ constexpr int block_elems_fwd() {
+    return VEC == 1 ? 8 : 64 / (int)sizeof(T);
+}
+template <typename T, int VEC> __host__ __device__ constexpr int block_elems_bwd() {
+    return VEC == 1 ? 8 : 32 / (int)sizeof(T);
+}
+
 // Elements left from a thread's first access, as an int in [-1, chunk].
 __device__ __forceinline__ int clamp_offset(int64_t left, int64_t chunk) {
     return (int)(left < 0 ? -1 : (left > chunk ? chunk : left));
 }
 
-// ---- longer rows: K CTAs per row, each owning the slice [rank * seg, rank * seg + seg) ---------
-
-template <typename T, int VEC>
+template <typename T, int VEC, bool kCausal, bool kLog>
 __global__ void __launch_bounds__(kBlockThreads, 2)
 softmax_fwd_rows_block(int64_t n, int64_t seg, int cluster_k, const T *__restrict__ x, T *__restrict__ y,
-                       float *__restrict__ lse, float scale, int64_t causal_sq, int is_log) {
-    constexpr int C = kBlockElemsFwd, P = C / VEC;
-    __shared__ float red[33], slot;
+                       float *__restrict__ lse, float scale, int64_t causal_sq) {
+    constexpr int C = block_elems_fwd<T, VEC>(), P = C / VEC;
+    __shared__ RowReduceSmem smem;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    if (cluster_k > 1) cluster_arrive_relaxed();
+#endif
     const int64_t row = blockIdx.x / cluster_k;
     const int rank = blockIdx.x % cluster_k;
     const int64_t begin = rank * seg, end = min(n, begin + seg);
-    const int64_t valid = causal_len(row, n, causal_sq), load_end = min(end, valid);
+    const int64_t load_end = kCausal ? min(end, causal_len(row, n, causal_sq)) : end;
     const int64_t chunk = (int64_t)blockDim.x * C;
     const int64_t chunks = end > begin ? (end - begin + chunk - 1) / chunk : 1;
     // Each warp owns 32 * C consecutive elements of a chunk, so a thread's accesses sit at constant
@@ -311,68 +353,57 @@ softmax_fwd_rows_block(int64_t n, int64_t seg, int cluster_k, const T *__restric
     const int64_t lane_off = (int64_t)(threadIdx.x >> 5) * 32 * C + (threadIdx.x & 31) * VEC;
     const T *xr = x + row * n + lane_off;
     T *yr = y + row * n + lane_off;
-    float v[C];
+    Raw<T, VEC> raw[P];
 
+    // element k of access p is a key when p * 32 * VEC + k < keys; without a mask whole accesses
+    // are in or out (the slice and n are multiples of VEC)
+    auto is_key = [](int p, int k, int keys) { return p * 32 * VEC + (kCausal ? k : 0) < keys; };
     auto load_chunk = [&](int64_t start) {
-        const int avail = clamp_offset(load_end - start - lane_off, chunk);
-        Raw<T, VEC> raw[P];
+        const int keys = clamp_offset(load_end - start - lane_off, chunk);
 #pragma unroll
         for (int p = 0; p < P; p++)
-            if (p * 32 * VEC < avail) raw[p] = load_raw<T, VEC>(xr + start + p * 32 * VEC);
+            if (is_key(p, 0, keys)) raw[p] = load_raw<T, VEC>(xr + start + p * 32 * VEC);
+    };
+
+    // (max, sum of exp relative to it) of this thread's elements, online across chunks
+    float2 ms = MaxSum::identity();
+    for (int64_t c = 0; c < chunks; c++) {
+        const int64_t start = begin + c * chunk;
+        load_chunk(start);
+        const int keys = clamp_offset(load_end - start - lane_off, chunk);
+        float m = ms.x;
 #pragma unroll
         for (int p = 0; p < P; p++)
 #pragma unroll
             for (int k = 0; k < VEC; k++)
-                v[p * VEC + k] = p * 32 * VEC + k < avail ? __fmul_rn(raw_at<T, VEC>(raw[p], k), scale) : -INFINITY;
-    };
-
-    float m = -INFINITY, s = 0.f;
-    bool v_is_exp = false;
-    if (chunks == 1) {  // the slice stays in registers: max, then exp once per element
-        load_chunk(begin);
-#pragma unroll
-        for (int k = 0; k < C; k++) m = fmaxf(m, v[k]);
-        m = row_reduce<OpMax>(m, red, &slot, cluster_k);
+                if (is_key(p, k, keys)) m = fmaxf(m, __fmul_rn(raw_at<T, VEC>(raw[p], k), scale));
         const float ref = exp_ref(m);
+        float s = rescale(ms.y, ms.x, ref);
 #pragma unroll
-        for (int k = 0; k < C; k++) {
-            const float e = expf(v[k] - ref);
-            s += e;
-            if (!is_log) v[k] = e;
-        }
-        v_is_exp = !is_log;
-    } else {  // online: rescale the running sum once per chunk when the max grows
-        for (int64_t c = 0; c < chunks; c++) {
-            load_chunk(begin + c * chunk);
-            float cm = -INFINITY;
+        for (int p = 0; p < P; p++)
 #pragma unroll
-            for (int k = 0; k < C; k++) cm = fmaxf(cm, v[k]);
-            const float m_new = fmaxf(m, cm), ref = exp_ref(m_new);
-            s = rescale(s, m, m_new);
-#pragma unroll
-            for (int k = 0; k < C; k++) s += expf(v[k] - ref);
-            m = m_new;
-        }
-        const float row_max = row_reduce<OpMax>(m, red, &slot, cluster_k);
-        s = rescale(s, m, row_max);
-        m = row_max;
+            for (int k = 0; k < VEC; k++)
+                if (is_key(p, k, keys)) s += fast_exp(fmaf(raw_at<T, VEC>(raw[p], k), scale, -ref));
+        ms = make_float2(m, s);
     }
-    s = row_reduce<OpSum>(s, red, &slot, cluster_k);
-    const float ref = exp_ref(m), inv_s = 1.f / s, log_s = logf(s);
+    ms = row_reduce<MaxSum>(ms, smem, cluster_k);
+    const float m = ms.x, s = ms.y, ref = exp_ref(m), inv_s = 1.f / s, log_s = logf(s);
     if (rank == 0 && threadIdx.x == 0) lse[row] = m + log_s;
 
     for (int64_t c = 0; c < chunks; c++) {
         const int64_t start = begin + c * chunk;
         if (chunks > 1) load_chunk(start);
-        const int avail = clamp_offset(end - start - lane_off, chunk);
+        const int keys = clamp_offset(load_end - start - lane_off, chunk);
+        const int outs = clamp_offset(end - start - lane_off, chunk);
 #pragma unroll
         for (int p = 0; p < P; p++) {
-            if (p * 32 * VEC < avail) {
+            if (p * 32 * VEC < outs) {
                 float o[VEC];
 #pragma unroll
                 for (int k = 0; k < VEC; k++) {
-                    const float t = v[p * VEC + k];
-                    o[k] = is_log ? (t - ref) - log_s : normalize<T>(v_is_exp ? t : expf(t - ref), s, inv_s);
+                    const float t = fmaf(raw_at<T, VEC>(raw[p], k), scale, -ref);
+                    if (kLog) o[k] = is_key(p, k, keys) ? t - log_s : -INFINITY - log_s;
+                    else o[k] = normalize<T>(is_key(p, k, keys) ? fast_exp(t) : 0.f, s, inv_s);
                 }
                 store_vec<T, VEC>(yr + start + p * 32 * VEC, o);
             }
@@ -380,71 +411,76 @@ softmax_fwd_rows_block(int64_t n, int64_t seg, int cluster_k, const T *__restric
     }
 }
 
-template <typename T, int VEC>
+template <typename T, int VEC, bool kCausal, bool kLog>
 __global__ void __launch_bounds__(kBlockThreads, 2)
 softmax_bwd_rows_block(int64_t n, int64_t seg, int cluster_k, const T *__restrict__ dy,
                        const T *__restrict__ x, const float *__restrict__ lse, T *__restrict__ dx,
-                       float scale, int64_t causal_sq, int is_log) {
-    constexpr int C = kBlockElemsBwd, P = C / VEC;
-    __shared__ float red[33], slot;
+                       float scale, int64_t causal_sq) {
+    constexpr int C = block_elems_bwd<T, VEC>(), P = C / VEC;
+    __shared__ RowReduceSmem smem;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    if (cluster_k > 1) cluster_arrive_relaxed();
+#endif
     const int64_t row = blockIdx.x / cluster_k;
     const int rank = blockIdx.x % cluster_k;
     const int64_t begin = rank * seg, end = min(n, begin + seg);
-    const int64_t valid = causal_len(row, n, causal_sq);
-    const int64_t x_end = min(end, valid), dy_end = is_log ? end : x_end;
+    const int64_t x_end = kCausal ? min(end, causal_len(row, n, causal_sq)) : end;
+    const int64_t dy_end = kLog ? end : x_end;  // log_softmax sums dy over masked keys too
     const int64_t chunk = (int64_t)blockDim.x * C;
     const int64_t chunks = end > begin ? (end - begin + chunk - 1) / chunk : 1;
     const float row_lse = lse[row];
     const int64_t lane_off = (int64_t)(threadIdx.x >> 5) * 32 * C + (threadIdx.x & 31) * VEC;
     const T *xr = x + row * n + lane_off, *dyr = dy + row * n + lane_off;
     T *dxr = dx + row * n + lane_off;
-    float yv[C], g[C];
+    Raw<T, VEC> raw_x[P], raw_dy[P];
 
+    auto in = [](int p, int k, int len) { return p * 32 * VEC + (kCausal ? k : 0) < len; };
     auto load_chunk = [&](int64_t start) {
-        const int x_avail = clamp_offset(x_end - start - lane_off, chunk);
-        const int dy_avail = clamp_offset(dy_end - start - lane_off, chunk);
-        Raw<T, VEC> raw_x[P], raw_dy[P];
+        const int xs = clamp_offset(x_end - start - lane_off, chunk);
+        const int dys = clamp_offset(dy_end - start - lane_off, chunk);
 #pragma unroll
         for (int p = 0; p < P; p++) {
-            if (p * 32 * VEC < x_avail) raw_x[p] = load_raw<T, VEC>(xr + start + p * 32 * VEC);
-            if (p * 32 * VEC < dy_avail) raw_dy[p] = load_raw<T, VEC>(dyr + start + p * 32 * VEC);
+            if (in(p, 0, xs)) raw_x[p] = load_raw<T, VEC>(xr + start + p * 32 * VEC);
+            if (in(p, 0, dys)) raw_dy[p] = load_raw<T, VEC>(dyr + start + p * 32 * VEC);
         }
+    };
+    // y' = exp(x * scale - lse): unnormalised, z = sum y' renormalises it
+    auto y_unnorm = [&](int p, int k, int xs) {
+        return in(p, k, xs) ? fast_exp(fmaf(raw_at<T, VEC>(raw_x[p], k), scale, -row_lse)) : 0.f;
+    };
+
+    float2 za = SumSum::identity();  // (z, a): sum of y', sum of dy * y' (log: of dy)
+    for (int64_t c = 0; c < chunks; c++) {
+        const int64_t start = begin + c * chunk;
+        load_chunk(start);
+        const int xs = clamp_offset(x_end - start - lane_off, chunk);
+        const int dys = clamp_offset(dy_end - start - lane_off, chunk);
 #pragma unroll
         for (int p = 0; p < P; p++)
 #pragma unroll
             for (int k = 0; k < VEC; k++) {
-                const int i = p * 32 * VEC + k;
-                yv[p * VEC + k] = i < x_avail ? expf(fmaf(raw_at<T, VEC>(raw_x[p], k), scale, -row_lse)) : 0.f;
-                g[p * VEC + k] = i < dy_avail ? raw_at<T, VEC>(raw_dy[p], k) : 0.f;
+                const float yk = y_unnorm(p, k, xs), gk = in(p, k, dys) ? raw_at<T, VEC>(raw_dy[p], k) : 0.f;
+                za.x += yk;
+                za.y += kLog ? gk : gk * yk;
             }
-    };
-
-    float z = 0.f, a = 0.f;
-    for (int64_t c = 0; c < chunks; c++) {
-        load_chunk(begin + c * chunk);
-#pragma unroll
-        for (int k = 0; k < C; k++) {
-            z += yv[k];
-            a += is_log ? g[k] : g[k] * yv[k];
-        }
     }
-    z = row_reduce<OpSum>(z, red, &slot, cluster_k);
-    a = row_reduce<OpSum>(a, red, &slot, cluster_k);
-    const float inv_z = 1.f / z, a_z = is_log ? a : a * inv_z;
+    za = row_reduce<SumSum>(za, smem, cluster_k);
+    const float inv_z = 1.f / za.x, a_z = kLog ? za.y : za.y * inv_z;
 
     for (int64_t c = 0; c < chunks; c++) {
         const int64_t start = begin + c * chunk;
         if (chunks > 1) load_chunk(start);
-        const int avail = clamp_offset(end - start - lane_off, chunk);
-        const int x_avail = clamp_offset(x_end - start - lane_off, chunk);
+        const int xs = clamp_offset(x_end - start - lane_off, chunk);
+        const int outs = clamp_offset(end - start - lane_off, chunk);
 #pragma unroll
         for (int p = 0; p < P; p++) {
-            if (p * 32 * VEC < avail) {
+            if (p * 32 * VEC < outs) {
                 float o[VEC];
 #pragma unroll
                 for (int k = 0; k < VEC; k++) {
-                    const float yk = yv[p * VEC + k] * inv_z, gk = g[p * VEC + k];
-                    o[k] = p * 32 * VEC + k < x_avail ? scale * (is_log ? gk - yk * a_z : yk * (gk - a_z)) : 0.f;
+                    const float yk = y_unnorm(p, k, xs) * inv_z, gk = raw_at<T, VEC>(raw_dy[p], k);
+                    const float d = scale * (kLog ? gk - yk * a_z : yk * (gk - a_z));
+                    o[k] = in(p, k, xs) ? d : 0.f;
                 }
                 store_vec<T, VEC>(dxr + start + p * 32 * VEC, o);
             }
@@ -583,27 +619,28 @@ template <auto kernel> int cluster_limit(int device) {
     return limits[device];
 }
 
-int pow2_ceil(int64_t v) {
-    int p = 1;
+int64_t pow2_ceil(int64_t v) {
+    int64_t p = 1;
     while (p < v) p *= 2;
     return p;
 }
 
-// Picks the CTA and cluster size of a row-block kernel (C elements per thread) and launches it:
-// one CTA of just enough warps when the row fits, else K CTAs of kBlockThreads per row.
+// Picks the cluster size K and CTA size of a row-block kernel (C elements per thread) and launches
+// it: K is the power of two that gives CTAs of <= kCtaThreads threads (capped by the cluster
+// limit), and the CTA grows up to kBlockThreads before the slice is split into chunks.
 template <auto kernel, int VEC, int C, typename... Args>
 fk_status launch_rows_block(const char *op, int64_t rows, int64_t n, int device, cudaStream_t stream,
                             Args... args) {
-    const int64_t per_cta = (int64_t)kBlockThreads * C;
-    int threads = kBlockThreads, k = 1;
-    if (n <= per_cta) {
-        threads = (int)(((n + C - 1) / C + 31) / 32 * 32);
-    } else {
-        const int64_t want = (n + per_cta - 1) / per_cta;
-        const int limit = cluster_limit<kernel>(device);
-        k = want >= limit ? limit : pow2_ceil(want);
+    const int64_t per_cta = (int64_t)kCtaThreads * C;
+    int64_t k = 1;
+    if (n > per_cta) {
+        const int64_t limit = cluster_limit<kernel>(device);
+        k = pow2_ceil((n + per_cta - 1) / per_cta);
+        if (k > limit) k = limit;
     }
     const int64_t seg = ((n + k - 1) / k + VEC - 1) / VEC * VEC;
+    const int64_t warps = ((seg + C - 1) / C + 31) / 32;
+    const int threads = 32 * (int)(warps < kBlockThreads / 32 ? warps : kBlockThreads / 32);
     if (rows * k > 0x7fffffff)
         return fk_fail(FK_ERR_VALUE, "%s: %lld rows of %lld elements exceed the CUDA grid", op,
                        (long long)rows, (long long)n);
@@ -618,40 +655,67 @@ fk_status launch_rows_block(const char *op, int64_t rows, int64_t n, int device,
     config.stream = stream;
     config.attrs = &attr;
     config.numAttrs = k > 1 ? 1 : 0;
-    return fk::cuda_status(cudaLaunchKernelEx(&config, kernel, n, seg, k, args...), op);
+    return fk::cuda_status(cudaLaunchKernelEx(&config, kernel, n, seg, (int)k, args...), op);
 }
 
 // Lanes per row and elements per lane for the warp kernels: the smallest C (a multiple of VEC)
 // with 32 * C >= n; rows shorter than 32 * VEC share a warp between 32 / group rows.
-template <typename T, int VEC, int C>
+template <typename T, int VEC, int C, bool kCausal, bool kLog>
 fk_status launch_fwd_rows_warp(const T *x, T *y, float *lse, int64_t rows, int64_t n, float scale,
-                               int64_t causal_sq, int is_log, cudaStream_t stream, const char *op) {
+                               int64_t causal_sq, cudaStream_t stream, const char *op) {
     if constexpr (C < 32) {
-        if (32 * C < n) return launch_fwd_rows_warp<T, VEC, 2 * C>(x, y, lse, rows, n, scale, causal_sq, is_log, stream, op);
+        if (32 * C < n) return launch_fwd_rows_warp<T, VEC, 2 * C, kCausal, kLog>(x, y, lse, rows, n, scale, causal_sq, stream, op);
     }
-    const int group = C == VEC ? pow2_ceil((n + VEC - 1) / VEC) : 32;
+    const int group = C == VEC ? (int)pow2_ceil((n + VEC - 1) / VEC) : 32;
     const int64_t rows_per_cta = (int64_t)warp_rows<T, C>() * (32 / group) * (kWarpBlock / 32);
     const int64_t ctas = (rows + rows_per_cta - 1) / rows_per_cta;
     if (ctas > 0x7fffffff) return fk_fail(FK_ERR_VALUE, "%s: %lld rows exceed the CUDA grid", op, (long long)rows);
-    softmax_fwd_rows_warp<T, VEC, C><<<(unsigned)ctas, kWarpBlock, 0, stream>>>(
-        x, y, lse, rows, (int)n, group, scale, causal_sq, is_log);
+    softmax_fwd_rows_warp<T, VEC, C, kCausal, kLog><<<(unsigned)ctas, kWarpBlock, 0, stream>>>(
+        x, y, lse, rows, (int)n, group, scale, causal_sq);
     return fk::launch_status(op);
 }
 
-template <typename T, int VEC, int C>
+template <typename T, int VEC, int C, bool kCausal, bool kLog>
 fk_status launch_bwd_rows_warp(const T *dy, const T *x, const float *lse, T *dx, int64_t rows, int64_t n,
-                               float scale, int64_t causal_sq, int is_log, cudaStream_t stream,
-                               const char *op) {
+                               float scale, int64_t causal_sq, cudaStream_t stream, const char *op) {
     if constexpr (C < 32) {
-        if (32 * C < n) return launch_bwd_rows_warp<T, VEC, 2 * C>(dy, x, lse, dx, rows, n, scale, causal_sq, is_log, stream, op);
+        if (32 * C < n) return launch_bwd_rows_warp<T, VEC, 2 * C, kCausal, kLog>(dy, x, lse, dx, rows, n, scale, causal_sq, stream, op);
     }
-    const int group = C == VEC ? pow2_ceil((n + VEC - 1) / VEC) : 32;
+    const int group = C == VEC ? (int)pow2_ceil((n + VEC - 1) / VEC) : 32;
     const int64_t rows_per_cta = (int64_t)warp_rows<T, 2 * C>() * (32 / group) * (kWarpBlock / 32);
     const int64_t ctas = (rows + rows_per_cta - 1) / rows_per_cta;
     if (ctas > 0x7fffffff) return fk_fail(FK_ERR_VALUE, "%s: %lld rows exceed the CUDA grid", op, (long long)rows);
-    softmax_bwd_rows_warp<T, VEC, C><<<(unsigned)ctas, kWarpBlock, 0, stream>>>(
-        dy, x, lse, dx, rows, (int)n, group, scale, causal_sq, is_log);
+    softmax_bwd_rows_warp<T, VEC, C, kCausal, kLog><<<(unsigned)ctas, kWarpBlock, 0, stream>>>(
+        dy, x, lse, dx, rows, (int)n, group, scale, causal_sq);
     return fk::launch_status(op);
+}
+
+template <typename T, int VEC, bool kCausal, bool kLog>
+fk_status launch_fwd_rows(const T *x, T *y, float *lse, int64_t rows, int64_t n, float scale,
+                          int64_t causal_sq, int device, cudaStream_t stream, const char *op) {
+    if (n <= kWarpMaxN)
+        return launch_fwd_rows_warp<T, VEC, VEC, kCausal, kLog>(x, y, lse, rows, n, scale, causal_sq, stream, op);
+    return launch_rows_block<softmax_fwd_rows_block<T, VEC, kCausal, kLog>, VEC, block_elems_fwd<T, VEC>()>(
+        op, rows, n, device, stream, x, y, lse, scale, causal_sq);
+}
+
+template <typename T, int VEC, bool kCausal, bool kLog>
+fk_status launch_bwd_rows(const T *dy, const T *x, const float *lse, T *dx, int64_t rows, int64_t n,
+                          float scale, int64_t causal_sq, int device, cudaStream_t stream,
+                          const char *op) {
+    if (n <= kWarpMaxN)
+        return launch_bwd_rows_warp<T, VEC, VEC, kCausal, kLog>(dy, x, lse, dx, rows, n, scale, causal_sq, stream, op);
+    return launch_rows_block<softmax_bwd_rows_block<T, VEC, kCausal, kLog>, VEC, block_elems_bwd<T, VEC>()>(
+        op, rows, n, device, stream, dy, x, lse, dx, scale, causal_sq);
+}
+
+// Binds the mask and log flags to template parameters: `launch` is called with two
+// std::integral_constant<bool> arguments.
+template <typename F> fk_status with_flags(int64_t causal_sq, int is_log, F &&launch) {
+    using Yes = std::true_type;
+    using No = std::false_type;
+    if (causal_sq > 0) return is_log ? launch(Yes(), Yes()) : launch(Yes(), No());
+    return is_log ? launch(No(), Yes()) : launch(No(), No());
 }
 
 // Columns per CTA are fixed at 32; the threads splitting n grow to 32 when there are too few
@@ -659,25 +723,6 @@ fk_status launch_bwd_rows_warp(const T *dy, const T *x, const float *lse, T *dx,
 dim3 cols_block(int64_t columns, int device) {
     const int64_t ctas = (columns + kColsX - 1) / kColsX;
     return dim3(kColsX, ctas >= 8 * fk::sm_count(device) ? 8 : 32);
-}
-
-template <typename T, int VEC>
-fk_status launch_fwd_rows(const T *x, T *y, float *lse, int64_t rows, int64_t n, float scale,
-                          int64_t causal_sq, int is_log, int device, cudaStream_t stream, const char *op) {
-    if (n <= kWarpMaxN)
-        return launch_fwd_rows_warp<T, VEC, VEC>(x, y, lse, rows, n, scale, causal_sq, is_log, stream, op);
-    return launch_rows_block<softmax_fwd_rows_block<T, VEC>, VEC, kBlockElemsFwd>(
-        op, rows, n, device, stream, x, y, lse, scale, causal_sq, is_log);
-}
-
-template <typename T, int VEC>
-fk_status launch_bwd_rows(const T *dy, const T *x, const float *lse, T *dx, int64_t rows, int64_t n,
-                          float scale, int64_t causal_sq, int is_log, int device, cudaStream_t stream,
-                          const char *op) {
-    if (n <= kWarpMaxN)
-        return launch_bwd_rows_warp<T, VEC, VEC>(dy, x, lse, dx, rows, n, scale, causal_sq, is_log, stream, op);
-    return launch_rows_block<softmax_bwd_rows_block<T, VEC>, VEC, kBlockElemsBwd>(
-        op, rows, n, device, stream, dy, x, lse, dx, scale, causal_sq, is_log);
 }
 
 fk_status check_args(const char *op, int64_t outer, int64_t n, int64_t inner, int64_t causal_sq) {
@@ -711,9 +756,12 @@ extern "C" fk_status fk_cuda_softmax_fwd(const void *x, void *y, float *lse, int
             return fk::launch_status(op);
         }
         constexpr int N = fk::Pack<T>::N;
-        if (fk::aligned16(x) && fk::aligned16(y) && n % N == 0)
-            return launch_fwd_rows<T, N>(xt, yt, lse, outer, n, (float)scale, causal_sq, log, device, s, op);
-        return launch_fwd_rows<T, 1>(xt, yt, lse, outer, n, (float)scale, causal_sq, log, device, s, op);
+        const bool packed = fk::aligned16(x) && fk::aligned16(y) && n % N == 0;
+        return with_flags(causal_sq, log, [&](auto causal, auto is_log) {
+            if (packed)
+                return launch_fwd_rows<T, N, causal(), is_log()>(xt, yt, lse, outer, n, (float)scale, causal_sq, device, s, op);
+            return launch_fwd_rows<T, 1, causal(), is_log()>(xt, yt, lse, outer, n, (float)scale, causal_sq, device, s, op);
+        });
     });
     return FK_OK;
 }
@@ -738,9 +786,12 @@ extern "C" fk_status fk_cuda_softmax_bwd(const void *dy, const void *x, const fl
             return fk::launch_status(op);
         }
         constexpr int N = fk::Pack<T>::N;
-        if (fk::aligned16(dy) && fk::aligned16(x) && fk::aligned16(dx) && n % N == 0)
-            return launch_bwd_rows<T, N>(dyt, xt, lse, dxt, outer, n, (float)scale, causal_sq, log, device, s, op);
-        return launch_bwd_rows<T, 1>(dyt, xt, lse, dxt, outer, n, (float)scale, causal_sq, log, device, s, op);
+        const bool packed = fk::aligned16(dy) && fk::aligned16(x) && fk::aligned16(dx) && n % N == 0;
+        return with_flags(causal_sq, log, [&](auto causal, auto is_log) {
+            if (packed)
+                return launch_bwd_rows<T, N, causal(), is_log()>(dyt, xt, lse, dxt, outer, n, (float)scale, causal_sq, device, s, op);
+            return launch_bwd_rows<T, 1, causal(), is_log()>(dyt, xt, lse, dxt, outer, n, (float)scale, causal_sq, device, s, op);
+        });
     });
     return FK_OK;
 }

@@ -127,6 +127,7 @@ def gelu_cases(device, quick=False):
         size = torch.finfo(dtype).bits // 8
         x = torch.randn(n, device=device, dtype=dtype)
         g = torch.randn(n, device=device, dtype=dtype)
+        tag = f"{str(dtype)[6:]} 2^{n.bit_length() - 1}"
         impls = {
             "fastkern": lambda x=x: fastkern.gelu(x, approximate="tanh"),
             "torch": lambda x=x: F.gelu(x, approximate="tanh"),
@@ -135,12 +136,21 @@ def gelu_cases(device, quick=False):
         }
         if triton is not None and device.type == "cuda":
             impls["triton"] = lambda x=x: triton_gelu_tanh(x)
-        cases.append((f"gelu fwd {str(dtype)[6:]} 2^{n.bit_length() - 1}", 2 * n * size, impls))
-
-        cases.append((f"gelu bwd {str(dtype)[6:]} 2^{n.bit_length() - 1}", 3 * n * size, {
+        cases.append((f"gelu tanh fwd {tag}", 2 * n * size, impls))
+        cases.append((f"gelu tanh bwd {tag}", 3 * n * size, {
             "fastkern": lambda g=g, x=x: torch.ops.fastkern.gelu_backward.default(g, x, None, "tanh", False),
             "torch": lambda g=g, x=x: torch.ops.aten.gelu_backward(g, x, approximate="tanh"),
             "compile": lambda f=_compiled(gelu_tanh_manual_grad), g=g, x=x: f(g, x),
+        }))
+        erf_gelu = lambda x: F.gelu(x)
+        cases.append((f"gelu erf fwd {tag}", 2 * n * size, {
+            "fastkern": lambda x=x: fastkern.gelu(x),
+            "torch": lambda x=x: F.gelu(x),
+            "compile": lambda f=_compiled(erf_gelu), x=x: f(x),
+        }))
+        cases.append((f"gelu erf bwd {tag}", 3 * n * size, {
+            "fastkern": lambda g=g, x=x: torch.ops.fastkern.gelu_backward.default(g, x, None, "none", False),
+            "torch": lambda g=g, x=x: torch.ops.aten.gelu_backward(g, x),
         }))
 
     dtype = torch.bfloat16
@@ -161,7 +171,51 @@ def gelu_cases(device, quick=False):
     return cases
 
 
-SUITES = {"gelu": gelu_cases}
+SOFTMAX_SHAPES = [(65536, 128), (32768, 1024), (16384, 4096), (4096, 16384), (1024, 65536),
+                  (256, 262144), (3000, 1000)]
+
+
+def softmax_backward_from_output(g, y):
+    """What autograd does after torch.softmax: dx = y * (g - sum(g * y)), from the saved output."""
+    return y * (g - (g * y).sum(-1, keepdim=True))
+
+
+def softmax_cases(device, quick=False):
+    """Forward and backward over the issue's shapes, fp32 and bf16, plus a scaled causal case."""
+    shapes = SOFTMAX_SHAPES if not (quick or device.type == "cpu") else [(r // 16, n) for r, n in SOFTMAX_SHAPES]
+    cases = []
+    for dtype in (torch.float32, torch.bfloat16):
+        size = torch.finfo(dtype).bits // 8
+        for rows, n in shapes:
+            x = torch.randn(rows, n, device=device, dtype=dtype) * 3
+            g = torch.randn_like(x)
+            y = torch.softmax(x, -1)
+            _, lse = torch.ops.fastkern.softmax.default(x, -1, 1.0, False, False)
+            tag = f"{str(dtype)[6:]} ({rows},{n})"
+            cases.append((f"softmax fwd {tag}", 2 * x.numel() * size, {
+                "fastkern": lambda x=x: fastkern.softmax(x, -1),
+                "torch": lambda x=x: torch.softmax(x, -1),
+                "compile": lambda f=_compiled(lambda x: torch.softmax(x, -1)), x=x: f(x),
+            }))
+            cases.append((f"softmax bwd {tag}", 3 * x.numel() * size, {
+                "fastkern": lambda g=g, x=x, lse=lse: torch.ops.fastkern.softmax_backward.default(
+                    g, x, lse, -1, 1.0, False, False),
+                "torch": lambda g=g, y=y: torch._softmax_backward_data(g, y, -1, y.dtype),
+                "compile": lambda f=_compiled(softmax_backward_from_output), g=g, y=y: f(g, y),
+            }))
+    b, h, sq = (4, 8, 2048) if not (quick or device.type == "cpu") else (1, 2, 512)
+    x = torch.randn(b, h, sq, sq, device=device, dtype=torch.bfloat16) * 3
+    mask = torch.ones(sq, sq, dtype=torch.bool, device=device).triu(1)
+    unfused = lambda x: torch.softmax((x * 0.125).masked_fill(mask, float("-inf")), -1)
+    cases.append((f"softmax scale+causal fwd bf16 ({b},{h},{sq},{sq})", 2 * x.numel() * 2, {
+        "fastkern": lambda: fastkern.softmax(x, -1, scale=0.125, causal=True),
+        "torch": lambda: unfused(x),
+        "compile": lambda f=_compiled(unfused): f(x),
+    }))
+    return cases
+
+
+SUITES = {"gelu": gelu_cases, "softmax": softmax_cases}
 
 
 def host_overheads(device):
@@ -176,7 +230,7 @@ def host_overheads(device):
 
 # ---- running -------------------------------------------------------------------------------------
 
-def run(suites, device=None, quick=False):
+def run(suites, device=None, quick=False, only=None):
     """Times every case of `suites` on `device`; returns the JSON-ready report."""
     device = torch.device(device or ("cuda" if fastkern.cuda_available() and torch.cuda.is_available() else "cpu"))
     copy_gbs = copy_bandwidth_gbs(device)
@@ -192,6 +246,8 @@ def run(suites, device=None, quick=False):
     }
     for suite in suites:
         for name, nbytes, impls in SUITES[suite](device, quick):
+            if only and only not in name:
+                continue
             times = {impl: time_ms(fn, device) for impl, fn in impls.items()}
             ours = times["fastkern"]
             peers = {k: v for k, v in times.items() if k != "fastkern"}
@@ -227,9 +283,10 @@ def main(argv=None):
     parser.add_argument("--out", help="write the JSON report here")
     parser.add_argument("--device", help="cuda or cpu (default: cuda when available)")
     parser.add_argument("--quick", action="store_true", help="smaller sizes, for a smoke run")
+    parser.add_argument("--only", help="run only the cases whose name contains this text")
     args = parser.parse_args(argv)
     suites = list(SUITES) if args.suite == "all" else [args.suite]
-    report = run(suites, args.device, args.quick)
+    report = run(suites, args.device, args.quick, args.only)
     if args.out:
         with open(args.out, "w") as f:
             json.dump(report, f, indent=1)
