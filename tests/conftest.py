@@ -50,6 +50,9 @@ def assert_within_torch_error(out, torch_out, ref, what, factor=2.0, eps=None):
     so there the epsilon alone (1e-9, room for cancellation in tiny derivatives) is the bound."""
     if eps is None:
         eps = {torch.float64: 1e-9, torch.float32: 1e-7}.get(out.dtype, 1e-5)
+        # with a handful of elements the norm is one or two roundings, and the ratio of two such
+        # errors is luck (a near-zero derivative, an exactly representable value): widen for them
+        eps *= max(1.0, 64.0 / max(out.numel(), 1))
     ours, theirs = rel_error(out, ref), rel_error(torch_out, ref)
     assert ours <= factor * theirs + eps, f"{what}: fastkern error {ours:.3g} > {factor} x torch {theirs:.3g}"
 

@@ -32,7 +32,7 @@ static inline float gelu_grad_f32(float v, int approximate) {
     if (approximate) { /* d/dx x * s, s = sigmoid(2u): s * (1 + 2u' x (1 - s)), 1 - s = e * s */
         float e = tanh_form_exp(v), s = 1.0f / (1.0f + e);
         float du2 = 2.0f * (float)FK_SQRT_2_OVER_PI * (1.0f + 3.0f * (float)FK_TANH_COEF * v * v);
-        return s * (1.0f + v * du2 * (e * s));
+        return s * fmaf(v * du2, e * s, 1.0f);
     }
     float cdf = 0.5f * (1.0f + erff(v * (float)FK_SQRT1_2));
     float pdf = (float)FK_INV_SQRT_2PI * expf(-0.5f * v * v);

@@ -54,7 +54,7 @@ template <int kApprox, bool kFast> __device__ __forceinline__ float gelu_grad(fl
         float e = tanh_form_exp<kFast>(v);
         float s = div_any<kFast>(1.0f, 1.0f + e);
         float du2 = 2.0f * kSqrt2OverPi * (1.0f + 3.0f * kTanhCoef * v * v);
-        return s * (1.0f + v * du2 * (e * s));  // e * s <= 1 first: e alone reaches 1e38
+        return s * fmaf(v * du2, e * s, 1.0f);  // e * s <= 1 first: e alone reaches 1e38
     }
     return 0.5f * (1.0f + erff(v * kSqrt1_2)) + v * kInvSqrt2Pi * exp_any<kFast>(-0.5f * v * v);
 }

@@ -57,11 +57,17 @@ __device__ __forceinline__ int64_t causal_len(int64_t row, int64_t n, int64_t ca
     return len < 0 ? 0 : (len > n ? n : len);
 }
 
-// e^t as one FMUL and MUFU.EX2 (~2 ulp; results below 2^-126 flush to 0, irrelevant next to the max).
-__device__ __forceinline__ float fast_exp(float t) {
-    float r;
-    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(t * kLog2e));
-    return r;
+// e^t. fp16 / bf16: one FMUL and MUFU.EX2 (~2 ulp of fp32, far below their own rounding; results
+// below 2^-126 flush to 0, irrelevant next to the max). fp32: libdevice's expf, since ex2.approx
+// left single fp32 rows at up to 7x torch's error on an H200.
+template <typename T> __device__ __forceinline__ float exp_for(float t) {
+    if constexpr (std::is_same_v<T, float>) {
+        return expf(t);
+    } else {
+        float r;
+        asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(t * kLog2e));
+        return r;
+    }
 }
 
 // exp is taken relative to the max, or to 0 while the max is -inf, so that -inf - -inf never
@@ -222,7 +228,7 @@ softmax_fwd_rows_warp(const T *__restrict__ x, T *__restrict__ y, float *__restr
         m = group_reduce<MaxOnly>(make_float2(m, 0.f), group).x;
         const float ref = exp_ref(m);
         auto e = [&](int p, int k) {
-            return is_key(p, k) ? fast_exp(fmaf(raw_at<T, VEC>(raw[r][p], k), scale, -ref)) : 0.f;
+            return is_key(p, k) ? exp_for<T>(fmaf(raw_at<T, VEC>(raw[r][p], k), scale, -ref)) : 0.f;
         };
         float s = 0.f;
 #pragma unroll
@@ -291,7 +297,7 @@ softmax_bwd_rows_warp(const T *__restrict__ dy, const T *__restrict__ x, const f
 #pragma unroll
             for (int k = 0; k < VEC; k++) {
                 const int i = p * VEC + k;
-                yv[i] = in(p, k, valid[r]) ? fast_exp(fmaf(raw_at<T, VEC>(raw_x[r][p], k), scale, -row_lse[r])) : 0.f;
+                yv[i] = in(p, k, valid[r]) ? exp_for<T>(fmaf(raw_at<T, VEC>(raw_x[r][p], k), scale, -row_lse[r])) : 0.f;
                 g[i] = in(p, k, dy_len[r]) ? raw_at<T, VEC>(raw_dy[r][p], k) : 0.f;
                 za.x += yv[i];
                 za.y += kLog ? g[i] : g[i] * yv[i];
@@ -383,7 +389,7 @@ softmax_fwd_rows_block(int64_t n, int64_t seg, int cluster_k, const T *__restric
         for (int p = 0; p < P; p++)
 #pragma unroll
             for (int k = 0; k < VEC; k++)
-                if (is_key(p, k, keys)) s += fast_exp(fmaf(raw_at<T, VEC>(raw[p], k), scale, -ref));
+                if (is_key(p, k, keys)) s += exp_for<T>(fmaf(raw_at<T, VEC>(raw[p], k), scale, -ref));
         ms = make_float2(m, s);
     }
     ms = row_reduce<MaxSum>(ms, smem, cluster_k);
@@ -403,7 +409,7 @@ softmax_fwd_rows_block(int64_t n, int64_t seg, int cluster_k, const T *__restric
                 for (int k = 0; k < VEC; k++) {
                     const float t = fmaf(raw_at<T, VEC>(raw[p], k), scale, -ref);
                     if (kLog) o[k] = is_key(p, k, keys) ? t - log_s : -INFINITY - log_s;
-                    else o[k] = normalize<T>(is_key(p, k, keys) ? fast_exp(t) : 0.f, s, inv_s);
+                    else o[k] = normalize<T>(is_key(p, k, keys) ? exp_for<T>(t) : 0.f, s, inv_s);
                 }
                 store_vec<T, VEC>(yr + start + p * 32 * VEC, o);
             }
@@ -446,7 +452,7 @@ softmax_bwd_rows_block(int64_t n, int64_t seg, int cluster_k, const T *__restric
     };
     // y' = exp(x * scale - lse): unnormalised, z = sum y' renormalises it
     auto y_unnorm = [&](int p, int k, int xs) {
-        return in(p, k, xs) ? fast_exp(fmaf(raw_at<T, VEC>(raw_x[p], k), scale, -row_lse)) : 0.f;
+        return in(p, k, xs) ? exp_for<T>(fmaf(raw_at<T, VEC>(raw_x[p], k), scale, -row_lse)) : 0.f;
     };
 
     float2 za = SumSum::identity();  // (z, a): sum of y', sum of dy * y' (log: of dy)
