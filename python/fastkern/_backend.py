@@ -84,3 +84,25 @@ def ptr(t):
 def dense(t):
     """`t` itself when its elements are dense and row-major, else a contiguous copy."""
     return t if t.is_contiguous() else t.contiguous()
+
+
+def register_op(name, impl, fake, backward_impl, backward_fake, backward, setup_context):
+    """Registers the CPU / CUDA kernels and fake kernels of fastkern::<name> and
+    fastkern::<name>_backward (both already defined), and autograd for the forward op; returns the
+    two OpOverloads."""
+    for qualname, kernel, fake_kernel in ((name, impl, fake), (name + "_backward", backward_impl, backward_fake)):
+        torch.library.impl(f"fastkern::{qualname}", ("cpu", "cuda"), kernel)
+        torch.library.register_fake(f"fastkern::{qualname}", fake_kernel)
+    torch.library.register_autograd(f"fastkern::{name}", backward, setup_context=setup_context)
+    return getattr(torch.ops.fastkern, name).default, getattr(torch.ops.fastkern, name + "_backward").default
+
+
+def call(op, function, impl, tensors, *args):
+    """Runs an op the cheapest correct way: through the dispatcher when compiling, tracing or under
+    a mode (`op`); through the eager torch.autograd.Function when autograd must record it
+    (`function`); else straight into the kernel (`impl`)."""
+    if not plain_eager(*tensors):
+        return op(*args)
+    if needs_grad(*tensors):
+        return function.apply(*args)
+    return impl(*args)

@@ -113,14 +113,8 @@ class _GeluFunction(torch.autograd.Function):
     backward = staticmethod(_backward)
 
 
-torch.library.impl("fastkern::gelu", ("cpu", "cuda"), _gelu)
-torch.library.register_fake("fastkern::gelu", _gelu_fake)
-torch.library.impl("fastkern::gelu_backward", ("cpu", "cuda"), _gelu_backward)
-torch.library.register_fake("fastkern::gelu_backward", _gelu_backward_fake)
-torch.library.register_autograd("fastkern::gelu", _backward, setup_context=_setup_context)
-
-_gelu_op = torch.ops.fastkern.gelu.default
-_gelu_backward_op = torch.ops.fastkern.gelu_backward.default
+_gelu_op, _gelu_backward_op = B.register_op("gelu", _gelu, _gelu_fake, _gelu_backward,
+                                             _gelu_backward_fake, _backward, _setup_context)
 
 
 def gelu(x, approximate="none", bias=None):
@@ -132,8 +126,4 @@ def gelu(x, approximate="none", bias=None):
         B.check_tensor(bias, "gelu", "bias")
     if approximate not in _APPROXIMATIONS:
         raise ValueError(f"fastkern.gelu: approximate must be 'none' or 'tanh', got {approximate!r}")
-    if not B.plain_eager(x, bias):
-        return _gelu_op(x, bias, approximate)
-    if B.needs_grad(x, bias):
-        return _GeluFunction.apply(x, bias, approximate)
-    return _gelu(x, bias, approximate)
+    return B.call(_gelu_op, _GeluFunction, _gelu, (x, bias), x, bias, approximate)

@@ -118,14 +118,9 @@ class _SoftmaxFunction(torch.autograd.Function):
     backward = staticmethod(_backward)
 
 
-torch.library.impl("fastkern::softmax", ("cpu", "cuda"), _softmax)
-torch.library.register_fake("fastkern::softmax", _softmax_fake)
-torch.library.impl("fastkern::softmax_backward", ("cpu", "cuda"), _softmax_backward)
-torch.library.register_fake("fastkern::softmax_backward", _softmax_backward_fake)
-torch.library.register_autograd("fastkern::softmax", _backward, setup_context=_setup_context)
-
-_softmax_op = torch.ops.fastkern.softmax.default
-_softmax_backward_op = torch.ops.fastkern.softmax_backward.default
+_softmax_op, _softmax_backward_op = B.register_op(
+    "softmax", _softmax, _softmax_fake, _softmax_backward, _softmax_backward_fake, _backward,
+    _setup_context)
 
 
 def _call(x, dim, scale, causal, log):
@@ -135,11 +130,7 @@ def _call(x, dim, scale, causal, log):
         raise TypeError(f"fastkern.{op}: dim must be an int, got {type(dim).__name__}")
     if not isinstance(scale, numbers.Real) or isinstance(scale, bool):
         raise TypeError(f"fastkern.{op}: scale must be a float, got {type(scale).__name__}")
-    if not B.plain_eager(x):
-        return _softmax_op(x, dim, scale, bool(causal), log)[0]
-    if B.needs_grad(x):
-        return _SoftmaxFunction.apply(x, dim, scale, bool(causal), log)[0]
-    return _softmax(x, dim, scale, bool(causal), log)[0]
+    return B.call(_softmax_op, _SoftmaxFunction, _softmax, (x,), x, dim, scale, bool(causal), log)[0]
 
 
 def softmax(x, dim=-1, *, scale=1.0, causal=False):
