@@ -75,22 +75,24 @@ fk_status fk_cuda_gelu_bwd(const void *dy, const void *x, const void *bias, void
  * (length n, stride inner): one "row" is x[o, :, i]. The op is softmax(x * scale) (log: log_softmax).
  * causal_sq > 0 (only with inner == 1): rows are the query rows of (causal_sq, n) score blocks; row
  * r is query q = r % causal_sq and key j is masked (-inf) when j > q + (n - causal_sq).
- * lse: `outer * inner` per-row log-sum-exp of the scaled, masked row; fp64 when dtype is FK_FLOAT64,
- * fp32 otherwise. forward writes y and lse; backward reads x and lse (never y) and writes
- *   softmax:     dx = scale * y * (dy - sum_j dy_j * y_j),   y = exp(x * scale - lse)
+ * row_max: `outer * inner` per-row maxima of the scaled, masked rows; fp64 when dtype is FK_FLOAT64,
+ * fp32 otherwise. forward writes y and row_max; backward reads x and row_max (never y), recomputes
+ * y = exp(x * scale - row_max) / sum(exp(x * scale - row_max)) and writes
+ *   softmax:     dx = scale * y * (dy - sum_j dy_j * y_j)
  *   log_softmax: dx = scale * (dy - y * sum_j dy_j)
- * Masked positions get y = 0 (log: -inf) and dx = 0. Rows whose lse is NaN or -inf produce NaN, as
- * torch.softmax does for rows that are all -inf or hold +inf / NaN.                            */
-fk_status fk_cpu_softmax_fwd(const void *x, void *y, void *lse, int64_t outer, int64_t n,
+ * (The max, not the log-sum-exp, is saved: its exponents are exact near the max, so the recomputed
+ * y is as accurate as the forward's.) Masked positions get y = 0 (log: -inf) and dx = 0. Rows that
+ * are all -inf, fully masked, or hold +inf / NaN produce NaN, as torch.softmax does.          */
+fk_status fk_cpu_softmax_fwd(const void *x, void *y, void *row_max, int64_t outer, int64_t n,
                              int64_t inner, double scale, int64_t causal_sq, int log,
                              fk_dtype dtype);
-fk_status fk_cpu_softmax_bwd(const void *dy, const void *x, const void *lse, void *dx,
+fk_status fk_cpu_softmax_bwd(const void *dy, const void *x, const void *row_max, void *dx,
                              int64_t outer, int64_t n, int64_t inner, double scale,
                              int64_t causal_sq, int log, fk_dtype dtype);
-fk_status fk_cuda_softmax_fwd(const void *x, void *y, float *lse, int64_t outer, int64_t n,
+fk_status fk_cuda_softmax_fwd(const void *x, void *y, float *row_max, int64_t outer, int64_t n,
                               int64_t inner, double scale, int64_t causal_sq, int log,
                               fk_dtype dtype, int device, void *stream);
-fk_status fk_cuda_softmax_bwd(const void *dy, const void *x, const float *lse, void *dx,
+fk_status fk_cuda_softmax_bwd(const void *dy, const void *x, const float *row_max, void *dx,
                               int64_t outer, int64_t n, int64_t inner, double scale,
                               int64_t causal_sq, int log, fk_dtype dtype, int device,
                               void *stream);

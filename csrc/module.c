@@ -113,25 +113,25 @@ static PyObject *py_gelu_bwd_workspace(PyObject *self, PyObject *args) {
     return PyLong_FromLong(0);
 }
 
-/* softmax_fwd(x, y, lse, outer, n, inner, scale, causal_sq, log, dtype, device, stream) */
+/* softmax_fwd(x, y, row_max, outer, n, inner, scale, causal_sq, log, dtype, device, stream) */
 static PyObject *py_softmax_fwd(PyObject *self, PyObject *args) {
     (void)self;
-    unsigned long long x, y, lse, stream;
+    unsigned long long x, y, row_max, stream;
     long long outer, n, inner, causal_sq;
     double scale;
     int log, dtype, device;
-    if (!PyArg_ParseTuple(args, "KKKLLLdLiiiK", &x, &y, &lse, &outer, &n, &inner, &scale,
+    if (!PyArg_ParseTuple(args, "KKKLLLdLiiiK", &x, &y, &row_max, &outer, &n, &inner, &scale,
                           &causal_sq, &log, &dtype, &device, &stream))
         return NULL;
     fk_status status;
     if (device < 0) {
         Py_BEGIN_ALLOW_THREADS
-        status = fk_cpu_softmax_fwd(PTR(x), PTR(y), PTR(lse), outer, n, inner, scale, causal_sq, log,
+        status = fk_cpu_softmax_fwd(PTR(x), PTR(y), PTR(row_max), outer, n, inner, scale, causal_sq, log,
                                     (fk_dtype)dtype);
         Py_END_ALLOW_THREADS
     } else {
 #if FK_HAS_CUDA
-        status = fk_cuda_softmax_fwd(PTR(x), PTR(y), PTR(lse), outer, n, inner, scale, causal_sq,
+        status = fk_cuda_softmax_fwd(PTR(x), PTR(y), PTR(row_max), outer, n, inner, scale, causal_sq,
                                      log, (fk_dtype)dtype, device, PTR(stream));
 #else
         return no_cuda("softmax");
@@ -140,25 +140,25 @@ static PyObject *py_softmax_fwd(PyObject *self, PyObject *args) {
     return finish(status);
 }
 
-/* softmax_bwd(dy, x, lse, dx, outer, n, inner, scale, causal_sq, log, dtype, device, stream) */
+/* softmax_bwd(dy, x, row_max, dx, outer, n, inner, scale, causal_sq, log, dtype, device, stream) */
 static PyObject *py_softmax_bwd(PyObject *self, PyObject *args) {
     (void)self;
-    unsigned long long dy, x, lse, dx, stream;
+    unsigned long long dy, x, row_max, dx, stream;
     long long outer, n, inner, causal_sq;
     double scale;
     int log, dtype, device;
-    if (!PyArg_ParseTuple(args, "KKKKLLLdLiiiK", &dy, &x, &lse, &dx, &outer, &n, &inner, &scale,
+    if (!PyArg_ParseTuple(args, "KKKKLLLdLiiiK", &dy, &x, &row_max, &dx, &outer, &n, &inner, &scale,
                           &causal_sq, &log, &dtype, &device, &stream))
         return NULL;
     fk_status status;
     if (device < 0) {
         Py_BEGIN_ALLOW_THREADS
-        status = fk_cpu_softmax_bwd(PTR(dy), PTR(x), PTR(lse), PTR(dx), outer, n, inner, scale,
+        status = fk_cpu_softmax_bwd(PTR(dy), PTR(x), PTR(row_max), PTR(dx), outer, n, inner, scale,
                                     causal_sq, log, (fk_dtype)dtype);
         Py_END_ALLOW_THREADS
     } else {
 #if FK_HAS_CUDA
-        status = fk_cuda_softmax_bwd(PTR(dy), PTR(x), PTR(lse), PTR(dx), outer, n, inner, scale,
+        status = fk_cuda_softmax_bwd(PTR(dy), PTR(x), PTR(row_max), PTR(dx), outer, n, inner, scale,
                                      causal_sq, log, (fk_dtype)dtype, device, PTR(stream));
 #else
         return no_cuda("softmax");

@@ -6,9 +6,9 @@
  * rate. The CPU path is the reference the GPU is checked against and the one gradcheck runs on, so
  * it computes in fp64 for every dtype: its error is then the output rounding alone, whatever the
  * row length or magnitude.
- * Backward recomputes y' = exp(x * scale - lse) and divides by z = sum(y'): lse is stored in fp32
- * for fp32 / fp16 / bf16, and its rounding (ulp(lse), up to 1e-6 relative) scales a whole row alike,
- * so z cancels it exactly.
+ * The row statistic saved for backward is the row max m of the scaled, masked row (fp32 except for
+ * fp64); backward recomputes y' = exp(x * scale - m) and divides by z = sum(y'), the forward's own
+ * formula, so the statistic's rounding cancels.
  * Rows are walked as tiles of up to FK_CHUNK keys (inner == 1, a contiguous row) or of up to
  * FK_TILE adjacent columns per key (inner > 1), so memory is read in contiguous runs either way.
  */
@@ -79,7 +79,7 @@ static int64_t unmasked(const fk_rows *r, int64_t c, int64_t causal_sq) {
 /* exp relative to m, or to 0 while m is -inf so that -inf - -inf does not make NaN early. */
 static inline double ref(double m) { return m == -INFINITY ? 0.0 : m; }
 
-static void forward_block(const fk_rows *r, fk_dtype dtype, const void *x, void *y, void *lse,
+static void forward_block(const fk_rows *r, fk_dtype dtype, const void *x, void *y, void *row_max,
                           double scale, int64_t causal_sq, int is_log) {
     double m[FK_TILE], s[FK_TILE], buf[FK_CHUNK];
     int64_t valid[FK_TILE], w = r->width;
@@ -101,10 +101,10 @@ static void forward_block(const fk_rows *r, fk_dtype dtype, const void *x, void 
     double log_s[FK_TILE];
     for (int64_t c = 0; c < w; c++) {
         log_s[c] = log(s[c]);
-        double l = m[c] + log_s[c];
+        double l = m[c];
         int64_t at = r->o * r->inner + r->i0 + c;
-        if (dtype == FK_FLOAT64) ((double *)lse)[at] = l;
-        else ((float *)lse)[at] = (float)l;
+        if (dtype == FK_FLOAT64) ((double *)row_max)[at] = l;
+        else ((float *)row_max)[at] = (float)l;
     }
     for (int64_t j0 = 0; j0 < r->n; j0 += tile_keys(r, j0)) {
         int64_t keys = tile_keys(r, j0);
@@ -120,12 +120,12 @@ static void forward_block(const fk_rows *r, fk_dtype dtype, const void *x, void 
 }
 
 static void backward_block(const fk_rows *r, fk_dtype dtype, const void *dy, const void *x,
-                           const void *lse, void *dx, double scale, int64_t causal_sq, int is_log) {
+                           const void *row_max, void *dx, double scale, int64_t causal_sq, int is_log) {
     double l[FK_TILE], z[FK_TILE], a[FK_TILE], xb[FK_CHUNK], gb[FK_CHUNK];
     int64_t valid[FK_TILE], w = r->width;
     for (int64_t c = 0; c < w; c++) {
         int64_t at = r->o * r->inner + r->i0 + c;
-        l[c] = dtype == FK_FLOAT64 ? ((const double *)lse)[at] : ((const float *)lse)[at];
+        l[c] = dtype == FK_FLOAT64 ? ((const double *)row_max)[at] : ((const float *)row_max)[at];
         z[c] = 0.0, a[c] = 0.0, valid[c] = unmasked(r, c, causal_sq);
     }
     for (int64_t j0 = 0; j0 < r->n; j0 += tile_keys(r, j0)) {
@@ -137,7 +137,7 @@ static void backward_block(const fk_rows *r, fk_dtype dtype, const void *dy, con
                 double g = gb[k * w + c];
                 if (is_log) a[c] += g;  /* masked keys too: their output is -inf, a constant */
                 if (j0 + k >= valid[c]) continue;
-                double p = exp(xb[k * w + c] * scale - l[c]);
+                double p = exp(xb[k * w + c] * scale - ref(l[c]));
                 z[c] += p;
                 if (!is_log) a[c] += g * p;
             }
@@ -148,7 +148,7 @@ static void backward_block(const fk_rows *r, fk_dtype dtype, const void *dy, con
         load_tile(r, dtype, dy, j0, keys, gb);
         for (int64_t k = 0; k < keys; k++)
             for (int64_t c = 0; c < w; c++) {
-                double g = gb[k * w + c], y = exp(xb[k * w + c] * scale - l[c]) / z[c];
+                double g = gb[k * w + c], y = exp(xb[k * w + c] * scale - ref(l[c])) / z[c];
                 if (j0 + k >= valid[c]) xb[k * w + c] = 0.0;
                 else xb[k * w + c] = is_log ? scale * (g - y * a[c]) : scale * y * (g - a[c] / z[c]);
             }
@@ -165,7 +165,7 @@ static fk_status check_args(const char *op, int64_t outer, int64_t n, int64_t in
     return fk_cpu_check_dtype(dtype, op);
 }
 
-fk_status fk_cpu_softmax_fwd(const void *x, void *y, void *lse, int64_t outer, int64_t n,
+fk_status fk_cpu_softmax_fwd(const void *x, void *y, void *row_max, int64_t outer, int64_t n,
                              int64_t inner, double scale, int64_t causal_sq, int is_log,
                              fk_dtype dtype) {
     fk_status status = check_args("softmax", outer, n, inner, causal_sq, dtype);
@@ -173,12 +173,12 @@ fk_status fk_cpu_softmax_fwd(const void *x, void *y, void *lse, int64_t outer, i
     for (int64_t o = 0; o < outer; o++)
         for (int64_t i0 = 0; i0 < inner; i0 += FK_TILE) {
             fk_rows r = {n, inner, o, i0, inner - i0 < FK_TILE ? inner - i0 : FK_TILE};
-            forward_block(&r, dtype, x, y, lse, scale, causal_sq, is_log);
+            forward_block(&r, dtype, x, y, row_max, scale, causal_sq, is_log);
         }
     return FK_OK;
 }
 
-fk_status fk_cpu_softmax_bwd(const void *dy, const void *x, const void *lse, void *dx,
+fk_status fk_cpu_softmax_bwd(const void *dy, const void *x, const void *row_max, void *dx,
                              int64_t outer, int64_t n, int64_t inner, double scale,
                              int64_t causal_sq, int is_log, fk_dtype dtype) {
     fk_status status = check_args("softmax_backward", outer, n, inner, causal_sq, dtype);
@@ -186,7 +186,7 @@ fk_status fk_cpu_softmax_bwd(const void *dy, const void *x, const void *lse, voi
     for (int64_t o = 0; o < outer; o++)
         for (int64_t i0 = 0; i0 < inner; i0 += FK_TILE) {
             fk_rows r = {n, inner, o, i0, inner - i0 < FK_TILE ? inner - i0 : FK_TILE};
-            backward_block(&r, dtype, dy, x, lse, dx, scale, causal_sq, is_log);
+            backward_block(&r, dtype, dy, x, row_max, dx, scale, causal_sq, is_log);
         }
     return FK_OK;
 }

@@ -32,8 +32,10 @@
 // costs ~2 ulp, as accurate expf does. y = e / sum (fp32) or e * (1 / sum) (16-bit outputs round far
 // coarser). Masked keys and all -inf rows contribute nothing to the sum, so fully masked or all
 // -inf rows give 0 * (1 / 0) = NaN and rows with +inf / NaN give NaN, exactly as torch.softmax after
-// masked_fill(-inf). Backward recomputes y' = exp(fmaf(x, scale, -lse)) and divides by z = sum y':
-// lse is stored in fp32, and its rounding error of ulp(lse) would otherwise scale every y of the row.
+// masked_fill(-inf). The row statistic saved for backward is the row max m of the scaled, masked row;
+// backward recomputes y' = exp(fmaf(x, scale, -m)) and divides by z = sum y', exactly the forward's
+// formula: the exponent is exact near the max, where the mass is. (Saving row_max = m + log(s) instead
+// put a rounding of ulp(log s) into every dominant exponent: fp32 gradients at up to 4x torch's error.)
 #include <cooperative_groups.h>
 
 #include <type_traits>
@@ -196,7 +198,7 @@ template <typename T, int C> __host__ __device__ constexpr int warp_rows() {
 // C elements per lane (C / VEC accesses); `group` lanes per row, group * C >= n.
 template <typename T, int VEC, int C, bool kCausal, bool kLog>
 __global__ void __launch_bounds__(kWarpBlock)
-softmax_fwd_rows_warp(const T *__restrict__ x, T *__restrict__ y, float *__restrict__ lse,
+softmax_fwd_rows_warp(const T *__restrict__ x, T *__restrict__ y, float *__restrict__ row_max,
                       int64_t rows, int n, int group, float scale, int64_t causal_sq) {
     constexpr int ROWS = warp_rows<T, C>(), P = C / VEC;
     const int lane = threadIdx.x & 31, li = lane & (group - 1);
@@ -242,7 +244,7 @@ softmax_fwd_rows_warp(const T *__restrict__ x, T *__restrict__ y, float *__restr
         s = group_reduce<SumSum>(make_float2(s, 0.f), group).x;
         const float inv_s = 1.f / s, log_s = logf(s);
         if (row < rows) {
-            if (li == 0) lse[row] = m + log_s;
+            if (li == 0) row_max[row] = m;
 #pragma unroll
             for (int p = 0; p < P; p++) {
                 const int col = (p * group + li) * VEC;
@@ -262,7 +264,7 @@ softmax_fwd_rows_warp(const T *__restrict__ x, T *__restrict__ y, float *__restr
 
 template <typename T, int VEC, int C, bool kCausal, bool kLog>
 __global__ void __launch_bounds__(kWarpBlock)
-softmax_bwd_rows_warp(const T *__restrict__ dy, const T *__restrict__ x, const float *__restrict__ lse,
+softmax_bwd_rows_warp(const T *__restrict__ dy, const T *__restrict__ x, const float *__restrict__ row_max,
                       T *__restrict__ dx, int64_t rows, int n, int group, float scale,
                       int64_t causal_sq) {
     constexpr int ROWS = warp_rows<T, 2 * C>(), P = C / VEC;  // x and dy: 64 bytes between them
@@ -272,14 +274,14 @@ softmax_bwd_rows_warp(const T *__restrict__ dy, const T *__restrict__ x, const f
 
     Raw<T, VEC> raw_x[ROWS][P], raw_dy[ROWS][P];
     int valid[ROWS], dy_len[ROWS];
-    float row_lse[ROWS];
+    float m_saved[ROWS];
 #pragma unroll
     for (int r = 0; r < ROWS; r++) {
         const int64_t row = first + r;
         valid[r] = row >= rows ? 0 : kCausal ? (int)causal_len(row, n, causal_sq) : n;
         // log_softmax sums dy over masked keys too (their y is 0, not their dy)
         dy_len[r] = row >= rows ? 0 : kLog ? n : valid[r];
-        row_lse[r] = row < rows ? lse[row] : 0.f;
+        m_saved[r] = row < rows ? row_max[row] : 0.f;
 #pragma unroll
         for (int p = 0; p < P; p++) {
             const int col = (p * group + li) * VEC;
@@ -301,7 +303,7 @@ softmax_bwd_rows_warp(const T *__restrict__ dy, const T *__restrict__ x, const f
 #pragma unroll
             for (int k = 0; k < VEC; k++) {
                 const int i = p * VEC + k;
-                yv[i] = in(p, k, valid[r]) ? exp_for<T>(fmaf(raw_at<T, VEC>(raw_x[r][p], k), scale, -row_lse[r])) : 0.f;
+                yv[i] = in(p, k, valid[r]) ? exp_for<T>(fmaf(raw_at<T, VEC>(raw_x[r][p], k), scale, -exp_ref(m_saved[r]))) : 0.f;
                 g[i] = in(p, k, dy_len[r]) ? raw_at<T, VEC>(raw_dy[r][p], k) : 0.f;
                 za.x += yv[i];
                 za.y += kLog ? g[i] : g[i] * yv[i];
@@ -346,7 +348,7 @@ __device__ __forceinline__ int clamp_offset(int64_t left, int64_t chunk) {
 template <typename T, int VEC, bool kCausal, bool kLog>
 __global__ void __launch_bounds__(kBlockThreads, 2)
 softmax_fwd_rows_block(int64_t n, int64_t seg, int cluster_k, const T *__restrict__ x, T *__restrict__ y,
-                       float *__restrict__ lse, float scale, int64_t causal_sq) {
+                       float *__restrict__ row_max, float scale, int64_t causal_sq) {
     constexpr int C = block_elems_fwd<T, VEC>(), P = C / VEC;
     __shared__ RowReduceSmem smem;
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
@@ -398,7 +400,7 @@ softmax_fwd_rows_block(int64_t n, int64_t seg, int cluster_k, const T *__restric
     }
     ms = row_reduce<MaxSum>(ms, smem, cluster_k);
     const float m = ms.x, s = ms.y, ref = exp_ref(m), inv_s = 1.f / s, log_s = logf(s);
-    if (rank == 0 && threadIdx.x == 0) lse[row] = m + log_s;
+    if (rank == 0 && threadIdx.x == 0) row_max[row] = m;
 
     for (int64_t c = 0; c < chunks; c++) {
         const int64_t start = begin + c * chunk;
@@ -424,7 +426,7 @@ softmax_fwd_rows_block(int64_t n, int64_t seg, int cluster_k, const T *__restric
 template <typename T, int VEC, bool kCausal, bool kLog>
 __global__ void __launch_bounds__(kBlockThreads, 2)
 softmax_bwd_rows_block(int64_t n, int64_t seg, int cluster_k, const T *__restrict__ dy,
-                       const T *__restrict__ x, const float *__restrict__ lse, T *__restrict__ dx,
+                       const T *__restrict__ x, const float *__restrict__ row_max, T *__restrict__ dx,
                        float scale, int64_t causal_sq) {
     constexpr int C = block_elems_bwd<T, VEC>(), P = C / VEC;
     __shared__ RowReduceSmem smem;
@@ -438,7 +440,7 @@ softmax_bwd_rows_block(int64_t n, int64_t seg, int cluster_k, const T *__restric
     const int64_t dy_end = kLog ? end : x_end;  // log_softmax sums dy over masked keys too
     const int64_t chunk = (int64_t)blockDim.x * C;
     const int64_t chunks = end > begin ? (end - begin + chunk - 1) / chunk : 1;
-    const float row_lse = lse[row];
+    const float m_saved = row_max[row];
     const int64_t lane_off = (int64_t)(threadIdx.x >> 5) * 32 * C + (threadIdx.x & 31) * VEC;
     const T *xr = x + row * n + lane_off, *dyr = dy + row * n + lane_off;
     T *dxr = dx + row * n + lane_off;
@@ -454,9 +456,9 @@ softmax_bwd_rows_block(int64_t n, int64_t seg, int cluster_k, const T *__restric
             if (in(p, 0, dys)) raw_dy[p] = load_raw<T, VEC>(dyr + start + p * 32 * VEC);
         }
     };
-    // y' = exp(x * scale - lse): unnormalised, z = sum y' renormalises it
+    // y' = exp(x * scale - row_max): unnormalised, z = sum y' renormalises it
     auto y_unnorm = [&](int p, int k, int xs) {
-        return in(p, k, xs) ? exp_for<T>(fmaf(raw_at<T, VEC>(raw_x[p], k), scale, -row_lse)) : 0.f;
+        return in(p, k, xs) ? exp_for<T>(fmaf(raw_at<T, VEC>(raw_x[p], k), scale, -exp_ref(m_saved))) : 0.f;
     };
 
     float2 za = SumSum::identity();  // (z, a): sum of y', sum of dy * y' (log: of dy)
@@ -505,7 +507,7 @@ constexpr int kColsUnroll = 4;
 
 template <typename T>
 __global__ void __launch_bounds__(1024)
-softmax_fwd_cols(const T *__restrict__ x, T *__restrict__ y, float *__restrict__ lse, int64_t columns,
+softmax_fwd_cols(const T *__restrict__ x, T *__restrict__ y, float *__restrict__ row_max, int64_t columns,
                  int64_t n, int64_t inner, float scale, int is_log) {
     // the sum is kept in fp64: in fp32, its rescalings and the merge of up to 32 partial sums
     // left the output at 3.5x torch's error (torch takes the exact max first, then one sum)
@@ -543,7 +545,7 @@ softmax_fwd_cols(const T *__restrict__ x, T *__restrict__ y, float *__restrict__
     for (int t = 0; t < ny; t++) s += rescale_f64(part_s[t][tx], part_m[t][tx], m);
     if (!active) return;
     const float ref = exp_ref(m), inv_s = (float)(1.0 / s), log_s = (float)log(s);
-    if (ty == 0) lse[column] = m + log_s;
+    if (ty == 0) row_max[column] = m;
     for (int64_t j = ty; j < n; j += ny) {
         const float v = __fmul_rn(fk::to_f32(x[base + j * inner]), scale);
         const float out = is_log ? (v - ref) - log_s : normalize<T>(expf(v - ref), (float)s, inv_s);
@@ -553,7 +555,7 @@ softmax_fwd_cols(const T *__restrict__ x, T *__restrict__ y, float *__restrict__
 
 template <typename T>
 __global__ void __launch_bounds__(1024)
-softmax_bwd_cols(const T *__restrict__ dy, const T *__restrict__ x, const float *__restrict__ lse,
+softmax_bwd_cols(const T *__restrict__ dy, const T *__restrict__ x, const float *__restrict__ row_max,
                  T *__restrict__ dx, int64_t columns, int64_t n, int64_t inner, float scale,
                  int is_log) {
     __shared__ float part_z[32][kColsX], part_a[32][kColsX];
@@ -561,12 +563,12 @@ softmax_bwd_cols(const T *__restrict__ dy, const T *__restrict__ x, const float 
     const int64_t column = (int64_t)blockIdx.x * kColsX + tx;
     const bool active = column < columns;
     const int64_t o = column / inner, base = o * n * inner + (column - o * inner);
-    const float row_lse = active ? lse[column] : 0.f;
+    const float m_saved = active ? row_max[column] : 0.f;
 
     float z = 0.f, a = 0.f;
     if (active) {
         for (int64_t j = ty; j < n; j += ny) {
-            const float yv = expf(fmaf(fk::to_f32(x[base + j * inner]), scale, -row_lse));
+            const float yv = expf(fmaf(fk::to_f32(x[base + j * inner]), scale, -exp_ref(m_saved)));
             const float g = fk::to_f32(dy[base + j * inner]);
             z += yv;
             a += is_log ? g : g * yv;
@@ -581,7 +583,7 @@ softmax_bwd_cols(const T *__restrict__ dy, const T *__restrict__ x, const float 
     if (!active) return;
     const float inv_z = 1.f / z, a_z = is_log ? a : a * inv_z;
     for (int64_t j = ty; j < n; j += ny) {
-        const float yv = expf(fmaf(fk::to_f32(x[base + j * inner]), scale, -row_lse)) * inv_z;
+        const float yv = expf(fmaf(fk::to_f32(x[base + j * inner]), scale, -exp_ref(m_saved))) * inv_z;
         const float g = fk::to_f32(dy[base + j * inner]);
         dx[base + j * inner] = fk::from_f32<T>(scale * (is_log ? g - yv * a_z : yv * (g - a_z)));
     }
@@ -675,52 +677,52 @@ fk_status launch_rows_block(const char *op, int64_t rows, int64_t n, int device,
 // Lanes per row and elements per lane for the warp kernels: the smallest C (a multiple of VEC)
 // with 32 * C >= n; rows shorter than 32 * VEC share a warp between 32 / group rows.
 template <typename T, int VEC, int C, bool kCausal, bool kLog>
-fk_status launch_fwd_rows_warp(const T *x, T *y, float *lse, int64_t rows, int64_t n, float scale,
+fk_status launch_fwd_rows_warp(const T *x, T *y, float *row_max, int64_t rows, int64_t n, float scale,
                                int64_t causal_sq, cudaStream_t stream, const char *op) {
     if constexpr (C < 32) {
-        if (32 * C < n) return launch_fwd_rows_warp<T, VEC, 2 * C, kCausal, kLog>(x, y, lse, rows, n, scale, causal_sq, stream, op);
+        if (32 * C < n) return launch_fwd_rows_warp<T, VEC, 2 * C, kCausal, kLog>(x, y, row_max, rows, n, scale, causal_sq, stream, op);
     }
     const int group = C == VEC ? (int)pow2_ceil((n + VEC - 1) / VEC) : 32;
     const int64_t rows_per_cta = (int64_t)warp_rows<T, C>() * (32 / group) * (kWarpBlock / 32);
     const int64_t ctas = (rows + rows_per_cta - 1) / rows_per_cta;
     if (ctas > 0x7fffffff) return fk_fail(FK_ERR_VALUE, "%s: %lld rows exceed the CUDA grid", op, (long long)rows);
     softmax_fwd_rows_warp<T, VEC, C, kCausal, kLog><<<(unsigned)ctas, kWarpBlock, 0, stream>>>(
-        x, y, lse, rows, (int)n, group, scale, causal_sq);
+        x, y, row_max, rows, (int)n, group, scale, causal_sq);
     return fk::launch_status(op);
 }
 
 template <typename T, int VEC, int C, bool kCausal, bool kLog>
-fk_status launch_bwd_rows_warp(const T *dy, const T *x, const float *lse, T *dx, int64_t rows, int64_t n,
+fk_status launch_bwd_rows_warp(const T *dy, const T *x, const float *row_max, T *dx, int64_t rows, int64_t n,
                                float scale, int64_t causal_sq, cudaStream_t stream, const char *op) {
     if constexpr (C < 32) {
-        if (32 * C < n) return launch_bwd_rows_warp<T, VEC, 2 * C, kCausal, kLog>(dy, x, lse, dx, rows, n, scale, causal_sq, stream, op);
+        if (32 * C < n) return launch_bwd_rows_warp<T, VEC, 2 * C, kCausal, kLog>(dy, x, row_max, dx, rows, n, scale, causal_sq, stream, op);
     }
     const int group = C == VEC ? (int)pow2_ceil((n + VEC - 1) / VEC) : 32;
     const int64_t rows_per_cta = (int64_t)warp_rows<T, 2 * C>() * (32 / group) * (kWarpBlock / 32);
     const int64_t ctas = (rows + rows_per_cta - 1) / rows_per_cta;
     if (ctas > 0x7fffffff) return fk_fail(FK_ERR_VALUE, "%s: %lld rows exceed the CUDA grid", op, (long long)rows);
     softmax_bwd_rows_warp<T, VEC, C, kCausal, kLog><<<(unsigned)ctas, kWarpBlock, 0, stream>>>(
-        dy, x, lse, dx, rows, (int)n, group, scale, causal_sq);
+        dy, x, row_max, dx, rows, (int)n, group, scale, causal_sq);
     return fk::launch_status(op);
 }
 
 template <typename T, int VEC, bool kCausal, bool kLog>
-fk_status launch_fwd_rows(const T *x, T *y, float *lse, int64_t rows, int64_t n, float scale,
+fk_status launch_fwd_rows(const T *x, T *y, float *row_max, int64_t rows, int64_t n, float scale,
                           int64_t causal_sq, int device, cudaStream_t stream, const char *op) {
     if (n <= kWarpMaxN)
-        return launch_fwd_rows_warp<T, VEC, VEC, kCausal, kLog>(x, y, lse, rows, n, scale, causal_sq, stream, op);
+        return launch_fwd_rows_warp<T, VEC, VEC, kCausal, kLog>(x, y, row_max, rows, n, scale, causal_sq, stream, op);
     return launch_rows_block<softmax_fwd_rows_block<T, VEC, kCausal, kLog>, VEC, block_elems_fwd<T, VEC>()>(
-        op, rows, n, device, stream, x, y, lse, scale, causal_sq);
+        op, rows, n, device, stream, x, y, row_max, scale, causal_sq);
 }
 
 template <typename T, int VEC, bool kCausal, bool kLog>
-fk_status launch_bwd_rows(const T *dy, const T *x, const float *lse, T *dx, int64_t rows, int64_t n,
+fk_status launch_bwd_rows(const T *dy, const T *x, const float *row_max, T *dx, int64_t rows, int64_t n,
                           float scale, int64_t causal_sq, int device, cudaStream_t stream,
                           const char *op) {
     if (n <= kWarpMaxN)
-        return launch_bwd_rows_warp<T, VEC, VEC, kCausal, kLog>(dy, x, lse, dx, rows, n, scale, causal_sq, stream, op);
+        return launch_bwd_rows_warp<T, VEC, VEC, kCausal, kLog>(dy, x, row_max, dx, rows, n, scale, causal_sq, stream, op);
     return launch_rows_block<softmax_bwd_rows_block<T, VEC, kCausal, kLog>, VEC, block_elems_bwd<T, VEC>()>(
-        op, rows, n, device, stream, dy, x, lse, dx, scale, causal_sq);
+        op, rows, n, device, stream, dy, x, row_max, dx, scale, causal_sq);
 }
 
 // Binds the mask and log flags to template parameters: `launch` is called with two
@@ -751,7 +753,7 @@ fk_status check_args(const char *op, int64_t outer, int64_t n, int64_t inner, in
 
 }  // namespace
 
-extern "C" fk_status fk_cuda_softmax_fwd(const void *x, void *y, float *lse, int64_t outer, int64_t n,
+extern "C" fk_status fk_cuda_softmax_fwd(const void *x, void *y, float *row_max, int64_t outer, int64_t n,
                                          int64_t inner, double scale, int64_t causal_sq, int log,
                                          fk_dtype dtype, int device, void *stream) {
     const char *op = "softmax_fwd";
@@ -766,21 +768,21 @@ extern "C" fk_status fk_cuda_softmax_fwd(const void *x, void *y, float *lse, int
             const int64_t columns = outer * inner;
             const dim3 block = cols_block(columns, device);
             softmax_fwd_cols<T><<<(unsigned)((columns + kColsX - 1) / kColsX), block, 0, s>>>(
-                xt, yt, lse, columns, n, inner, (float)scale, log);
+                xt, yt, row_max, columns, n, inner, (float)scale, log);
             return fk::launch_status(op);
         }
         constexpr int N = fk::Pack<T>::N;
         const bool packed = fk::aligned16(x) && fk::aligned16(y) && n % N == 0;
         return with_flags(causal_sq, log, [&](auto causal, auto is_log) {
             if (packed)
-                return launch_fwd_rows<T, N, causal(), is_log()>(xt, yt, lse, outer, n, (float)scale, causal_sq, device, s, op);
-            return launch_fwd_rows<T, 1, causal(), is_log()>(xt, yt, lse, outer, n, (float)scale, causal_sq, device, s, op);
+                return launch_fwd_rows<T, N, causal(), is_log()>(xt, yt, row_max, outer, n, (float)scale, causal_sq, device, s, op);
+            return launch_fwd_rows<T, 1, causal(), is_log()>(xt, yt, row_max, outer, n, (float)scale, causal_sq, device, s, op);
         });
     });
     return FK_OK;
 }
 
-extern "C" fk_status fk_cuda_softmax_bwd(const void *dy, const void *x, const float *lse, void *dx,
+extern "C" fk_status fk_cuda_softmax_bwd(const void *dy, const void *x, const float *row_max, void *dx,
                                          int64_t outer, int64_t n, int64_t inner, double scale,
                                          int64_t causal_sq, int log, fk_dtype dtype, int device,
                                          void *stream) {
@@ -796,15 +798,15 @@ extern "C" fk_status fk_cuda_softmax_bwd(const void *dy, const void *x, const fl
             const int64_t columns = outer * inner;
             const dim3 block = cols_block(columns, device);
             softmax_bwd_cols<T><<<(unsigned)((columns + kColsX - 1) / kColsX), block, 0, s>>>(
-                dyt, xt, lse, dxt, columns, n, inner, (float)scale, log);
+                dyt, xt, row_max, dxt, columns, n, inner, (float)scale, log);
             return fk::launch_status(op);
         }
         constexpr int N = fk::Pack<T>::N;
         const bool packed = fk::aligned16(dy) && fk::aligned16(x) && fk::aligned16(dx) && n % N == 0;
         return with_flags(causal_sq, log, [&](auto causal, auto is_log) {
             if (packed)
-                return launch_bwd_rows<T, N, causal(), is_log()>(dyt, xt, lse, dxt, outer, n, (float)scale, causal_sq, device, s, op);
-            return launch_bwd_rows<T, 1, causal(), is_log()>(dyt, xt, lse, dxt, outer, n, (float)scale, causal_sq, device, s, op);
+                return launch_bwd_rows<T, N, causal(), is_log()>(dyt, xt, row_max, dxt, outer, n, (float)scale, causal_sq, device, s, op);
+            return launch_bwd_rows<T, 1, causal(), is_log()>(dyt, xt, row_max, dxt, outer, n, (float)scale, causal_sq, device, s, op);
         });
     });
     return FK_OK;

@@ -190,7 +190,7 @@ def softmax_cases(device, quick=False):
             x = torch.randn(rows, n, device=device, dtype=dtype) * 3
             g = torch.randn_like(x)
             y = torch.softmax(x, -1)
-            _, lse = torch.ops.fastkern.softmax.default(x, -1, 1.0, False, False)
+            _, row_max = torch.ops.fastkern.softmax.default(x, -1, 1.0, False, False)
             tag = f"{str(dtype)[6:]} ({rows},{n})"
             cases.append((f"softmax fwd {tag}", 2 * x.numel() * size, {
                 "fastkern": lambda x=x: fastkern.softmax(x, -1),
@@ -198,8 +198,8 @@ def softmax_cases(device, quick=False):
                 "compile": lambda f=_compiled(lambda x: torch.softmax(x, -1)), x=x: f(x),
             }))
             cases.append((f"softmax bwd {tag}", 3 * x.numel() * size, {
-                "fastkern": lambda g=g, x=x, lse=lse: torch.ops.fastkern.softmax_backward.default(
-                    g, x, lse, -1, 1.0, False, False),
+                "fastkern": lambda g=g, x=x, row_max=row_max: torch.ops.fastkern.softmax_backward.default(
+                    g, x, row_max, -1, 1.0, False, False),
                 "torch": lambda g=g, y=y: torch._softmax_backward_data(g, y, -1, y.dtype),
                 "compile": lambda f=_compiled(softmax_backward_from_output), g=g, y=y: f(g, y),
             }))

@@ -1,8 +1,9 @@
 """Softmax and log-softmax with a fused scale and causal mask: torch.library ops
 fastkern::softmax and fastkern::softmax_backward.
 
-Forward returns the output and one fp32 log-sum-exp per row; autograd saves x and that row
-statistic (never the output) and backward recomputes y = exp(x * scale - lse) inside its kernel.
+Forward returns the output and one fp32 statistic per row, the max of the scaled, masked row;
+autograd saves x and that statistic (never the output), and backward recomputes
+y = exp(x * scale - max) / sum inside its kernel.
 Rows are reduced along any dim without a transposed copy: the kernels see x as (outer, n, inner).
 """
 import math
@@ -17,7 +18,7 @@ torch.library.define(
     "fastkern::softmax", "(Tensor x, int dim, float scale, bool causal, bool log) -> (Tensor, Tensor)")
 torch.library.define(
     "fastkern::softmax_backward",
-    "(Tensor grad, Tensor x, Tensor lse, int dim, float scale, bool causal, bool log) -> Tensor")
+    "(Tensor grad, Tensor x, Tensor row_max, int dim, float scale, bool causal, bool log) -> Tensor")
 
 
 def _name(log):
@@ -47,7 +48,7 @@ def _check(x, dim, scale, causal, log):
     return math.prod(shape[:dim]), shape[dim], math.prod(shape[dim + 1:]), causal_sq, code
 
 
-def _lse_dtype(x):
+def _stat_dtype(x):
     return torch.float64 if x.dtype == torch.float64 else torch.float32
 
 
@@ -55,40 +56,40 @@ def _softmax(x, dim, scale, causal, log):
     outer, n, inner, causal_sq, code = _check(x, dim, scale, causal, log)
     x = B.dense(x)
     y = torch.empty_like(x)
-    lse = torch.empty(outer * inner, dtype=_lse_dtype(x), device=x.device)
+    row_max = torch.empty(outer * inner, dtype=_stat_dtype(x), device=x.device)
     if y.numel():
         device, stream = B.launch_args(x)
-        _C.softmax_fwd(x.data_ptr(), y.data_ptr(), lse.data_ptr(), outer, n, inner, float(scale),
+        _C.softmax_fwd(x.data_ptr(), y.data_ptr(), row_max.data_ptr(), outer, n, inner, float(scale),
                        causal_sq, int(log), code, device, stream)
-    return y, lse
+    return y, row_max
 
 
 def _softmax_fake(x, dim, scale, causal, log):
     outer, _, inner, _, _ = _check(x, dim, scale, causal, log)
     return (torch.empty_like(x, memory_format=torch.contiguous_format),
-            x.new_empty(outer * inner, dtype=_lse_dtype(x)))
+            x.new_empty(outer * inner, dtype=_stat_dtype(x)))
 
 
-def _softmax_backward(grad, x, lse, dim, scale, causal, log):
+def _softmax_backward(grad, x, row_max, dim, scale, causal, log):
     outer, n, inner, causal_sq, code = _check(x, dim, scale, causal, log)
     op = _name(log) + "_backward"
     B.check_tensor(grad, op, "grad")
     B.check_same(grad, x, op, "grad", "x")
     if grad.shape != x.shape:
         raise ValueError(f"fastkern.{op}: grad has shape {tuple(grad.shape)}, x has {tuple(x.shape)}")
-    if lse.shape != (outer * inner,) or lse.dtype != _lse_dtype(x) or lse.device != x.device:
-        raise ValueError(f"fastkern.{op}: lse must be the ({outer * inner},) {_lse_dtype(x)} row "
+    if row_max.shape != (outer * inner,) or row_max.dtype != _stat_dtype(x) or row_max.device != x.device:
+        raise ValueError(f"fastkern.{op}: row_max must be the ({outer * inner},) {_stat_dtype(x)} row "
                          f"statistic the forward returned")
     grad, x = B.dense(grad), B.dense(x)
     dx = torch.empty_like(x)
     if dx.numel():
         device, stream = B.launch_args(x)
-        _C.softmax_bwd(grad.data_ptr(), x.data_ptr(), lse.data_ptr(), dx.data_ptr(), outer, n, inner,
+        _C.softmax_bwd(grad.data_ptr(), x.data_ptr(), row_max.data_ptr(), dx.data_ptr(), outer, n, inner,
                        float(scale), causal_sq, int(log), code, device, stream)
     return dx
 
 
-def _softmax_backward_fake(grad, x, lse, dim, scale, causal, log):
+def _softmax_backward_fake(grad, x, row_max, dim, scale, causal, log):
     _check(x, dim, scale, causal, log)
     return torch.empty_like(x, memory_format=torch.contiguous_format)
 
@@ -99,10 +100,10 @@ def _setup_context(ctx, inputs, output):
     ctx.args = (dim, scale, causal, log)
 
 
-def _backward(ctx, grad, grad_lse):
-    x, lse = ctx.saved_tensors
+def _backward(ctx, grad, grad_row_max):
+    x, row_max = ctx.saved_tensors
     backward = _softmax_backward if B.plain_eager(grad, x) else _softmax_backward_op
-    return backward(grad, x, lse, *ctx.args), None, None, None, None
+    return backward(grad, x, row_max, *ctx.args), None, None, None, None
 
 
 class _SoftmaxFunction(torch.autograd.Function):
