@@ -119,10 +119,10 @@ def _compiled(fn):
 # ---- cases ---------------------------------------------------------------------------------------
 
 def gelu_cases(device, quick=False):
-    """(name, bytes moved, {impl: fn}) for each GELU case of the issue."""
+    """Yields (name, bytes moved, {impl: fn}) for each GELU case of the issue. Cases are generators
+    so that each is built (and its torch.compile peer reset) right before it is timed."""
     n = 1 << (22 if quick or device.type == "cpu" else 26)
     rows, cols = (1024, 4096) if quick or device.type == "cpu" else (16384, 4096)
-    cases = []
     for dtype in (torch.float32, torch.bfloat16):
         size = torch.finfo(dtype).bits // 8
         x = torch.randn(n, device=device, dtype=dtype)
@@ -136,22 +136,22 @@ def gelu_cases(device, quick=False):
         }
         if triton is not None and device.type == "cuda":
             impls["triton"] = lambda x=x: triton_gelu_tanh(x)
-        cases.append((f"gelu tanh fwd {tag}", 2 * n * size, impls))
-        cases.append((f"gelu tanh bwd {tag}", 3 * n * size, {
+        yield (f"gelu tanh fwd {tag}", 2 * n * size, impls)
+        yield (f"gelu tanh bwd {tag}", 3 * n * size, {
             "fastkern": lambda g=g, x=x: torch.ops.fastkern.gelu_backward.default(g, x, None, "tanh", False),
             "torch": lambda g=g, x=x: torch.ops.aten.gelu_backward(g, x, approximate="tanh"),
             "compile": lambda f=_compiled(gelu_tanh_manual_grad), g=g, x=x: f(g, x),
-        }))
+        })
         erf_gelu = lambda x: F.gelu(x)
-        cases.append((f"gelu erf fwd {tag}", 2 * n * size, {
+        yield (f"gelu erf fwd {tag}", 2 * n * size, {
             "fastkern": lambda x=x: fastkern.gelu(x),
             "torch": lambda x=x: F.gelu(x),
             "compile": lambda f=_compiled(erf_gelu), x=x: f(x),
-        }))
-        cases.append((f"gelu erf bwd {tag}", 3 * n * size, {
+        })
+        yield (f"gelu erf bwd {tag}", 3 * n * size, {
             "fastkern": lambda g=g, x=x: torch.ops.fastkern.gelu_backward.default(g, x, None, "none", False),
             "torch": lambda g=g, x=x: torch.ops.aten.gelu_backward(g, x),
-        }))
+        })
 
     dtype = torch.bfloat16
     x = torch.randn(rows, cols, device=device, dtype=dtype, requires_grad=True)
@@ -161,14 +161,13 @@ def gelu_cases(device, quick=False):
     compiled = _compiled(eager)
     ours = lambda x, b: fastkern.gelu(x, approximate="tanh", bias=b)
     with torch.no_grad():
-        cases.append((f"bias+gelu fwd bf16 ({rows},{cols})", 2 * x.numel() * 2, {
-            "fastkern": lambda: ours(x, b), "torch": lambda: eager(x, b), "compile": lambda: compiled(x, b)}))
+        yield (f"bias+gelu fwd bf16 ({rows},{cols})", 2 * x.numel() * 2, {
+            "fastkern": lambda: ours(x, b), "torch": lambda: eager(x, b), "compile": lambda: compiled(x, b)})
 
     def fwd_bwd(f):
         return lambda: torch.autograd.grad(f(x, b), (x, b), g)
-    cases.append((f"bias+gelu fwd+bwd bf16 ({rows},{cols})", 5 * x.numel() * 2, {
-        "fastkern": fwd_bwd(ours), "torch": fwd_bwd(eager), "compile": fwd_bwd(compiled)}))
-    return cases
+    yield (f"bias+gelu fwd+bwd bf16 ({rows},{cols})", 5 * x.numel() * 2, {
+        "fastkern": fwd_bwd(ours), "torch": fwd_bwd(eager), "compile": fwd_bwd(compiled)})
 
 
 SOFTMAX_SHAPES = [(65536, 128), (32768, 1024), (16384, 4096), (4096, 16384), (1024, 65536),
@@ -181,9 +180,9 @@ def softmax_backward_from_output(g, y):
 
 
 def softmax_cases(device, quick=False):
-    """Forward and backward over the issue's shapes, fp32 and bf16, plus a scaled causal case."""
+    """Yields forward and backward cases over the issue's shapes, fp32 and bf16, and a scaled causal
+    case; each compile peer starts from a reset dynamo, so it is compiled for its own shape."""
     shapes = SOFTMAX_SHAPES if not (quick or device.type == "cpu") else [(r // 16, n) for r, n in SOFTMAX_SHAPES]
-    cases = []
     for dtype in (torch.float32, torch.bfloat16):
         size = torch.finfo(dtype).bits // 8
         for rows, n in shapes:
@@ -192,27 +191,26 @@ def softmax_cases(device, quick=False):
             y = torch.softmax(x, -1)
             _, row_max = torch.ops.fastkern.softmax.default(x, -1, 1.0, False, False)
             tag = f"{str(dtype)[6:]} ({rows},{n})"
-            cases.append((f"softmax fwd {tag}", 2 * x.numel() * size, {
+            yield (f"softmax fwd {tag}", 2 * x.numel() * size, {
                 "fastkern": lambda x=x: fastkern.softmax(x, -1),
                 "torch": lambda x=x: torch.softmax(x, -1),
                 "compile": lambda f=_compiled(lambda x: torch.softmax(x, -1)), x=x: f(x),
-            }))
-            cases.append((f"softmax bwd {tag}", 3 * x.numel() * size, {
+            })
+            yield (f"softmax bwd {tag}", 3 * x.numel() * size, {
                 "fastkern": lambda g=g, x=x, row_max=row_max: torch.ops.fastkern.softmax_backward.default(
                     g, x, row_max, -1, 1.0, False, False),
                 "torch": lambda g=g, y=y: torch._softmax_backward_data(g, y, -1, y.dtype),
                 "compile": lambda f=_compiled(softmax_backward_from_output), g=g, y=y: f(g, y),
-            }))
+            })
     b, h, sq = (4, 8, 2048) if not (quick or device.type == "cpu") else (1, 2, 512)
     x = torch.randn(b, h, sq, sq, device=device, dtype=torch.bfloat16) * 3
     mask = torch.ones(sq, sq, dtype=torch.bool, device=device).triu(1)
     unfused = lambda x: torch.softmax((x * 0.125).masked_fill(mask, float("-inf")), -1)
-    cases.append((f"softmax scale+causal fwd bf16 ({b},{h},{sq},{sq})", 2 * x.numel() * 2, {
+    yield (f"softmax scale+causal fwd bf16 ({b},{h},{sq},{sq})", 2 * x.numel() * 2, {
         "fastkern": lambda: fastkern.softmax(x, -1, scale=0.125, causal=True),
         "torch": lambda: unfused(x),
         "compile": lambda f=_compiled(unfused): f(x),
-    }))
-    return cases
+    })
 
 
 SUITES = {"gelu": gelu_cases, "softmax": softmax_cases}
