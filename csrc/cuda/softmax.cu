@@ -48,9 +48,15 @@ namespace cg = cooperative_groups;
 
 constexpr int kWarpMaxN = 1024;     // longest row the warp kernel holds (32 lanes x 32 elements)
 constexpr int kWarpBlock = 128;     // threads per CTA of the warp kernels
-constexpr int kCtaThreads = 256;    // preferred threads per CTA of the row-block kernels
+#ifndef FK_SOFTMAX_CHUNKS
+#define FK_SOFTMAX_CHUNKS 2
+#endif
+constexpr int kCtaChunks = FK_SOFTMAX_CHUNKS;  // chunks a CTA loops over before rows take a cluster
 constexpr int kBlockThreads = 512;  // most threads per CTA of the row-block kernels: 2 CTAs / SM
-constexpr int kMaxCluster = 16;
+#ifndef FK_SOFTMAX_MAX_CLUSTER
+#define FK_SOFTMAX_MAX_CLUSTER 16
+#endif
+constexpr int kMaxCluster = FK_SOFTMAX_MAX_CLUSTER;
 constexpr float kLog2e = 1.4426950408889634f;
 
 // Keys of row `row` at or beyond the returned length are masked.
@@ -86,10 +92,16 @@ __device__ __forceinline__ double rescale_f64(double s, float from, float to) {
     return from == -INFINITY ? s : s * exp((double)from - (double)to);
 }
 
-// fp32 output divides (the rounding torch has); 16-bit output rounds far coarser than 1 / s does.
+// fp32 output is e / s correctly rounded, as torch divides: q = e * (1 / s) and one remainder step
+// (exact for e in [0, 1], s in [1, n], the softmax range), three instructions against an IEEE
+// division's eight and a slow-path branch. 16-bit output rounds far coarser than 1 / s does.
 template <typename T> __device__ __forceinline__ float normalize(float e, float s, float inv_s) {
-    if constexpr (std::is_same<T, float>::value) return e / s;
-    else return e * inv_s;
+    if constexpr (std::is_same<T, float>::value) {
+        const float q = e * inv_s;
+        return fmaf(fmaf(-q, s, e), inv_s, q);
+    } else {
+        return e * inv_s;
+    }
 }
 
 // VEC == Pack<T>::N: one 16-byte access; VEC == 1: the scalar path for misaligned or odd rows.
@@ -127,24 +139,29 @@ struct MaxSum {
     }
 };
 struct MaxOnly {
+    static __device__ __forceinline__ float2 identity() { return make_float2(-INFINITY, 0.f); }
     static __device__ __forceinline__ float2 combine(float2 a, float2 b) {
         return make_float2(fmaxf(a.x, b.x), 0.f);
     }
 };
-struct SumSum {
-    static __device__ __forceinline__ float2 identity() { return make_float2(0.f, 0.f); }
-    static __device__ __forceinline__ float2 combine(float2 a, float2 b) {
-        return make_float2(a.x + b.x, a.y + b.y);
-    }
+template <typename V> struct SumSum {  // V: float2, or double2 for the fp32 backward's sums
+    static __device__ __forceinline__ V identity() { return V{0, 0}; }
+    static __device__ __forceinline__ V combine(V a, V b) { return V{a.x + b.x, a.y + b.y}; }
 };
 
+// The backward's sums (z = sum y', a = sum dy * y') and the arithmetic after them: fp64 for fp32
+// data. A row dominated by one key has dx there = y (dy - a / z) ~ 0, so every rounding of a, z
+// and y lands in the result (in fp32 this left single rows at 3x torch's error, which rounds y
+// once); fp64 leaves only the exp's own rounding. fp16 / bf16 outputs round far coarser than fp32.
+template <typename T> using Acc = std::conditional_t<std::is_same_v<T, float>, double, float>;
+template <typename T> using Acc2 = std::conditional_t<std::is_same_v<T, float>, double2, float2>;
+
 // Reduction over the `group` lanes (a power of two <= 32) that share a row.
-template <typename Op> __device__ __forceinline__ float2 group_reduce(float2 v, int group) {
+template <typename Op, typename V> __device__ __forceinline__ V group_reduce(V v, int group) {
 #pragma unroll
     for (int offset = 16; offset > 0; offset >>= 1) {
         if (offset < group) {
-            const float2 other = make_float2(__shfl_xor_sync(0xffffffffu, v.x, offset),
-                                             __shfl_xor_sync(0xffffffffu, v.y, offset));
+            const V other{__shfl_xor_sync(0xffffffffu, v.x, offset), __shfl_xor_sync(0xffffffffu, v.y, offset)};
             v = Op::combine(v, other);
         }
     }
@@ -152,9 +169,10 @@ template <typename Op> __device__ __forceinline__ float2 group_reduce(float2 v, 
 }
 
 // Shared memory of one row-block reduction: a pair per warp, then a pair per CTA of the cluster.
-struct RowReduceSmem {
-    float2 warp[kBlockThreads / 32];
-    float2 cta[kMaxCluster];
+// A kernel that reduces twice uses two, so no slot is ever reused.
+template <typename V> struct RowReduceSmem {
+    V warp[kBlockThreads / 32];
+    V cta[kMaxCluster];
 };
 
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
@@ -166,9 +184,9 @@ __device__ __forceinline__ void cluster_wait() { asm volatile("barrier.cluster.w
 
 // Reduction over the CTA, then over the K CTAs of the row's cluster; every thread gets the result.
 // One __syncthreads; with a cluster, each CTA writes its pair into every peer's smem, then one
-// cluster barrier. Used once per kernel, so no slot is ever reused.
-template <typename Op>
-__device__ __forceinline__ float2 row_reduce(float2 v, RowReduceSmem &smem, int cluster_k) {
+// cluster barrier. The kernel's first exchange (`first`) waits on the arrive made at kernel start.
+template <typename Op, typename V>
+__device__ __forceinline__ V row_reduce(V v, RowReduceSmem<V> &smem, int cluster_k, bool first = true) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
     v = group_reduce<Op>(v, 32);
     if (lane == 0) smem.warp[warp] = v;
@@ -177,7 +195,7 @@ __device__ __forceinline__ float2 row_reduce(float2 v, RowReduceSmem &smem, int 
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     if (cluster_k > 1) {
         cg::cluster_group cluster = cg::this_cluster();
-        cluster_wait();  // pairs with cluster_arrive_relaxed at kernel start
+        if (first) cluster_wait();  // pairs with cluster_arrive_relaxed at kernel start
         if (warp == 0 && lane < cluster_k)
             *cluster.map_shared_rank(&smem.cta[cluster.block_rank()], lane) = v;
         cluster.sync();
@@ -233,15 +251,15 @@ softmax_fwd_rows_warp(const T *__restrict__ x, T *__restrict__ y, float *__restr
                 if (is_key(p, k)) m = fmaxf(m, __fmul_rn(raw_at<T, VEC>(raw[r][p], k), scale));
         m = group_reduce<MaxOnly>(make_float2(m, 0.f), group).x;
         const float ref = exp_ref(m);
-        auto e = [&](int p, int k) {
-            return is_key(p, k) ? exp_for<T>(fmaf(raw_at<T, VEC>(raw[r][p], k), scale, -ref)) : 0.f;
-        };
-        float s = 0.f;
+        float e[C], s = 0.f;  // one exp per element, kept for the output
 #pragma unroll
         for (int p = 0; p < P; p++)
 #pragma unroll
-            for (int k = 0; k < VEC; k++) s += e(p, k);
-        s = group_reduce<SumSum>(make_float2(s, 0.f), group).x;
+            for (int k = 0; k < VEC; k++) {
+                e[p * VEC + k] = is_key(p, k) ? exp_for<T>(fmaf(raw_at<T, VEC>(raw[r][p], k), scale, -ref)) : 0.f;
+                s += e[p * VEC + k];
+            }
+        s = group_reduce<SumSum<float2>>(make_float2(s, 0.f), group).x;
         const float inv_s = 1.f / s, log_s = logf(s);
         if (row < rows) {
             if (li == 0) row_max[row] = m;
@@ -253,7 +271,7 @@ softmax_fwd_rows_warp(const T *__restrict__ x, T *__restrict__ y, float *__restr
 #pragma unroll
                     for (int k = 0; k < VEC; k++) {
                         if (kLog) o[k] = is_key(p, k) ? fmaf(raw_at<T, VEC>(raw[r][p], k), scale, -ref) - log_s : -INFINITY - log_s;
-                        else o[k] = normalize<T>(e(p, k), s, inv_s);
+                        else o[k] = normalize<T>(e[p * VEC + k], s, inv_s);
                     }
                     store_vec<T, VEC>(y + row * n + col, o);
                 }
@@ -297,7 +315,7 @@ softmax_bwd_rows_warp(const T *__restrict__ dy, const T *__restrict__ x, const f
             return kCausal ? col + k < len : col < len;
         };
         float yv[C], g[C];
-        float2 za = make_float2(0.f, 0.f);  // (z, a): sum of y', sum of dy * y' (log: of dy)
+        Acc2<T> za = SumSum<Acc2<T>>::identity();  // (z, a): sum of y', sum of dy * y' (log: of dy)
 #pragma unroll
         for (int p = 0; p < P; p++)
 #pragma unroll
@@ -306,10 +324,10 @@ softmax_bwd_rows_warp(const T *__restrict__ dy, const T *__restrict__ x, const f
                 yv[i] = in(p, k, valid[r]) ? exp_for<T>(fmaf(raw_at<T, VEC>(raw_x[r][p], k), scale, -exp_ref(m_saved[r]))) : 0.f;
                 g[i] = in(p, k, dy_len[r]) ? raw_at<T, VEC>(raw_dy[r][p], k) : 0.f;
                 za.x += yv[i];
-                za.y += kLog ? g[i] : g[i] * yv[i];
+                za.y += kLog ? (Acc<T>)g[i] : (Acc<T>)g[i] * yv[i];
             }
-        za = group_reduce<SumSum>(za, group);
-        const float inv_z = 1.f / za.x, a_z = kLog ? za.y : za.y * inv_z;
+        za = group_reduce<SumSum<Acc2<T>>>(za, group);
+        const Acc<T> inv_z = 1 / za.x, a_z = kLog ? za.y : za.y * inv_z;
         if (row < rows) {
 #pragma unroll
             for (int p = 0; p < P; p++) {
@@ -318,9 +336,9 @@ softmax_bwd_rows_warp(const T *__restrict__ dy, const T *__restrict__ x, const f
                     float o[VEC];
 #pragma unroll
                     for (int k = 0; k < VEC; k++) {
-                        const float yk = yv[p * VEC + k] * inv_z, gk = g[p * VEC + k];
-                        const float d = scale * (kLog ? gk - yk * a_z : yk * (gk - a_z));
-                        o[k] = kCausal && !in(p, k, valid[r]) ? 0.f : d;
+                        const Acc<T> yk = yv[p * VEC + k] * inv_z, gk = g[p * VEC + k];
+                        const Acc<T> d = scale * (kLog ? gk - yk * a_z : yk * (gk - a_z));
+                        o[k] = kCausal && !in(p, k, valid[r]) ? 0.f : (float)d;
                     }
                     store_vec<T, VEC>(dx + row * n + col, o);
                 }
@@ -333,12 +351,20 @@ softmax_bwd_rows_warp(const T *__restrict__ dy, const T *__restrict__ x, const f
 
 // Elements per thread per chunk: 64 bytes forward, 32 bytes of each of x and dy backward (the
 // scalar path keeps 8 of each: a register apiece), within the 64 registers of 2 x 512 threads.
+#ifndef FK_SOFTMAX_FWD_BYTES
+#define FK_SOFTMAX_FWD_BYTES 64
+#endif
 template <typename T, int VEC> __host__ __device__ constexpr int block_elems_fwd() {
-    return VEC == 1 ? 8 : 64 / (int)sizeof(T);
+    return VEC == 1 ? 8 : FK_SOFTMAX_FWD_BYTES / (int)sizeof(T);
 }
 template <typename T, int VEC> __host__ __device__ constexpr int block_elems_bwd() {
     return VEC == 1 ? 8 : 32 / (int)sizeof(T);
 }
+
+// Whether a row-block kernel whose slice fits its registers keeps each element's exp for the write
+// pass (fp32, whose accurate expf is ~10 instructions) or takes it again (16-bit: ex2.approx is one,
+// and the kept values cost registers and, forward, a second reduction: measured slower).
+template <typename T> constexpr bool kExpOnce = std::is_same_v<T, float>;
 
 // Elements left from a thread's first access, as an int in [-1, chunk].
 __device__ __forceinline__ int clamp_offset(int64_t left, int64_t chunk) {
@@ -350,7 +376,7 @@ __global__ void __launch_bounds__(kBlockThreads, 2)
 softmax_fwd_rows_block(int64_t n, int64_t seg, int cluster_k, const T *__restrict__ x, T *__restrict__ y,
                        float *__restrict__ row_max, float scale, int64_t causal_sq) {
     constexpr int C = block_elems_fwd<T, VEC>(), P = C / VEC;
-    __shared__ RowReduceSmem smem;
+    __shared__ RowReduceSmem<float2> smem[2];
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     if (cluster_k > 1) cluster_arrive_relaxed();
 #endif
@@ -377,34 +403,64 @@ softmax_fwd_rows_block(int64_t n, int64_t seg, int cluster_k, const T *__restric
             if (is_key(p, 0, keys)) raw[p] = load_raw<T, VEC>(xr + start + p * 32 * VEC);
     };
 
-    // (max, sum of exp relative to it) of this thread's elements, online across chunks
-    float2 ms = MaxSum::identity();
-    for (int64_t c = 0; c < chunks; c++) {
-        const int64_t start = begin + c * chunk;
-        load_chunk(start);
-        const int keys = clamp_offset(load_end - start - lane_off, chunk);
-        float m = ms.x;
+    // One chunk for every CTA of the row (decided by seg, which all ranks share: the last rank's
+    // shorter slice must not pick a different reduction than its cluster peers).
+    const bool in_registers = kExpOnce<T> && seg <= chunk;
+    float m, s, e[C];
+    if (in_registers) {
+        // The slice sits in registers: the exact row max first, then one exp per element, kept
+        // for the output (a second reduction, but half the MUFU work of recomputing the exp).
+        load_chunk(begin);
+        const int keys = clamp_offset(load_end - begin - lane_off, chunk);
+        m = -INFINITY;
 #pragma unroll
         for (int p = 0; p < P; p++)
 #pragma unroll
             for (int k = 0; k < VEC; k++)
                 if (is_key(p, k, keys)) m = fmaxf(m, __fmul_rn(raw_at<T, VEC>(raw[p], k), scale));
-        const float ref = exp_ref(m);
-        float s = rescale(ms.y, ms.x, ref);
+        m = row_reduce<MaxOnly>(make_float2(m, 0.f), smem[0], cluster_k).x;
+        s = 0.f;
 #pragma unroll
         for (int p = 0; p < P; p++)
 #pragma unroll
-            for (int k = 0; k < VEC; k++)
-                if (is_key(p, k, keys)) s += exp_for<T>(fmaf(raw_at<T, VEC>(raw[p], k), scale, -ref));
-        ms = make_float2(m, s);
+            for (int k = 0; k < VEC; k++) {
+                const int i = p * VEC + k;
+                e[i] = is_key(p, k, keys) ? exp_for<T>(fmaf(raw_at<T, VEC>(raw[p], k), scale, -exp_ref(m))) : 0.f;
+                s += e[i];
+            }
+        s = row_reduce<SumSum<float2>>(make_float2(s, 0.f), smem[1], cluster_k, false).x;
+    } else {
+        // (max, sum of exp relative to it) of this thread's elements, online across chunks; the
+        // write pass re-reads each chunk (mostly from L2) and takes its exp again
+        float2 ms = MaxSum::identity();
+        for (int64_t c = 0; c < chunks; c++) {
+            const int64_t start = begin + c * chunk;
+            load_chunk(start);
+            const int keys = clamp_offset(load_end - start - lane_off, chunk);
+            float cm = ms.x;
+#pragma unroll
+            for (int p = 0; p < P; p++)
+#pragma unroll
+                for (int k = 0; k < VEC; k++)
+                    if (is_key(p, k, keys)) cm = fmaxf(cm, __fmul_rn(raw_at<T, VEC>(raw[p], k), scale));
+            const float ref = exp_ref(cm);
+            float cs = rescale(ms.y, ms.x, ref);
+#pragma unroll
+            for (int p = 0; p < P; p++)
+#pragma unroll
+                for (int k = 0; k < VEC; k++)
+                    if (is_key(p, k, keys)) cs += exp_for<T>(fmaf(raw_at<T, VEC>(raw[p], k), scale, -ref));
+            ms = make_float2(cm, cs);
+        }
+        ms = row_reduce<MaxSum>(ms, smem[0], cluster_k);
+        m = ms.x;
+        s = ms.y;
     }
-    ms = row_reduce<MaxSum>(ms, smem, cluster_k);
-    const float m = ms.x, s = ms.y, ref = exp_ref(m), inv_s = 1.f / s, log_s = logf(s);
+    const float ref = exp_ref(m), inv_s = 1.f / s, log_s = logf(s);
     if (rank == 0 && threadIdx.x == 0) row_max[row] = m;
 
-    for (int64_t c = 0; c < chunks; c++) {
-        const int64_t start = begin + c * chunk;
-        if (chunks > 1) load_chunk(start);
+    // writes the chunk at `start`; exp_of(i, t) is element i's exp(t), t = x * scale - m
+    auto write_chunk = [&](int64_t start, auto exp_of) {
         const int keys = clamp_offset(load_end - start - lane_off, chunk);
         const int outs = clamp_offset(end - start - lane_off, chunk);
 #pragma unroll
@@ -415,10 +471,18 @@ softmax_fwd_rows_block(int64_t n, int64_t seg, int cluster_k, const T *__restric
                 for (int k = 0; k < VEC; k++) {
                     const float t = fmaf(raw_at<T, VEC>(raw[p], k), scale, -ref);
                     if (kLog) o[k] = is_key(p, k, keys) ? t - log_s : -INFINITY - log_s;
-                    else o[k] = normalize<T>(is_key(p, k, keys) ? exp_for<T>(t) : 0.f, s, inv_s);
+                    else o[k] = normalize<T>(is_key(p, k, keys) ? exp_of(p * VEC + k, t) : 0.f, s, inv_s);
                 }
                 store_vec<T, VEC>(yr + start + p * 32 * VEC, o);
             }
+        }
+    };
+    if (in_registers) {
+        write_chunk(begin, [&](int i, float) { return e[i]; });
+    } else {
+        for (int64_t c = 0; c < chunks; c++) {
+            if (chunks > 1) load_chunk(begin + c * chunk);
+            write_chunk(begin + c * chunk, [](int, float t) { return exp_for<T>(t); });
         }
     }
 }
@@ -429,7 +493,7 @@ softmax_bwd_rows_block(int64_t n, int64_t seg, int cluster_k, const T *__restric
                        const T *__restrict__ x, const float *__restrict__ row_max, T *__restrict__ dx,
                        float scale, int64_t causal_sq) {
     constexpr int C = block_elems_bwd<T, VEC>(), P = C / VEC;
-    __shared__ RowReduceSmem smem;
+    __shared__ RowReduceSmem<Acc2<T>> smem;
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     if (cluster_k > 1) cluster_arrive_relaxed();
 #endif
@@ -461,7 +525,8 @@ softmax_bwd_rows_block(int64_t n, int64_t seg, int cluster_k, const T *__restric
         return in(p, k, xs) ? exp_for<T>(fmaf(raw_at<T, VEC>(raw_x[p], k), scale, -exp_ref(m_saved))) : 0.f;
     };
 
-    float2 za = SumSum::identity();  // (z, a): sum of y', sum of dy * y' (log: of dy)
+    Acc2<T> za = SumSum<Acc2<T>>::identity();  // (z, a): sum of y', sum of dy * y' (log: of dy)
+    float yv[C];  // the last chunk's y': with one chunk, the write pass takes no second exp
     for (int64_t c = 0; c < chunks; c++) {
         const int64_t start = begin + c * chunk;
         load_chunk(start);
@@ -472,16 +537,16 @@ softmax_bwd_rows_block(int64_t n, int64_t seg, int cluster_k, const T *__restric
 #pragma unroll
             for (int k = 0; k < VEC; k++) {
                 const float yk = y_unnorm(p, k, xs), gk = in(p, k, dys) ? raw_at<T, VEC>(raw_dy[p], k) : 0.f;
+                if (kExpOnce<T>) yv[p * VEC + k] = yk;
                 za.x += yk;
-                za.y += kLog ? gk : gk * yk;
+                za.y += kLog ? (Acc<T>)gk : (Acc<T>)gk * yk;
             }
     }
-    za = row_reduce<SumSum>(za, smem, cluster_k);
-    const float inv_z = 1.f / za.x, a_z = kLog ? za.y : za.y * inv_z;
+    za = row_reduce<SumSum<Acc2<T>>>(za, smem, cluster_k);
+    const Acc<T> inv_z = 1 / za.x, a_z = kLog ? za.y : za.y * inv_z;
 
-    for (int64_t c = 0; c < chunks; c++) {
-        const int64_t start = begin + c * chunk;
-        if (chunks > 1) load_chunk(start);
+    // writes the chunk at `start` from y_of(p, k, xs), element (p, k)'s y'
+    auto write_chunk = [&](int64_t start, auto y_of) {
         const int xs = clamp_offset(x_end - start - lane_off, chunk);
         const int outs = clamp_offset(end - start - lane_off, chunk);
 #pragma unroll
@@ -490,12 +555,20 @@ softmax_bwd_rows_block(int64_t n, int64_t seg, int cluster_k, const T *__restric
                 float o[VEC];
 #pragma unroll
                 for (int k = 0; k < VEC; k++) {
-                    const float yk = y_unnorm(p, k, xs) * inv_z, gk = raw_at<T, VEC>(raw_dy[p], k);
-                    const float d = scale * (kLog ? gk - yk * a_z : yk * (gk - a_z));
-                    o[k] = in(p, k, xs) ? d : 0.f;
+                    const Acc<T> yk = y_of(p, k, xs) * inv_z, gk = raw_at<T, VEC>(raw_dy[p], k);
+                    const Acc<T> d = scale * (kLog ? gk - yk * a_z : yk * (gk - a_z));
+                    o[k] = in(p, k, xs) ? (float)d : 0.f;
                 }
                 store_vec<T, VEC>(dxr + start + p * 32 * VEC, o);
             }
+        }
+    };
+    if (kExpOnce<T> && chunks == 1) {
+        write_chunk(begin, [&](int p, int k, int) { return yv[p * VEC + k]; });
+    } else {
+        for (int64_t c = 0; c < chunks; c++) {
+            if (chunks > 1) load_chunk(begin + c * chunk);
+            write_chunk(begin + c * chunk, y_unnorm);
         }
     }
 }
@@ -558,34 +631,34 @@ __global__ void __launch_bounds__(1024)
 softmax_bwd_cols(const T *__restrict__ dy, const T *__restrict__ x, const float *__restrict__ row_max,
                  T *__restrict__ dx, int64_t columns, int64_t n, int64_t inner, float scale,
                  int is_log) {
-    __shared__ float part_z[32][kColsX], part_a[32][kColsX];
+    __shared__ Acc<T> part_z[32][kColsX], part_a[32][kColsX];
     const int tx = threadIdx.x, ty = threadIdx.y, ny = blockDim.y;
     const int64_t column = (int64_t)blockIdx.x * kColsX + tx;
     const bool active = column < columns;
     const int64_t o = column / inner, base = o * n * inner + (column - o * inner);
     const float m_saved = active ? row_max[column] : 0.f;
 
-    float z = 0.f, a = 0.f;
+    Acc<T> z = 0, a = 0;
     if (active) {
         for (int64_t j = ty; j < n; j += ny) {
             const float yv = expf(fmaf(fk::to_f32(x[base + j * inner]), scale, -exp_ref(m_saved)));
             const float g = fk::to_f32(dy[base + j * inner]);
             z += yv;
-            a += is_log ? g : g * yv;
+            a += is_log ? (Acc<T>)g : (Acc<T>)g * yv;
         }
     }
     part_z[ty][tx] = z;
     part_a[ty][tx] = a;
     __syncthreads();
-    z = 0.f;
-    a = 0.f;
+    z = 0;
+    a = 0;
     for (int t = 0; t < ny; t++) z += part_z[t][tx], a += part_a[t][tx];
     if (!active) return;
-    const float inv_z = 1.f / z, a_z = is_log ? a : a * inv_z;
+    const Acc<T> inv_z = 1 / z, a_z = is_log ? a : a * inv_z;
     for (int64_t j = ty; j < n; j += ny) {
-        const float yv = expf(fmaf(fk::to_f32(x[base + j * inner]), scale, -exp_ref(m_saved))) * inv_z;
-        const float g = fk::to_f32(dy[base + j * inner]);
-        dx[base + j * inner] = fk::from_f32<T>(scale * (is_log ? g - yv * a_z : yv * (g - a_z)));
+        const Acc<T> yv = expf(fmaf(fk::to_f32(x[base + j * inner]), scale, -exp_ref(m_saved))) * inv_z;
+        const Acc<T> g = fk::to_f32(dy[base + j * inner]);
+        dx[base + j * inner] = fk::from_f32<T>((float)(scale * (is_log ? g - yv * a_z : yv * (g - a_z))));
     }
 }
 
@@ -642,12 +715,14 @@ int64_t pow2_ceil(int64_t v) {
 }
 
 // Picks the cluster size K and CTA size of a row-block kernel (C elements per thread) and launches
-// it: K is the power of two that gives CTAs of <= kCtaThreads threads (capped by the cluster
-// limit), and the CTA grows up to kBlockThreads before the slice is split into chunks.
+// it: K is the smallest power of two that leaves each CTA at most kCtaChunks chunks of kBlockThreads
+// threads (capped by the cluster limit), and a slice of one chunk takes only the warps it fills.
+// Measured on an H100: re-reading a second chunk from L2 costs less than a larger cluster's
+// co-scheduling and barrier, or than CTAs of 256 threads.
 template <auto kernel, int VEC, int C, typename... Args>
 fk_status launch_rows_block(const char *op, int64_t rows, int64_t n, int device, cudaStream_t stream,
                             Args... args) {
-    const int64_t per_cta = (int64_t)kCtaThreads * C;
+    const int64_t per_cta = (int64_t)kBlockThreads * C * kCtaChunks;
     int64_t k = 1;
     if (n > per_cta) {
         const int64_t limit = cluster_limit<kernel>(device);
