@@ -14,16 +14,17 @@
 //   n <= 1024     a warp (or a 1..16-lane group for very short rows) per row, 1..4 rows per group so
 //                 each lane has >= 64 bytes in flight; row in registers, read once.
 //   longer        K CTAs per row (K = 1, else a thread-block cluster of up to 16 on sm_90), each
-//                 thread holding 64 bytes (backward: 32 of x and 32 of dy) raw in registers, CTAs of
-//                 ~256 threads so 4..8 CTAs share an SM and one CTA's barrier is covered by the
-//                 others' loads. One combined reduction of (max, sum of exp) pairs (backward: the two
-//                 sums) per row: warp shuffles, one __syncthreads, and for clusters one exchange
-//                 through distributed shared memory (each CTA writes its pair into every peer, then
-//                 one cluster barrier). (256, 262144) bf16 is 16 CTAs of 512 threads per row.
-//                 Slices that do not fit one CTA's registers (forward rows > 131072 fp32 / 262144
-//                 bf16, or > 8192 / 16384 without clusters; backward half that) loop over chunks: an
-//                 online max / rescaled-sum pass, then the write pass re-reading the slice (64 KB
-//                 per CTA, so the re-read mostly hits L2).
+//                 thread holding 64 bytes (backward: 32 of x and 32 of dy) raw in registers per
+//                 chunk, CTAs of up to 512 threads, and K the smallest power of two that leaves a CTA
+//                 at most two chunks (a second chunk is re-read from L2, which measured cheaper on an
+//                 H100 than a larger cluster or 256-thread CTAs). One combined reduction of (max, sum
+//                 of exp) pairs (backward: the two sums) per row: warp shuffles, one __syncthreads,
+//                 and for clusters one exchange through distributed shared memory (each CTA writes
+//                 its pair into every peer, then one cluster barrier). Looped slices take an online
+//                 max / rescaled-sum pass, then the write pass re-reads them. fp32 slices that fit
+//                 one chunk instead reduce the exact max first and keep each exp for the write pass
+//                 (one accurate expf per element instead of two); 16-bit ones measured faster with
+//                 the single reduction and a second ex2.approx.
 // inner > 1: a thread per (outer, inner) column, 32 columns per warp so loads stay coalesced, 8..32
 // threads splitting n, online max / sum down n, then a write pass (x read twice).
 //
