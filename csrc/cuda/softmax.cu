@@ -150,12 +150,30 @@ template <typename V> struct SumSum {  // V: float2, or double2 for the fp32 bac
     static __device__ __forceinline__ V combine(V a, V b) { return V{a.x + b.x, a.y + b.y}; }
 };
 
-// The backward's sums (z = sum y', a = sum dy * y') and the arithmetic after them: fp64 for fp32
-// data. A row dominated by one key has dx there = y (dy - a / z) ~ 0, so every rounding of a, z
-// and y lands in the result (in fp32 this left single rows at 3x torch's error, which rounds y
-// once); fp64 leaves only the exp's own rounding. fp16 / bf16 outputs round far coarser than fp32.
+// The backward's sums (z = sum y', a = sum dy * y'): fp64 for fp32 data. A row dominated by one
+// key has dx there = y (dy - a / z) ~ 0, so every rounding of a and z lands in the result (fp32
+// sums left single rows at 3x torch's error). fp16 / bf16 outputs round far coarser than fp32.
 template <typename T> using Acc = std::conditional_t<std::is_same_v<T, float>, double, float>;
 template <typename T> using Acc2 = std::conditional_t<std::is_same_v<T, float>, double2, float2>;
+
+// dx for one element from the row's sums, in fp32 arithmetic: a / z is carried as a_hi + a_lo, so
+// dy - a / z keeps its accuracy where it cancels (dy - a_hi is exact there) without converting every
+// element to fp64 (F2F.F64 issues at 16 per clock per SM: it cost 13% on the fp32 backward).
+template <typename T> struct BwdRow {
+    static constexpr bool kSplit = std::is_same_v<T, float>;  // 16-bit: a_lo is 0
+    float inv_z, a_hi, a_lo, scale;
+    __device__ __forceinline__ BwdRow(Acc<T> z, Acc<T> a, bool is_log, float scale_) : scale(scale_) {
+        const Acc<T> inv = 1 / z, a_z = is_log ? a : a * inv;
+        inv_z = (float)inv;
+        a_hi = (float)a_z;
+        a_lo = kSplit ? (float)(a_z - (Acc<T>)a_hi) : 0.f;
+    }
+    template <bool kLog> __device__ __forceinline__ float dx(float y_unnorm, float g) const {
+        const float y = y_unnorm * inv_z;
+        if (!kSplit) return scale * (kLog ? fmaf(-y, a_hi, g) : y * (g - a_hi));
+        return scale * (kLog ? fmaf(-y, a_hi, g) - y * a_lo : y * ((g - a_hi) - a_lo));
+    }
+};
 
 // Reduction over the `group` lanes (a power of two <= 32) that share a row.
 template <typename Op, typename V> __device__ __forceinline__ V group_reduce(V v, int group) {
@@ -328,7 +346,7 @@ softmax_bwd_rows_warp(const T *__restrict__ dy, const T *__restrict__ x, const f
                 za.y += kLog ? (Acc<T>)g[i] : (Acc<T>)g[i] * yv[i];
             }
         za = group_reduce<SumSum<Acc2<T>>>(za, group);
-        const Acc<T> inv_z = 1 / za.x, a_z = kLog ? za.y : za.y * inv_z;
+        const BwdRow<T> br(za.x, za.y, kLog, scale);
         if (row < rows) {
 #pragma unroll
             for (int p = 0; p < P; p++) {
@@ -337,9 +355,8 @@ softmax_bwd_rows_warp(const T *__restrict__ dy, const T *__restrict__ x, const f
                     float o[VEC];
 #pragma unroll
                     for (int k = 0; k < VEC; k++) {
-                        const Acc<T> yk = yv[p * VEC + k] * inv_z, gk = g[p * VEC + k];
-                        const Acc<T> d = scale * (kLog ? gk - yk * a_z : yk * (gk - a_z));
-                        o[k] = kCausal && !in(p, k, valid[r]) ? 0.f : (float)d;
+                        const float d = br.template dx<kLog>(yv[p * VEC + k], g[p * VEC + k]);
+                        o[k] = kCausal && !in(p, k, valid[r]) ? 0.f : d;
                     }
                     store_vec<T, VEC>(dx + row * n + col, o);
                 }
@@ -544,7 +561,7 @@ softmax_bwd_rows_block(int64_t n, int64_t seg, int cluster_k, const T *__restric
             }
     }
     za = row_reduce<SumSum<Acc2<T>>>(za, smem, cluster_k);
-    const Acc<T> inv_z = 1 / za.x, a_z = kLog ? za.y : za.y * inv_z;
+    const BwdRow<T> br(za.x, za.y, kLog, scale);
 
     // writes the chunk at `start` from y_of(p, k, xs), element (p, k)'s y'
     auto write_chunk = [&](int64_t start, auto y_of) {
@@ -556,9 +573,8 @@ softmax_bwd_rows_block(int64_t n, int64_t seg, int cluster_k, const T *__restric
                 float o[VEC];
 #pragma unroll
                 for (int k = 0; k < VEC; k++) {
-                    const Acc<T> yk = y_of(p, k, xs) * inv_z, gk = raw_at<T, VEC>(raw_dy[p], k);
-                    const Acc<T> d = scale * (kLog ? gk - yk * a_z : yk * (gk - a_z));
-                    o[k] = in(p, k, xs) ? (float)d : 0.f;
+                    const float d = br.template dx<kLog>(y_of(p, k, xs), raw_at<T, VEC>(raw_dy[p], k));
+                    o[k] = in(p, k, xs) ? d : 0.f;
                 }
                 store_vec<T, VEC>(dxr + start + p * 32 * VEC, o);
             }
