@@ -49,15 +49,9 @@ namespace cg = cooperative_groups;
 
 constexpr int kWarpMaxN = 1024;     // longest row the warp kernel holds (32 lanes x 32 elements)
 constexpr int kWarpBlock = 128;     // threads per CTA of the warp kernels
-#ifndef FK_SOFTMAX_CHUNKS
-#define FK_SOFTMAX_CHUNKS 2
-#endif
-constexpr int kCtaChunks = FK_SOFTMAX_CHUNKS;  // chunks a CTA loops over before rows take a cluster
+constexpr int kCtaChunks = 2;       // chunks a CTA loops over before rows take a cluster
 constexpr int kBlockThreads = 512;  // most threads per CTA of the row-block kernels: 2 CTAs / SM
-#ifndef FK_SOFTMAX_MAX_CLUSTER
-#define FK_SOFTMAX_MAX_CLUSTER 16
-#endif
-constexpr int kMaxCluster = FK_SOFTMAX_MAX_CLUSTER;
+constexpr int kMaxCluster = 16;
 constexpr float kLog2e = 1.4426950408889634f;
 
 // Keys of row `row` at or beyond the returned length are masked.
@@ -369,11 +363,8 @@ softmax_bwd_rows_warp(const T *__restrict__ dy, const T *__restrict__ x, const f
 
 // Elements per thread per chunk: 64 bytes forward, 32 bytes of each of x and dy backward (the
 // scalar path keeps 8 of each: a register apiece), within the 64 registers of 2 x 512 threads.
-#ifndef FK_SOFTMAX_FWD_BYTES
-#define FK_SOFTMAX_FWD_BYTES 64
-#endif
 template <typename T, int VEC> __host__ __device__ constexpr int block_elems_fwd() {
-    return VEC == 1 ? 8 : FK_SOFTMAX_FWD_BYTES / (int)sizeof(T);
+    return VEC == 1 ? 8 : 64 / (int)sizeof(T);
 }
 template <typename T, int VEC> __host__ __device__ constexpr int block_elems_bwd() {
     return VEC == 1 ? 8 : 32 / (int)sizeof(T);
@@ -671,11 +662,11 @@ softmax_bwd_cols(const T *__restrict__ dy, const T *__restrict__ x, const float 
     a = 0;
     for (int t = 0; t < ny; t++) z += part_z[t][tx], a += part_a[t][tx];
     if (!active) return;
-    const Acc<T> inv_z = 1 / z, a_z = is_log ? a : a * inv_z;
+    const BwdRow<T> br(z, a, is_log, scale);
     for (int64_t j = ty; j < n; j += ny) {
-        const Acc<T> yv = expf(fmaf(fk::to_f32(x[base + j * inner]), scale, -exp_ref(m_saved))) * inv_z;
-        const Acc<T> g = fk::to_f32(dy[base + j * inner]);
-        dx[base + j * inner] = fk::from_f32<T>((float)(scale * (is_log ? g - yv * a_z : yv * (g - a_z))));
+        const float yv = expf(fmaf(fk::to_f32(x[base + j * inner]), scale, -exp_ref(m_saved)));
+        const float g = fk::to_f32(dy[base + j * inner]);
+        dx[base + j * inner] = fk::from_f32<T>(is_log ? br.template dx<true>(yv, g) : br.template dx<false>(yv, g));
     }
 }
 
