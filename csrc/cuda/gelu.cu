@@ -1,17 +1,19 @@
 // GELU forward and backward on the GPU, with an optional fused bias and its fused gradient.
 //
-// Napkin math (H200, copy bandwidth ~4.2 TB/s read + write): forward moves 2 x bytes(x), backward
-// 3 x bytes(x) (dy and x read, dx written). 2^26 bf16 elements: 256 MB -> 61 us forward, 384 MB ->
-// 91 us backward: ~4 elements per SM per clock, so with 16-bit storage the instruction count, not
+// Napkin math (H200, copy bandwidth ~4.26 TB/s read + write): forward moves 2 x bytes(x), backward
+// 3 x bytes(x) (dy and x read, dx written). 2^26 bf16 elements: 256 MB -> 60 us forward, 384 MB ->
+// 90 us backward: ~4 elements per SM per clock, so with 16-bit storage the instruction count, not
 // the memory, can set the pace. The tanh form is computed as x * sigmoid(2u) = x / (1 + exp(-2u)):
 // one exp and one division, no cancellation in 1 + tanh(u) for negative x. fp32 keeps libdevice's
 // accurate expf / erff and IEEE division (its rounding must stay within 2x of torch's); fp16 / bf16
-// use the hardware exp2 and reciprocal, whose ~1e-6 relative error vanishes under 16-bit rounding.
+// use bare MUFU ex2 / rcp (ftz, no fix-up code) with the constants folded: ~8 instructions an
+// element for the tanh form (94% of copy for bf16 forward, against 91% with exp2f / __fdividef).
+// The erf form's erff costs ~25 instructions an element: bf16 erf forward stays ALU-bound (~70%).
 //
 // Two kernel shapes, both moving 16-byte packs (plain loads: the read-only path measured slower),
-// with kUnroll in flight per thread and tensor (one
-// element per lane where a view is misaligned or a row breaks the pack), and both ordered so that
-// blocks running together touch neighbouring memory:
+// with kUnroll packs in flight per thread and tensor (one element per lane where a view is
+// misaligned or a row breaks the pack), and both ordered so that blocks running together touch
+// neighbouring memory:
 //  - gelu_flat: the tensor as one flat array (no bias, or a bias on rows narrower than a warp's
 //    worth of packs, found by a 64-bit modulo per fragment);
 //  - gelu_rows: blocks own a column tile and stride over row blocks, so each thread keeps its
@@ -19,6 +21,8 @@
 //    the block's row lanes into one fp32 row of partials per row group (P x cols in the workspace,
 //    P ~ 2 waves of resident blocks / column tiles); a second small kernel sums the P partials in a fixed
 //    order: deterministic, and P x cols x 8 bytes, ~1% of the traffic at (16384, 4096).
+#include <type_traits>
+
 #include "common.cuh"
 
 namespace {
@@ -29,18 +33,36 @@ constexpr float kSqrt2OverPi = 0.79788456080286535588f;
 constexpr float kTanhCoef = 0.044715f;
 constexpr float kLog2e = 1.44269504088896340736f;
 
+// 2^t and 1 / d as single MUFU instructions (no denormal fix-ups: results below 2^-126 flush to 0,
+// far below 16-bit resolution next to the values they are added to or divide).
+__device__ __forceinline__ float ex2_ftz(float t) {
+    float r;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(t));
+    return r;
+}
+__device__ __forceinline__ float rcp_ftz(float d) {
+    float r;
+    asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(d));
+    return r;
+}
+
 template <bool kFast> __device__ __forceinline__ float exp_any(float v) {
-    return kFast ? exp2f(kLog2e * v) : expf(v);
+    return kFast ? ex2_ftz(kLog2e * v) : expf(v);
 }
 
 template <bool kFast> __device__ __forceinline__ float div_any(float a, float b) {
-    return kFast ? __fdividef(a, b) : a / b;
+    return kFast ? a * rcp_ftz(b) : a / b;
 }
 
-// exp(-2u) for the tanh form, clamped so that e * sigmoid stays finite (e <= 1.6e38).
+// exp(-2u), u = sqrt(2/pi) (v + 0.044715 v^3), for the tanh form, clamped so that e * sigmoid stays
+// finite (e <= 1.6e38). 16-bit: the constants are folded into one polynomial in base 2.
 template <bool kFast> __device__ __forceinline__ float tanh_form_exp(float v) {
+    if (kFast) {
+        constexpr float c1 = -2.0f * kSqrt2OverPi * kLog2e, c3 = c1 * kTanhCoef;
+        return ex2_ftz(fminf(v * fmaf(v * v, c3, c1), 88.0f * kLog2e));
+    }
     float u = kSqrt2OverPi * (v + kTanhCoef * v * v * v);
-    return exp_any<kFast>(fminf(-2.0f * u, 88.0f));
+    return expf(fminf(-2.0f * u, 88.0f));
 }
 
 template <int kApprox, bool kFast> __device__ __forceinline__ float gelu(float v) {
@@ -82,11 +104,14 @@ template <typename T, int N> struct alignas(N == fk::Pack<T>::N ? 16 : alignof(T
 };
 
 constexpr int kThreads = 256;
-// Fragments in flight per thread and tensor: measured on an H200 (2^26 elements), one per thread
-// forward and two backward beat four or eight, which cost occupancy and left bf16 backward at 84%.
-template <bool kBackward> constexpr int kUnroll = kBackward ? 2 : 1;
 constexpr int kLanesX = 32;  // gelu_rows: fragment columns per block
 constexpr int kLanesY = kThreads / kLanesX;
+
+// Fragments in flight per thread and tensor, measured on an H200 (2^26 elements, 16384 x 4096):
+// two for the flat kernel (one left the fp32 and erf forwards 1-6 points lower), one forward and
+// two backward for the row tiles. Persistent grid-stride forms of both (one wave of resident
+// blocks, with or without the next step's loads issued before this step's math) lost 5-15 points.
+template <bool kRows, bool kBackward> constexpr int kUnroll = kRows && !kBackward ? 1 : 2;
 
 // x <- gelu(x + bias) (forward) or dy * gelu'(x + bias) (backward), in place; returns the fp32
 // results through `sum` (added) for the bias gradient.
@@ -111,21 +136,20 @@ template <typename T, int N> __device__ __forceinline__ void load_f32(const T *p
 }
 
 // Forward (kBackward false): out = gelu(x + bias). Backward: out = dy * gelu'(x + bias).
-// Block b owns fragments [b * kThreads * kUnroll, (b + 1) * kThreads * kUnroll): blocks running
-// together touch neighbouring memory (a persistent grid that gives each block one long contiguous
-// range measured 15% slower on an H200). The last count % N elements (when N > 1) go one per
-// thread to the first threads of the grid.
+// Block b owns fragments [b * kThreads * kU, (b + 1) * kThreads * kU): blocks running together
+// touch neighbouring memory. The last count % N elements (when N > 1) go one per thread to the
+// first threads of the grid.
 template <typename T, int N, int kApprox, bool kBackward>
 __global__ void __launch_bounds__(kThreads)
 gelu_flat(const T *__restrict__ dy, const T *__restrict__ x, const T *__restrict__ bias,
-          T *__restrict__ out, int64_t count, int64_t cols) {
-    constexpr int kU = kUnroll<kBackward>;
-    const int64_t frags = count / N;
+          T *__restrict__ out, float *__restrict__, int64_t rows, int64_t cols) {
+    constexpr int kU = kUnroll<false, kBackward>;
+    const int64_t count = rows * cols, frags = count / N;
     const int64_t base = (int64_t)blockIdx.x * kThreads * kU + threadIdx.x;
     Frag<T, N> xs[kU], gs[kU];
 #pragma unroll
     for (int u = 0; u < kU; u++) {
-        int64_t f = base + u * kThreads;
+        const int64_t f = base + u * kThreads;
         if (f < frags) {
             xs[u].load(x + f * N);
             if (kBackward) gs[u].load(dy + f * N);
@@ -134,7 +158,7 @@ gelu_flat(const T *__restrict__ dy, const T *__restrict__ x, const T *__restrict
     float unused[N];
 #pragma unroll
     for (int u = 0; u < kU; u++) {
-        int64_t f = base + u * kThreads;
+        const int64_t f = base + u * kThreads;
         if (f >= frags) continue;
         float b[N] = {};
         if (bias) load_f32<T, N>(bias + (f * N) % cols, b);  // N divides cols with packs
@@ -153,35 +177,34 @@ gelu_flat(const T *__restrict__ dy, const T *__restrict__ x, const T *__restrict
 }
 
 // Row-tiled form for a bias: block (kLanesX fragment columns) x (kLanesY row lanes); grid = (column
-// tiles, row groups). Group g takes row blocks of kLanesY * kUnroll rows g, g + groups, ... so
-// groups running together touch neighbouring rows. With kBiasGrad, each thread sums its column of
-// dx and the block writes one row of fp32 partials for its group.
+// tiles, row groups). Group g takes row blocks of kLanesY * kU rows g, g + groups, ... so groups
+// running together touch neighbouring rows. With kBiasGrad, each thread sums its column of dx and
+// the block writes one row of fp32 partials for its group.
 template <typename T, int N, int kApprox, bool kBackward, bool kBiasGrad>
 __global__ void __launch_bounds__(kThreads)
 gelu_rows(const T *__restrict__ dy, const T *__restrict__ x, const T *__restrict__ bias,
           T *__restrict__ out, float *__restrict__ partial, int64_t rows, int64_t cols) {
-    constexpr int kU = kUnroll<kBackward>;
+    constexpr int kU = kUnroll<true, kBackward>;
     const int64_t col = ((int64_t)blockIdx.x * kLanesX + threadIdx.x) * N;
-    const int64_t end = rows;
     float acc[N] = {};
     if (col < cols) {  // with N > 1, N divides cols
         float b[N];
         load_f32<T, N>(bias + col, b);
-        for (int64_t base = ((int64_t)blockIdx.y * kU) * kLanesY + threadIdx.y; base < end;
+        for (int64_t base = ((int64_t)blockIdx.y * kU) * kLanesY + threadIdx.y; base < rows;
              base += (int64_t)gridDim.y * kU * kLanesY) {
             Frag<T, N> xs[kU], gs[kU];
 #pragma unroll
             for (int u = 0; u < kU; u++) {
-                int64_t r = base + u * kLanesY;
-                if (r < end) {
+                const int64_t r = base + u * kLanesY;
+                if (r < rows) {
                     xs[u].load(x + r * cols + col);
                     if (kBackward) gs[u].load(dy + r * cols + col);
                 }
             }
 #pragma unroll
             for (int u = 0; u < kU; u++) {
-                int64_t r = base + u * kLanesY;
-                if (r >= end) continue;
+                const int64_t r = base + u * kLanesY;
+                if (r >= rows) continue;
                 apply<kApprox, kBackward>(xs[u], gs[u], b, acc);
                 xs[u].store(out + r * cols + col);
             }
@@ -215,8 +238,8 @@ __global__ void gelu_bias_grad_finalize(const float *__restrict__ partial, T *__
 
 int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
-// Blocks of `kernel` resident on one SM, read once per kernel (and device architecture).
-template <typename Kernel> int64_t resident_blocks(Kernel kernel, int device) {
+// Blocks of `kernel` resident on one SM times the SM count, read once per kernel.
+template <auto kernel> int64_t resident_blocks(int device) {
     static int per_sm = 0;
     if (per_sm == 0) {
         int n = 0;
@@ -229,28 +252,34 @@ template <typename Kernel> int64_t resident_blocks(Kernel kernel, int device) {
     return (int64_t)per_sm * fk::sm_count(device);
 }
 
-// How a call runs: pack width, kernel shape and grid. Computed identically for the workspace query
-// and the launch, so the workspace always matches the row groups.
+// How a call runs: kernel shape and grid, computed identically for the workspace query and the
+// launch, so the workspace always matches the row groups.
 struct Plan {
     bool packs;   // 16-byte packs (else one element per lane)
     bool rows;    // gelu_rows (else gelu_flat)
+    bool backward, bias_grad;
+    int approx;
     int64_t tiles, groups;
 };
 
-// Row groups: two waves of resident blocks over the column tiles, fewer when rows run out.
-template <typename T, int N, int kApprox, bool kBackward, bool kBiasGrad>
-void plan_rows(Plan &p, int64_t rows, int64_t cols, int device) {
-    p.tiles = ceil_div(cols, (int64_t)kLanesX * N);
-    int64_t resident = resident_blocks(gelu_rows<T, N, kApprox, kBackward, kBiasGrad>, device);
-    int64_t groups = min(max(2 * resident / p.tiles, (int64_t)1),
-                         ceil_div(rows, (int64_t)kLanesY * kUnroll<kBackward>));
-    p.groups = max(min(groups, (int64_t)65535), (int64_t)1);
+// Calls f(std::integral_constant holding the kernel the plan names); all kernels share one
+// signature (dy, x, bias, out, partial, rows, cols).
+#define FK_KERNEL(...) std::integral_constant<decltype(&__VA_ARGS__), &__VA_ARGS__>()
+template <typename T, int N, int kApprox, typename F> auto with_kernel_n(const Plan &p, F &&f) {
+    if (!p.rows) {
+        if (p.backward) return f(FK_KERNEL(gelu_flat<T, N, kApprox, true>));
+        return f(FK_KERNEL(gelu_flat<T, N, kApprox, false>));
+    }
+    if (p.bias_grad) return f(FK_KERNEL(gelu_rows<T, N, kApprox, true, true>));
+    if (p.backward) return f(FK_KERNEL(gelu_rows<T, N, kApprox, true, false>));
+    return f(FK_KERNEL(gelu_rows<T, N, kApprox, false, false>));
 }
+#undef FK_KERNEL
 
-template <typename T, int N, bool kBackward>
-void plan_flat(Plan &p, int64_t count) {
-    p.groups = max(ceil_div(count / N, (int64_t)kThreads * kUnroll<kBackward>),
-                   ceil_div(count % N, (int64_t)kThreads));  // enough threads for the tail
+template <typename T, typename F> auto with_kernel(const Plan &p, F &&f) {
+    constexpr int n = fk::Pack<T>::N;
+    if (p.packs) return p.approx ? with_kernel_n<T, n, 1>(p, f) : with_kernel_n<T, n, 0>(p, f);
+    return p.approx ? with_kernel_n<T, 1, 1>(p, f) : with_kernel_n<T, 1, 0>(p, f);
 }
 
 template <typename T>
@@ -260,42 +289,29 @@ Plan make_plan(const void *a, const void *b, const void *c, const void *bias, bo
     Plan p{};
     p.packs = fk::aligned16(a) && fk::aligned16(b) && fk::aligned16(c) &&
               (bias == nullptr || (fk::aligned16(bias) && cols % n == 0));
+    const int N = p.packs ? n : 1;
     // a bias rides on row tiles when a warp's worth of fragments fills a row, or when its gradient
     // is wanted; otherwise on the flat kernel
-    p.rows = bias_grad || (bias != nullptr && cols >= kLanesX * (p.packs ? n : 1));
-#define FK_PLAN(N, A)                                                                               \
-    if (p.rows && bias_grad) plan_rows<T, N, A, true, true>(p, rows, cols, device);                 \
-    else if (p.rows && backward) plan_rows<T, N, A, true, false>(p, rows, cols, device);            \
-    else if (p.rows) plan_rows<T, N, A, false, false>(p, rows, cols, device);                       \
-    else if (backward) plan_flat<T, N, true>(p, rows * cols);                                       \
-    else plan_flat<T, N, false>(p, rows * cols);
-    if (p.packs && approximate) { FK_PLAN(n, 1) }
-    else if (p.packs) { FK_PLAN(n, 0) }
-    else if (approximate) { FK_PLAN(1, 1) }
-    else { FK_PLAN(1, 0) }
-#undef FK_PLAN
-    return p;
-}
-
-template <typename T, int N, int kApprox>
-void launch(const Plan &p, const T *dy, const T *x, const T *bias, T *out, T *dbias, float *partial,
-            int64_t rows, int64_t cols, bool backward, cudaStream_t stream) {
-    if (!p.rows) {
-        if (backward)
-            gelu_flat<T, N, kApprox, true><<<(unsigned)p.groups, kThreads, 0, stream>>>(dy, x, bias, out, rows * cols, cols);
-        else
-            gelu_flat<T, N, kApprox, false><<<(unsigned)p.groups, kThreads, 0, stream>>>(dy, x, bias, out, rows * cols, cols);
-        return;
-    }
-    dim3 grid((unsigned)p.tiles, (unsigned)p.groups), block(kLanesX, kLanesY);
-    if (dbias) {
-        gelu_rows<T, N, kApprox, true, true><<<grid, block, 0, stream>>>(dy, x, bias, out, partial, rows, cols);
-        gelu_bias_grad_finalize<T><<<(unsigned)ceil_div(cols, 256), 256, 0, stream>>>(partial, dbias, p.groups, cols);
-    } else if (backward) {
-        gelu_rows<T, N, kApprox, true, false><<<grid, block, 0, stream>>>(dy, x, bias, out, partial, rows, cols);
+    p.rows = bias_grad || (bias != nullptr && cols >= kLanesX * N);
+    p.backward = backward;
+    p.bias_grad = bias_grad;
+    p.approx = approximate;
+    const int64_t count = rows * cols;
+    if (p.rows) {
+        // row groups: two waves of resident blocks over the column tiles, fewer when rows run out
+        p.tiles = ceil_div(cols, (int64_t)kLanesX * N);
+        const int64_t resident = with_kernel<T>(p, [&](auto kernel) {
+            return resident_blocks<decltype(kernel)::value>(device);
+        });
+        const int64_t unroll = backward ? kUnroll<true, true> : kUnroll<true, false>;
+        const int64_t groups = min(max(2 * resident / p.tiles, (int64_t)1), ceil_div(rows, kLanesY * unroll));
+        p.groups = max(min(groups, (int64_t)65535), (int64_t)1);
     } else {
-        gelu_rows<T, N, kApprox, false, false><<<grid, block, 0, stream>>>(dy, x, bias, out, partial, rows, cols);
+        const int64_t unroll = backward ? kUnroll<false, true> : kUnroll<false, false>;
+        p.groups = max(ceil_div(count / N, kThreads * unroll),
+                       ceil_div(count % N, (int64_t)kThreads));  // enough threads for the tail
     }
+    return p;
 }
 
 template <typename T>
@@ -305,13 +321,16 @@ fk_status run(const T *dy, const T *x, const T *bias, T *out, T *dbias, float *p
     if (rows * cols == 0) return FK_OK;
     if (ceil_div(rows * cols, (int64_t)kThreads) > 0x7fffffffLL)
         return fk_fail(FK_ERR_VALUE, "%s: %lld elements exceed the grid limit", op, (long long)(rows * cols));
-    Plan p = make_plan<T>(x, backward ? (const void *)dy : (const void *)x, out, bias, dbias != nullptr,
-                          rows, cols, approximate, backward, device);
-    constexpr int n = fk::Pack<T>::N;
-    if (p.packs && approximate) launch<T, n, 1>(p, dy, x, bias, out, dbias, partial, rows, cols, backward, stream);
-    else if (p.packs) launch<T, n, 0>(p, dy, x, bias, out, dbias, partial, rows, cols, backward, stream);
-    else if (approximate) launch<T, 1, 1>(p, dy, x, bias, out, dbias, partial, rows, cols, backward, stream);
-    else launch<T, 1, 0>(p, dy, x, bias, out, dbias, partial, rows, cols, backward, stream);
+    const Plan p = make_plan<T>(x, backward ? (const void *)dy : (const void *)x, out, bias,
+                                dbias != nullptr, rows, cols, approximate, backward, device);
+    with_kernel<T>(p, [&](auto kernel) -> int64_t {
+        const dim3 grid = p.rows ? dim3((unsigned)p.tiles, (unsigned)p.groups) : dim3((unsigned)p.groups);
+        const dim3 block = p.rows ? dim3(kLanesX, kLanesY) : dim3(kThreads);
+        decltype(kernel)::value<<<grid, block, 0, stream>>>(dy, x, bias, out, partial, rows, cols);
+        return 0;
+    });
+    if (dbias)
+        gelu_bias_grad_finalize<T><<<(unsigned)ceil_div(cols, 256), 256, 0, stream>>>(partial, dbias, p.groups, cols);
     return fk::launch_status(op);
 }
 

@@ -21,38 +21,71 @@ except AttributeError:  # pragma: no cover - older or CPU-only torch builds
         return torch.cuda.current_stream(index).cuda_stream
 
 
+_Tensor = torch.Tensor
+_is_compiling = torch.compiler.is_compiling
+_functorch_level = torch._C._functorch.peek_interpreter_stack
+_is_wrapped = torch._C._functorch.is_functorch_wrapped_tensor
+_grad_enabled = torch.is_grad_enabled
+
+
 def plain_eager(*tensors):
-    """True when an op may skip the torch dispatcher: plain tensors (None allowed) in plain eager
-    mode, with no compile or tracing, no dispatch mode and no functorch transform active. The
-    dispatcher round trip and the custom-op autograd wrapper cost more host time (~10-20 us) than a
-    small kernel runs, so eager calls go straight to the kernel (or a torch.autograd.Function)."""
+    """True when an op may skip the torch dispatcher: plain tensors (None allowed, no subclass or
+    functorch wrapper) in plain eager mode, with no compile or tracing, no dispatch mode and no
+    functorch transform active. The dispatcher round trip and the custom-op autograd wrapper cost
+    more host time (~10-20 us) than a small kernel runs, so eager calls go straight to the kernel
+    (or a torch.autograd.Function)."""
+    if _is_compiling():
+        return False
     for t in tensors:
-        if t is not None and type(t) is not torch.Tensor:
+        if t is not None and (type(t) is not _Tensor or _is_wrapped(t)):
             return False
-    return (not torch.compiler.is_compiling() and _get_current_dispatch_mode() is None
-            and torch._C._functorch.peek_interpreter_stack() is None)
+    return _get_current_dispatch_mode() is None and _functorch_level() is None
 
 
-def needs_grad(*tensors):
-    """True when autograd must record an op on these tensors."""
-    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+OP, GRAD, DIRECT = 0, 1, 2
+
+
+def route(*tensors):
+    """How a public function runs on these tensors (None allowed): OP through the dispatcher (when
+    compiling, tracing, under a mode or a functorch transform, or on tensor subclasses), GRAD
+    through the eager autograd function when autograd must record it, else DIRECT into the kernel.
+    One pass over the tensors: the host time of a small call is what it costs."""
+    if _is_compiling():
+        return OP
+    grad = False
+    for t in tensors:
+        if t is not None:
+            if type(t) is not _Tensor or _is_wrapped(t):
+                return OP
+            grad = grad or t.requires_grad
+    if _get_current_dispatch_mode() is not None or _functorch_level() is not None:
+        return OP
+    return GRAD if grad and _grad_enabled() else DIRECT
+
+
+def function_apply(function):
+    """`function.apply` without the Python layer of torch.autograd.Function.apply (~3 us a call):
+    that layer only routes functorch transforms and binds setup_context defaults, and the eager
+    path reaches here only with no transform active, plain tensors and an old-style forward."""
+    return torch._C._FunctionBase.__dict__["apply"].__get__(None, function)
 
 
 def dtype_code(t, op, name):
     """The waist's dtype code for tensor `t`, or TypeError naming the argument."""
-    allowed = _CUDA_DTYPES if t.device.type == "cuda" else _CPU_DTYPES
-    if t.dtype not in allowed:
+    code = _DTYPE_CODES.get(t.dtype)
+    if code is None or (code == 3 and t.is_cuda):
+        allowed = _CUDA_DTYPES if t.is_cuda else _CPU_DTYPES
         names = ", ".join(str(d).replace("torch.", "") for d in allowed)
         raise TypeError(f"fastkern.{op}: {name} must be a floating-point tensor of dtype {names} on "
                         f"{t.device.type}, got {t.dtype}")
-    return _DTYPE_CODES[t.dtype]
+    return code
 
 
 def check_tensor(t, op, name):
     """TypeError unless `t` is a tensor on a device fastkern runs on."""
-    if not isinstance(t, torch.Tensor):
+    if not isinstance(t, _Tensor):
         raise TypeError(f"fastkern.{op}: {name} must be a torch.Tensor, got {type(t).__name__}")
-    if t.device.type not in ("cpu", "cuda"):
+    if not (t.is_cuda or t.is_cpu):
         raise ValueError(f"fastkern.{op}: {name} is on {t.device}, fastkern runs on cpu and cuda")
 
 
@@ -67,12 +100,12 @@ def check_same(t, ref, op, name, ref_name):
 def launch_args(t):
     """(device index, stream handle) for a kernel on t's device: -1 and 0 on CPU, else the index
     and the raw handle of the stream torch is using there now."""
-    if t.device.type == "cpu":
+    index = t.get_device()
+    if index < 0:
         return -1, 0
     if not CUDA_COMPILED:
         raise RuntimeError("fastkern: this build has no CUDA support (rebuild with nvcc on the PATH "
                            "or FASTKERN_CUDA=1); CPU tensors still work")
-    index = t.device.index if t.device.index is not None else torch.cuda.current_device()
     return index, _raw_stream(index)
 
 
@@ -95,14 +128,3 @@ def register_op(name, impl, fake, backward_impl, backward_fake, backward, setup_
         torch.library.register_fake(f"fastkern::{qualname}", fake_kernel)
     torch.library.register_autograd(f"fastkern::{name}", backward, setup_context=setup_context)
     return getattr(torch.ops.fastkern, name).default, getattr(torch.ops.fastkern, name + "_backward").default
-
-
-def call(op, function, impl, tensors, *args):
-    """Runs an op the cheapest correct way: through the dispatcher when compiling, tracing or under
-    a mode (`op`); through the eager torch.autograd.Function when autograd must record it
-    (`function`); else straight into the kernel (`impl`)."""
-    if not plain_eager(*tensors):
-        return op(*args)
-    if needs_grad(*tensors):
-        return function.apply(*args)
-    return impl(*args)

@@ -18,13 +18,14 @@ torch.library.define(
 
 
 def _check(x, bias, approximate, op="gelu"):
-    """Validates arguments; returns (rows, cols, dtype code, approximation code)."""
+    """Validates arguments; returns the launch plan (rows, cols, dtype code, approximation code)."""
     B.check_tensor(x, op, "x")
     code = B.dtype_code(x, op, "x")
-    if approximate not in _APPROXIMATIONS:
+    approx = _APPROXIMATIONS.get(approximate) if isinstance(approximate, str) else None
+    if approx is None:
         raise ValueError(f"fastkern.{op}: approximate must be 'none' or 'tanh', got {approximate!r}")
     if bias is None:
-        return 1, x.numel(), code, _APPROXIMATIONS[approximate]
+        return 1, x.numel(), code, approx
     B.check_tensor(bias, op, "bias")
     if x.dim() == 0:
         raise ValueError(f"fastkern.{op}: a bias needs x with at least one dim, got a 0-dim x")
@@ -33,18 +34,22 @@ def _check(x, bias, approximate, op="gelu"):
                          f"got {tuple(bias.shape)}")
     B.check_same(bias, x, op, "bias", "x")
     cols = x.shape[-1]
-    return (x.numel() // cols if cols else 0), cols, code, _APPROXIMATIONS[approximate]
+    return (x.numel() // cols if cols else 0), cols, code, approx
 
 
-def _gelu(x, bias, approximate):
-    rows, cols, code, approx = _check(x, bias, approximate)
+def _launch(x, bias, rows, cols, code, approx):
+    """y = gelu(x + bias) for validated arguments (a plan from _check)."""
     x = B.dense(x)
     bias = None if bias is None else B.dense(bias)
     y = torch.empty_like(x)
-    if y.numel():
+    if rows and cols:
         device, stream = B.launch_args(x)
         _C.gelu_fwd(x.data_ptr(), B.ptr(bias), y.data_ptr(), rows, cols, approx, code, device, stream)
     return y
+
+
+def _gelu(x, bias, approximate):
+    return _launch(x, bias, *_check(x, bias, approximate))
 
 
 def _gelu_fake(x, bias, approximate):
@@ -102,17 +107,21 @@ def _backward(ctx, grad):
 
 
 class _GeluFunction(torch.autograd.Function):
-    """The eager autograd path: the same forward, context and backward as the registered op, at a
-    third of its host cost (the separate-setup_context form of Function costs 4x this one)."""
+    """The eager autograd path: the same context and backward as the registered op, at a fraction
+    of its host cost (the separate-setup_context form of Function costs 4x this one), on arguments
+    the caller validated (`plan`)."""
 
     @staticmethod
-    def forward(ctx, x, bias, approximate):
+    def forward(ctx, x, bias, approximate, plan):
         _setup_context(ctx, (x, bias, approximate), None)
-        return _gelu(x, bias, approximate)
+        return _launch(x, bias, *plan)
 
-    backward = staticmethod(_backward)
+    @staticmethod
+    def backward(ctx, grad):
+        return (*_backward(ctx, grad), None)
 
 
+_gelu_apply = B.function_apply(_GeluFunction)
 _gelu_op, _gelu_backward_op = B.register_op("gelu", _gelu, _gelu_fake, _gelu_backward,
                                              _gelu_backward_fake, _backward, _setup_context)
 
@@ -120,10 +129,10 @@ _gelu_op, _gelu_backward_op = B.register_op("gelu", _gelu, _gelu_fake, _gelu_bac
 def gelu(x, approximate="none", bias=None):
     """gelu(x + bias) with torch.nn.functional.gelu's semantics; bias (shape x.shape[-1:]) is
     optional and fused. float32 / float16 / bfloat16 on CUDA, those and float64 on CPU."""
-    # what the op schema would reject with a bare RuntimeError, rejected here by name
-    B.check_tensor(x, "gelu", "x")
-    if bias is not None:
-        B.check_tensor(bias, "gelu", "bias")
-    if approximate not in _APPROXIMATIONS:
-        raise ValueError(f"fastkern.gelu: approximate must be 'none' or 'tanh', got {approximate!r}")
-    return B.call(_gelu_op, _GeluFunction, _gelu, (x, bias), x, bias, approximate)
+    plan = _check(x, bias, approximate)  # bad input is refused here by name, on every path
+    route = B.route(x, bias)
+    if route == B.DIRECT:
+        return _launch(x, bias, *plan)
+    if route == B.GRAD:
+        return _gelu_apply(x, bias, approximate, plan)
+    return _gelu_op(x, bias, approximate)

@@ -52,16 +52,20 @@ def _stat_dtype(x):
     return torch.float64 if x.dtype == torch.float64 else torch.float32
 
 
-def _softmax(x, dim, scale, causal, log):
-    outer, n, inner, causal_sq, code = _check(x, dim, scale, causal, log)
+def _launch(x, scale, log, outer, n, inner, causal_sq, code):
+    """(y, row max) for validated arguments (a plan from _check)."""
     x = B.dense(x)
     y = torch.empty_like(x)
     row_max = torch.empty(outer * inner, dtype=_stat_dtype(x), device=x.device)
-    if y.numel():
+    if outer and n and inner:
         device, stream = B.launch_args(x)
         _C.softmax_fwd(x.data_ptr(), y.data_ptr(), row_max.data_ptr(), outer, n, inner, float(scale),
                        causal_sq, int(log), code, device, stream)
     return y, row_max
+
+
+def _softmax(x, dim, scale, causal, log):
+    return _launch(x, scale, log, *_check(x, dim, scale, causal, log))
 
 
 def _softmax_fake(x, dim, scale, causal, log):
@@ -107,18 +111,22 @@ def _backward(ctx, grad, grad_row_max):
 
 
 class _SoftmaxFunction(torch.autograd.Function):
-    """The eager autograd path: same forward, context and backward as the registered op."""
+    """The eager autograd path: same context and backward as the registered op, on arguments the
+    caller validated (`plan`)."""
 
     @staticmethod
-    def forward(ctx, x, dim, scale, causal, log):
-        output = _softmax(x, dim, scale, causal, log)
+    def forward(ctx, x, dim, scale, causal, log, plan):
+        output = _launch(x, scale, log, *plan)
         _setup_context(ctx, (x, dim, scale, causal, log), output)
         ctx.mark_non_differentiable(output[1])
         return output
 
-    backward = staticmethod(_backward)
+    @staticmethod
+    def backward(ctx, grad, grad_row_max):
+        return (*_backward(ctx, grad, grad_row_max), None)
 
 
+_softmax_apply = B.function_apply(_SoftmaxFunction)
 _softmax_op, _softmax_backward_op = B.register_op(
     "softmax", _softmax, _softmax_fake, _softmax_backward, _softmax_backward_fake, _backward,
     _setup_context)
@@ -126,12 +134,18 @@ _softmax_op, _softmax_backward_op = B.register_op(
 
 def _call(x, dim, scale, causal, log):
     op = _name(log)
-    B.check_tensor(x, op, "x")
     if not isinstance(dim, numbers.Integral) or isinstance(dim, bool):
         raise TypeError(f"fastkern.{op}: dim must be an int, got {type(dim).__name__}")
     if not isinstance(scale, numbers.Real) or isinstance(scale, bool):
         raise TypeError(f"fastkern.{op}: scale must be a float, got {type(scale).__name__}")
-    return B.call(_softmax_op, _SoftmaxFunction, _softmax, (x,), x, dim, scale, bool(causal), log)[0]
+    causal = bool(causal)
+    plan = _check(x, dim, scale, causal, log)  # bad input is refused here by name, on every path
+    route = B.route(x)
+    if route == B.DIRECT:
+        return _launch(x, scale, log, *plan)[0]
+    if route == B.GRAD:
+        return _softmax_apply(x, dim, scale, causal, log, plan)[0]
+    return _softmax_op(x, dim, scale, causal, log)[0]
 
 
 def softmax(x, dim=-1, *, scale=1.0, causal=False):
