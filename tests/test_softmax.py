@@ -6,7 +6,9 @@ import torch
 import fastkern
 from conftest import DEVICE_DTYPES, DEVICES, assert_within_torch_error, misaligned, needs_cuda
 
-LENGTHS = [1, 2, 31, 32, 33, 127, 1000, 1024, 4097, 65536 + 7, 300000]
+# 16-byte multiples over 1024 (2048 ... 262144) take the GPU's shared-memory kernels (one CTA or a
+# cluster per row, 1000 rows: many rows per CTA); the others the register kernels
+LENGTHS = [1, 2, 31, 32, 33, 127, 1000, 1024, 2048, 4096, 4097, 65536, 65536 + 7, 262144, 300000]
 ROW_COUNTS = [0, 1, 3, 1000]
 # every length with 0, 1 and 3 rows; 1000 rows only where it stays small
 SIZES = [(r, n) for n in LENGTHS for r in ROW_COUNTS if r < 1000 or n <= 4097]
@@ -80,7 +82,8 @@ def test_dims(device, dtype, log, dim, shape, poison):
 
 @pytest.mark.parametrize("device,dtype", DEVICE_DTYPES)
 @pytest.mark.parametrize("log", [False, True], ids=["softmax", "log"])
-@pytest.mark.parametrize("sq,sk", [(17, 17), (5, 40), (40, 5), (128, 1000)], ids=str)
+@pytest.mark.parametrize("sq,sk", [(17, 17), (5, 40), (40, 5), (128, 1000), (64, 2048), (40, 16400)],
+                         ids=str)
 @pytest.mark.parametrize("scale", [1.0, 0.125])
 def test_scale_and_causal(device, dtype, log, sq, sk, scale, poison):
     x = (torch.randn(2, 3, sq, sk, device=device) * 4).to(dtype)

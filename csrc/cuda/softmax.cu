@@ -150,6 +150,40 @@ template <typename V> struct SumSum {  // V: float2, or double2 for the fp32 bac
 template <typename T> using Acc = std::conditional_t<std::is_same_v<T, float>, double, float>;
 template <typename T> using Acc2 = std::conditional_t<std::is_same_v<T, float>, double2, float2>;
 
+// One lane's running backward sums z = sum y' and a = sum dy * y' (log: sum dy). fp32 data: each
+// sum is an unevaluated pair hi + lo (Knuth's TwoSum), and each product's rounding error is
+// recovered exactly by an FMA (TwoProduct), so the pair carries the sum as if in fp64 at fp32
+// speed; it turns into fp64 only for the cross-lane reduction. (Plain fp64 accumulation converted
+// every element: three F2F.F64 and three fp64 operations per element held the fp32 warp backward
+// at 74% of copy on an H200.) 16-bit data: plain fp32 sums.
+template <typename T, bool kLog> struct BwdSums {
+    static constexpr bool kPair = std::is_same_v<T, float>;
+    float z = 0.f, a = 0.f, z_lo = 0.f, a_lo = 0.f;
+    static __device__ __forceinline__ void two_sum(float &hi, float &lo, float v) {
+        const float s = hi + v, bv = s - hi;
+        lo += (hi - (s - bv)) + (v - bv);
+        hi = s;
+    }
+    __device__ __forceinline__ void add(float y, float g) {
+        if constexpr (!kPair) {
+            z += y;
+            a += kLog ? g : g * y;
+        } else {
+            two_sum(z, z_lo, y);
+            if (kLog) {
+                two_sum(a, a_lo, g);
+            } else {
+                const float p = g * y;
+                a_lo += fmaf(g, y, -p);
+                two_sum(a, a_lo, p);
+            }
+        }
+    }
+    __device__ __forceinline__ Acc2<T> value() const {
+        return Acc2<T>{(Acc<T>)z + (Acc<T>)z_lo, (Acc<T>)a + (Acc<T>)a_lo};
+    }
+};
+
 // dx for one element from the row's sums, in fp32 arithmetic: a / z is carried as a_hi + a_lo, so
 // dy - a / z keeps its accuracy where it cancels (dy - a_hi is exact there) without converting every
 // element to fp64 (F2F.F64 issues at 16 per clock per SM: it cost 13% on the fp32 backward).
@@ -328,7 +362,7 @@ softmax_bwd_rows_warp(const T *__restrict__ dy, const T *__restrict__ x, const f
             return kCausal ? col + k < len : col < len;
         };
         float yv[C], g[C];
-        Acc2<T> za = SumSum<Acc2<T>>::identity();  // (z, a): sum of y', sum of dy * y' (log: of dy)
+        BwdSums<T, kLog> sums;  // (z, a): sum of y', sum of dy * y' (log: of dy)
 #pragma unroll
         for (int p = 0; p < P; p++)
 #pragma unroll
@@ -336,10 +370,9 @@ softmax_bwd_rows_warp(const T *__restrict__ dy, const T *__restrict__ x, const f
                 const int i = p * VEC + k;
                 yv[i] = in(p, k, valid[r]) ? exp_for<T>(fmaf(raw_at<T, VEC>(raw_x[r][p], k), scale, -exp_ref(m_saved[r]))) : 0.f;
                 g[i] = in(p, k, dy_len[r]) ? raw_at<T, VEC>(raw_dy[r][p], k) : 0.f;
-                za.x += yv[i];
-                za.y += kLog ? (Acc<T>)g[i] : (Acc<T>)g[i] * yv[i];
+                sums.add(yv[i], g[i]);
             }
-        za = group_reduce<SumSum<Acc2<T>>>(za, group);
+        const Acc2<T> za = group_reduce<SumSum<Acc2<T>>>(sums.value(), group);
         const BwdRow<T> br(za.x, za.y, kLog, scale);
         if (row < rows) {
 #pragma unroll
@@ -534,7 +567,7 @@ softmax_bwd_rows_block(int64_t n, int64_t seg, int cluster_k, const T *__restric
         return in(p, k, xs) ? exp_for<T>(fmaf(raw_at<T, VEC>(raw_x[p], k), scale, -exp_ref(m_saved))) : 0.f;
     };
 
-    Acc2<T> za = SumSum<Acc2<T>>::identity();  // (z, a): sum of y', sum of dy * y' (log: of dy)
+    BwdSums<T, kLog> sums;  // (z, a): sum of y', sum of dy * y' (log: of dy)
     float yv[C];  // the last chunk's y': with one chunk, the write pass takes no second exp
     for (int64_t c = 0; c < chunks; c++) {
         const int64_t start = begin + c * chunk;
@@ -547,11 +580,10 @@ softmax_bwd_rows_block(int64_t n, int64_t seg, int cluster_k, const T *__restric
             for (int k = 0; k < VEC; k++) {
                 const float yk = y_unnorm(p, k, xs), gk = in(p, k, dys) ? raw_at<T, VEC>(raw_dy[p], k) : 0.f;
                 if (kExpOnce<T>) yv[p * VEC + k] = yk;
-                za.x += yk;
-                za.y += kLog ? (Acc<T>)gk : (Acc<T>)gk * yk;
+                sums.add(yk, gk);
             }
     }
-    za = row_reduce<SumSum<Acc2<T>>>(za, smem, cluster_k);
+    const Acc2<T> za = row_reduce<SumSum<Acc2<T>>>(sums.value(), smem, cluster_k);
     const BwdRow<T> br(za.x, za.y, kLog, scale);
 
     // writes the chunk at `start` from y_of(p, k, xs), element (p, k)'s y'
@@ -579,6 +611,264 @@ softmax_bwd_rows_block(int64_t n, int64_t seg, int cluster_k, const T *__restric
             write_chunk(begin + c * chunk, y_unnorm);
         }
     }
+}
+
+// ---- sm_90, rows over 1024 elements: row slices in shared memory, loaded by the copy engine ----
+//
+// Thread 0 of each CTA starts one bulk copy (cp.async.bulk, the TMA engine) per slice into shared
+// memory, counted on one mbarrier; the passes then read shared memory, so global memory is read
+// once and a whole slice per CTA is in flight whatever the registers (the register kernels above
+// hold 32-64 bytes per thread and re-read a second chunk from L2). Two shapes:
+//  - kWarpRows: a CTA of kWarpRows warps takes kWarpRows short rows, a warp each (warp shuffles
+//    only), so a CTA has kWarpRows slices in flight;
+//  - else K CTAs of kSmemThreads per row (a cluster when K > 1; DSMEM exchange of the partials).
+// One CTA per row (or row group): a persistent grid walking rows with a two-stage pipeline
+// measured 25-40% slower on an H200, and so did 256-thread CTAs holding one short row.
+// Forward, 16-bit: one (max, sum of exp) reduction per row, online per thread; fp32 reduces the
+// exact max first (a second reduction), so that its sum carries no rescaling rounding.
+
+constexpr int kSmemThreads = 256;
+constexpr int kWarpRows = 4;  // rows (warps) per CTA of the warp-per-row shape
+
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+__device__ __forceinline__ uint32_t smem_u32(const void *p) { return (uint32_t)__cvta_generic_to_shared(p); }
+
+// Thread 0's one arrival on `bar`, announcing the bytes the copies after it deliver.
+__device__ __forceinline__ void mbar_expect(uint64_t *bar, uint32_t bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_u32(bar)), "r"(bytes)
+                 : "memory");
+}
+
+// Copies [src, src + bytes) to shared dst, counted on `bar`; bytes is a multiple of 16.
+__device__ __forceinline__ void bulk_load(void *dst, const void *src, uint32_t bytes, uint64_t *bar) {
+    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
+                 ::"r"(smem_u32(dst)), "l"(src), "r"(bytes), "r"(smem_u32(bar))
+                 : "memory");
+}
+
+__device__ __forceinline__ void mbar_wait(uint64_t *bar) {
+    asm volatile("{\n.reg .pred done;\nWAIT:\n"
+                 "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], 0;\n"
+                 "@!done bra WAIT;\n}" ::"r"(smem_u32(bar))
+                 : "memory");
+}
+
+// Initialises the CTA's one-shot mbarrier (one arrival: thread 0's, plus the copied bytes).
+__device__ __forceinline__ void mbar_setup(uint64_t *bar) {
+    if (threadIdx.x == 0) {
+        asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(smem_u32(bar)) : "memory");
+        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    }
+    __syncthreads();
+}
+#endif
+
+// Bytes to copy for elements [0, len) of a slice: whole 16-byte packs, never past `cap` elements.
+template <typename T> __device__ __forceinline__ uint32_t slice_bytes(int64_t len, int64_t cap) {
+    constexpr int64_t per = 16 / sizeof(T);
+    if (len > cap) len = cap;
+    if (len < 0) len = 0;
+    return (uint32_t)((len + per - 1) / per * 16);
+}
+
+// One CTA's part of the work: slice `w` of its rows (w: the warp with kWarpRows, else 0) is
+// elements [begin, begin + len) of row `row` (len <= 0: nothing), keys before `keys` (causal).
+struct Slice {
+    int64_t row, begin, len, keys;
+    bool valid;
+};
+template <bool kCausal, bool kWarps>
+__device__ __forceinline__ Slice slice_of(int w, int64_t rows, int64_t n, int64_t seg, int cluster_k,
+                                          int64_t causal_sq) {
+    Slice sl;
+    const int rank = kWarps ? 0 : (int)(blockIdx.x % cluster_k);
+    sl.row = kWarps ? (int64_t)blockIdx.x * kWarpRows + w : blockIdx.x / cluster_k;
+    sl.valid = sl.row < rows;
+    sl.begin = rank * seg;
+    const int64_t end = min(n, sl.begin + seg);
+    sl.len = sl.valid ? end - sl.begin : 0;
+    sl.keys = sl.valid ? (kCausal ? min(end, causal_len(sl.row, n, causal_sq)) : end) - sl.begin : 0;
+    return sl;
+}
+
+// Reduction over the lanes that share a slice's row: the warp (kWarps), else the CTA and cluster.
+template <bool kWarps, typename Op, typename V>
+__device__ __forceinline__ V slice_reduce(V v, RowReduceSmem<V> &smem, int cluster_k, bool first = true) {
+    if constexpr (kWarps) return group_reduce<Op>(v, 32);
+    else return row_reduce<Op>(v, smem, cluster_k, first);
+}
+
+template <typename T, bool kCausal, bool kLog, bool kWarps>
+__global__ void __launch_bounds__(kSmemThreads)
+softmax_fwd_rows_smem(int64_t n, int64_t seg, int cluster_k, int64_t rows, const T *__restrict__ x,
+                      T *__restrict__ y, float *__restrict__ row_max, float scale, int64_t causal_sq) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    constexpr int VEC = fk::Pack<T>::N;
+    constexpr bool kExactMax = std::is_same_v<T, float>;
+    extern __shared__ __align__(16) unsigned char smem_raw[];
+    __shared__ uint64_t bar;
+    __shared__ RowReduceSmem<float2> red[2];
+    if (!kWarps && cluster_k > 1) cluster_arrive_relaxed();
+    const int w = kWarps ? threadIdx.x / 32 : 0;
+    const int lane = kWarps ? threadIdx.x % 32 : threadIdx.x, lanes = kWarps ? 32 : kSmemThreads;
+    const int64_t slice_bytes_max = seg * (int64_t)sizeof(T);
+    mbar_setup(&bar);
+    if (threadIdx.x == 0) {
+        uint32_t total = 0;
+        for (int i = 0; i < (kWarps ? kWarpRows : 1); i++) {
+            const Slice s = slice_of<kCausal, kWarps>(i, rows, n, seg, cluster_k, causal_sq);
+            total += slice_bytes<T>(s.keys, s.len);
+        }
+        mbar_expect(&bar, total);
+        for (int i = 0; i < (kWarps ? kWarpRows : 1); i++) {
+            const Slice s = slice_of<kCausal, kWarps>(i, rows, n, seg, cluster_k, causal_sq);
+            const uint32_t bytes = slice_bytes<T>(s.keys, s.len);
+            if (bytes) bulk_load(smem_raw + i * slice_bytes_max, x + s.row * n + s.begin, bytes, &bar);
+        }
+    }
+    const Slice sl = slice_of<kCausal, kWarps>(w, rows, n, seg, cluster_k, causal_sq);
+    const int packs = (int)(slice_bytes<T>(sl.keys, sl.len) / 16), outs = (int)(sl.len > 0 ? sl.len / VEC : 0);
+    const fk::Pack<T> *sx = reinterpret_cast<const fk::Pack<T> *>(smem_raw + w * slice_bytes_max);
+    auto is_key = [&](int p, int k) { return !kCausal || p * VEC + k < sl.keys; };
+    mbar_wait(&bar);
+
+    float m = -INFINITY, s = 0.f;
+    if constexpr (kExactMax) {
+#pragma unroll 4
+        for (int p = lane; p < packs; p += lanes) {
+            const fk::Pack<T> v = sx[p];
+#pragma unroll
+            for (int k = 0; k < VEC; k++)
+                if (is_key(p, k)) m = fmaxf(m, __fmul_rn(fk::to_f32(v.v[k]), scale));
+        }
+        m = slice_reduce<kWarps, MaxOnly>(make_float2(m, 0.f), red[0], cluster_k).x;
+        const float ref = exp_ref(m);
+#pragma unroll 4
+        for (int p = lane; p < packs; p += lanes) {
+            const fk::Pack<T> v = sx[p];
+#pragma unroll
+            for (int k = 0; k < VEC; k++)
+                if (is_key(p, k)) s += exp_for<T>(fmaf(fk::to_f32(v.v[k]), scale, -ref));
+        }
+        s = slice_reduce<kWarps, SumSum<float2>>(make_float2(s, 0.f), red[1], cluster_k, false).x;
+    } else {
+        // online: each pack's max first, the running sum rescaled when the max grows
+#pragma unroll 2
+        for (int p = lane; p < packs; p += lanes) {
+            const fk::Pack<T> v = sx[p];
+            float pm = -INFINITY;
+#pragma unroll
+            for (int k = 0; k < VEC; k++)
+                if (is_key(p, k)) pm = fmaxf(pm, __fmul_rn(fk::to_f32(v.v[k]), scale));
+            if (pm > m) {
+                s = m == -INFINITY ? s : s * exp_for<T>(m - pm);
+                m = pm;
+            }
+            const float ref = exp_ref(m);
+#pragma unroll
+            for (int k = 0; k < VEC; k++)
+                if (is_key(p, k)) s += exp_for<T>(fmaf(fk::to_f32(v.v[k]), scale, -ref));
+        }
+        const float2 ms = slice_reduce<kWarps, MaxSum>(make_float2(m, s), red[0], cluster_k);
+        m = ms.x;
+        s = ms.y;
+    }
+    const float ref = exp_ref(m), inv_s = 1.f / s, log_s = logf(s);
+    if (!sl.valid) return;
+    if (lane == 0 && sl.begin == 0) row_max[sl.row] = m;
+    T *yr = y + sl.row * n + sl.begin;
+#pragma unroll 4
+    for (int p = lane; p < outs; p += lanes) {
+        fk::Pack<T> v, o;
+        if (p < packs) v = sx[p];
+#pragma unroll
+        for (int k = 0; k < VEC; k++) {
+            const bool key = p < packs && is_key(p, k);
+            const float t = key ? fmaf(fk::to_f32(v.v[k]), scale, -ref) : -INFINITY;
+            o.v[k] = fk::from_f32<T>(kLog ? t - log_s : normalize<T>(key ? exp_for<T>(t) : 0.f, s, inv_s));
+        }
+        fk::store_pack(yr + p * VEC, o);
+    }
+#endif
+}
+
+template <typename T, bool kCausal, bool kLog, bool kWarps>
+__global__ void __launch_bounds__(kSmemThreads)
+softmax_bwd_rows_smem(int64_t n, int64_t seg, int cluster_k, int64_t rows, const T *__restrict__ dy,
+                      const T *__restrict__ x, const float *__restrict__ row_max, T *__restrict__ dx,
+                      float scale, int64_t causal_sq) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    constexpr int VEC = fk::Pack<T>::N;
+    extern __shared__ __align__(16) unsigned char smem_raw[];
+    __shared__ uint64_t bar;
+    __shared__ RowReduceSmem<Acc2<T>> red;
+    if (!kWarps && cluster_k > 1) cluster_arrive_relaxed();
+    const int w = kWarps ? threadIdx.x / 32 : 0;
+    const int lane = kWarps ? threadIdx.x % 32 : threadIdx.x, lanes = kWarps ? 32 : kSmemThreads;
+    const int64_t slice = seg * (int64_t)sizeof(T);  // x slices, then dy slices
+    const int64_t dy_base = (kWarps ? kWarpRows : 1) * slice;
+    // bytes of x and dy for a slice (log_softmax sums dy over masked keys too)
+    auto x_bytes = [](const Slice &s) { return slice_bytes<T>(s.keys, s.len); };
+    auto dy_bytes = [](const Slice &s) { return slice_bytes<T>(kLog ? s.len : s.keys, s.len); };
+    mbar_setup(&bar);
+    if (threadIdx.x == 0) {
+        uint32_t total = 0;
+        for (int i = 0; i < (kWarps ? kWarpRows : 1); i++) {
+            const Slice s = slice_of<kCausal, kWarps>(i, rows, n, seg, cluster_k, causal_sq);
+            total += x_bytes(s) + dy_bytes(s);
+        }
+        mbar_expect(&bar, total);  // one arrival for every copy
+        for (int i = 0; i < (kWarps ? kWarpRows : 1); i++) {
+            const Slice s = slice_of<kCausal, kWarps>(i, rows, n, seg, cluster_k, causal_sq);
+            if (x_bytes(s)) bulk_load(smem_raw + i * slice, x + s.row * n + s.begin, x_bytes(s), &bar);
+            if (dy_bytes(s)) bulk_load(smem_raw + dy_base + i * slice, dy + s.row * n + s.begin, dy_bytes(s), &bar);
+        }
+    }
+    const Slice sl = slice_of<kCausal, kWarps>(w, rows, n, seg, cluster_k, causal_sq);
+    const int x_packs = (int)(x_bytes(sl) / 16), dy_packs = (int)(dy_bytes(sl) / 16);
+    const int outs = (int)(sl.len > 0 ? sl.len / VEC : 0);
+    const int64_t dy_keys = kLog ? sl.len : sl.keys;
+    const fk::Pack<T> *sx = reinterpret_cast<const fk::Pack<T> *>(smem_raw + w * slice);
+    const fk::Pack<T> *sdy = reinterpret_cast<const fk::Pack<T> *>(smem_raw + dy_base + w * slice);
+    const float ref = sl.valid ? exp_ref(row_max[sl.row]) : 0.f;
+    // y' = exp(x * scale - row_max) of element k of pack p, 0 for masked keys; g likewise
+    auto y_unnorm = [&](int p, int k, const fk::Pack<T> &v) {
+        return p < x_packs && (!kCausal || p * VEC + k < sl.keys) ? exp_for<T>(fmaf(fk::to_f32(v.v[k]), scale, -ref)) : 0.f;
+    };
+    auto grad = [&](int p, int k, const fk::Pack<T> &g) {
+        return p < dy_packs && (!kCausal || p * VEC + k < dy_keys) ? fk::to_f32(g.v[k]) : 0.f;
+    };
+    mbar_wait(&bar);
+
+    BwdSums<T, kLog> sums;  // (z, a): sum of y', sum of dy * y' (log: of dy)
+    const int packs = x_packs > dy_packs ? x_packs : dy_packs;
+#pragma unroll 2
+    for (int p = lane; p < packs; p += lanes) {
+        fk::Pack<T> v, g;
+        if (p < x_packs) v = sx[p];
+        if (p < dy_packs) g = sdy[p];
+#pragma unroll
+        for (int k = 0; k < VEC; k++) {
+            sums.add(y_unnorm(p, k, v), grad(p, k, g));
+        }
+    }
+    const Acc2<T> za = slice_reduce<kWarps, SumSum<Acc2<T>>>(sums.value(), red, cluster_k);
+    if (!sl.valid) return;
+    const BwdRow<T> br(za.x, za.y, kLog, scale);
+    T *dxr = dx + sl.row * n + sl.begin;
+#pragma unroll 2
+    for (int p = lane; p < outs; p += lanes) {
+        fk::Pack<T> v, g, o;
+        if (p < x_packs) v = sx[p];
+        if (p < dy_packs) g = sdy[p];
+#pragma unroll
+        for (int k = 0; k < VEC; k++) {
+            const bool key = p < x_packs && (!kCausal || p * VEC + k < sl.keys);
+            o.v[k] = fk::from_f32<T>(key ? br.template dx<kLog>(y_unnorm(p, k, v), grad(p, k, g)) : 0.f);
+        }
+        fk::store_pack(dxr + p * VEC, o);
+    }
+#endif
 }
 
 // ---- inner > 1: columns x[o, :, i] ------------------------------------------------------------
@@ -686,14 +976,16 @@ int compute_major(int device) {
     return majors[device];
 }
 
-// The largest cluster (16, else 8) that `kernel` with kBlockThreads threads can be resident with on
-// `device`; 1 where clusters do not exist. Asked once per kernel and device.
-template <auto kernel> int cluster_limit(int device) {
+// The largest cluster (16, else 8) that `kernel`, with `threads` threads and `smem` bytes of dynamic
+// shared memory (which it is allowed here), can be resident with on `device`; 1 where clusters do
+// not exist. Asked once per kernel and device.
+template <auto kernel> int cluster_limit(int device, int threads, int smem) {
     static int limits[64];
     if (compute_major(device) < 9 || device < 0 || device >= 64) return 1;
     if (limits[device] == 0) {
         int limit = 1;
-        if (cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1) == cudaSuccess) {
+        if (cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1) == cudaSuccess &&
+            (smem == 0 || cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem) == cudaSuccess)) {
             for (int k = kMaxCluster; k > 1 && limit == 1; k /= 2) {
                 cudaLaunchConfig_t config = {};
                 cudaLaunchAttribute attr;
@@ -702,7 +994,8 @@ template <auto kernel> int cluster_limit(int device) {
                 attr.val.clusterDim.y = 1;
                 attr.val.clusterDim.z = 1;
                 config.gridDim = dim3((unsigned)k);
-                config.blockDim = dim3(kBlockThreads);
+                config.blockDim = dim3((unsigned)threads);
+                config.dynamicSmemBytes = (size_t)smem;
                 config.attrs = &attr;
                 config.numAttrs = 1;
                 int clusters = 0;
@@ -733,7 +1026,7 @@ fk_status launch_rows_block(const char *op, int64_t rows, int64_t n, int device,
     const int64_t per_cta = (int64_t)kBlockThreads * C * kCtaChunks;
     int64_t k = 1;
     if (n > per_cta) {
-        const int64_t limit = cluster_limit<kernel>(device);
+        const int64_t limit = cluster_limit<kernel>(device, kBlockThreads, 0);
         k = pow2_ceil((n + per_cta - 1) / per_cta);
         if (k > limit) k = limit;
     }
@@ -755,6 +1048,58 @@ fk_status launch_rows_block(const char *op, int64_t rows, int64_t n, int device,
     config.attrs = &attr;
     config.numAttrs = k > 1 ? 1 : 0;
     return fk::cuda_status(cudaLaunchKernelEx(&config, kernel, n, seg, (int)k, args...), op);
+}
+
+// Slice sizes of the shared-memory kernels, in bytes of all the tensors a CTA holds. Rows up to
+// kSmemWarpRowMax take a warp each; longer ones take K CTAs, K the smallest power of two that
+// brings a CTA to kSmemCtaMax (three CTAs an SM), capped by the cluster limit. Measured on an H200:
+// warps for rows of 8 KB beat 256-thread CTAs (bf16 16384 x 4096 forward 81% of copy against 51%,
+// causal 2048-wide rows 79% against 28%) and lose to them at 16 KB (79-83% against 88-90%);
+// 64 KB CTAs beat 32 KB ones (fewer CTAs per cluster: fp32 4096 x 16384 87 / 82% forward /
+// backward against 76 / 71%): every cluster costs, a CTA of one row costs least.
+constexpr int64_t kSmemWarpRowMax = 8 * 1024;
+constexpr int64_t kSmemCtaMax = 64 * 1024;
+
+// Launches a shared-memory row kernel (kTensors slices per row: x, or x and dy) when the device
+// has the bulk copy engine, rows are 16-byte aligned and a CTA's slices fit; returns false
+// (launching nothing) otherwise.
+template <auto warp_kernel, auto cta_kernel, typename T, int kTensors, typename... Args>
+bool launch_rows_smem(fk_status &status, const char *op, int64_t rows, int64_t n, int device,
+                      cudaStream_t stream, Args... args) {
+    constexpr int64_t VEC = fk::Pack<T>::N;
+    if (compute_major(device) < 9) return false;
+    const int64_t row_bytes = n * (int64_t)sizeof(T) * kTensors;
+    cudaLaunchConfig_t config = {};
+    cudaLaunchAttribute attr;
+    config.stream = stream;
+    if (row_bytes <= kSmemWarpRowMax) {
+        static bool ready = cudaFuncSetAttribute(warp_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                                 (int)kSmemCtaMax) == cudaSuccess;
+        const int64_t ctas = (rows + kWarpRows - 1) / kWarpRows;
+        if (!ready || kWarpRows * row_bytes > kSmemCtaMax || ctas > 0x7fffffff) return false;
+        config.gridDim = dim3((unsigned)ctas);
+        config.blockDim = dim3(32 * kWarpRows);
+        config.dynamicSmemBytes = (size_t)(kWarpRows * row_bytes);
+        status = fk::cuda_status(cudaLaunchKernelEx(&config, warp_kernel, n, n, 1, rows, args...), op);
+        return true;
+    }
+    int64_t k = pow2_ceil((row_bytes + kSmemCtaMax - 1) / kSmemCtaMax);
+    const int64_t limit = cluster_limit<cta_kernel>(device, kSmemThreads, (int)kSmemCtaMax);
+    if (k > limit) k = limit;
+    const int64_t seg = ((n + k - 1) / k + VEC - 1) / VEC * VEC;
+    const int64_t smem = seg * (int64_t)sizeof(T) * kTensors;
+    if (smem > kSmemCtaMax || rows * k > 0x7fffffff) return false;
+    attr.id = cudaLaunchAttributeClusterDimension;
+    attr.val.clusterDim.x = (unsigned)k;
+    attr.val.clusterDim.y = 1;
+    attr.val.clusterDim.z = 1;
+    config.gridDim = dim3((unsigned)(rows * k));
+    config.blockDim = dim3(kSmemThreads);
+    config.dynamicSmemBytes = (size_t)smem;
+    config.attrs = &attr;
+    config.numAttrs = k > 1 ? 1 : 0;
+    status = fk::cuda_status(cudaLaunchKernelEx(&config, cta_kernel, n, seg, (int)k, rows, args...), op);
+    return true;
 }
 
 // Lanes per row and elements per lane for the warp kernels: the smallest C (a multiple of VEC)
@@ -794,6 +1139,11 @@ fk_status launch_fwd_rows(const T *x, T *y, float *row_max, int64_t rows, int64_
                           int64_t causal_sq, int device, cudaStream_t stream, const char *op) {
     if (n <= kWarpMaxN)
         return launch_fwd_rows_warp<T, VEC, VEC, kCausal, kLog>(x, y, row_max, rows, n, scale, causal_sq, stream, op);
+    fk_status status = FK_OK;
+    if (VEC > 1 && launch_rows_smem<softmax_fwd_rows_smem<T, kCausal, kLog, true>,
+                                    softmax_fwd_rows_smem<T, kCausal, kLog, false>, T, 1>(
+                       status, op, rows, n, device, stream, x, y, row_max, scale, causal_sq))
+        return status;
     return launch_rows_block<softmax_fwd_rows_block<T, VEC, kCausal, kLog>, VEC, block_elems_fwd<T, VEC>()>(
         op, rows, n, device, stream, x, y, row_max, scale, causal_sq);
 }
@@ -804,6 +1154,11 @@ fk_status launch_bwd_rows(const T *dy, const T *x, const float *row_max, T *dx, 
                           const char *op) {
     if (n <= kWarpMaxN)
         return launch_bwd_rows_warp<T, VEC, VEC, kCausal, kLog>(dy, x, row_max, dx, rows, n, scale, causal_sq, stream, op);
+    fk_status status = FK_OK;
+    if (VEC > 1 && launch_rows_smem<softmax_bwd_rows_smem<T, kCausal, kLog, true>,
+                                    softmax_bwd_rows_smem<T, kCausal, kLog, false>, T, 2>(
+                       status, op, rows, n, device, stream, dy, x, row_max, dx, scale, causal_sq))
+        return status;
     return launch_rows_block<softmax_bwd_rows_block<T, VEC, kCausal, kLog>, VEC, block_elems_bwd<T, VEC>()>(
         op, rows, n, device, stream, dy, x, row_max, dx, scale, causal_sq);
 }
