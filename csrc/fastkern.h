@@ -76,7 +76,8 @@ fk_status fk_cuda_gelu_bwd(const void *dy, const void *x, const void *bias, void
  * causal_sq > 0 (only with inner == 1): rows are the query rows of (causal_sq, n) score blocks; row
  * r is query q = r % causal_sq and key j is masked (-inf) when j > q + (n - causal_sq).
  * row_max: `outer * inner` per-row maxima of the scaled, masked rows; fp64 when dtype is FK_FLOAT64,
- * fp32 otherwise. forward writes y and row_max; backward reads x and row_max (never y), recomputes
+ * fp32 otherwise. forward writes y and row_max (NULL: not wanted, no backward follows); backward
+ * reads x and row_max (never y), recomputes
  * y = exp(x * scale - row_max) / sum(exp(x * scale - row_max)) and writes
  *   softmax:     dx = scale * y * (dy - sum_j dy_j * y_j)
  *   log_softmax: dx = scale * (dy - y * sum_j dy_j)

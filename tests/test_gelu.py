@@ -244,3 +244,16 @@ def test_bad_input_cuda():
     with pytest.raises(TypeError, match=r"x must be a floating-point tensor of dtype float32, float16, "
                                         r"bfloat16 on cuda, got torch.float64"):
         fastkern.gelu(x.double())
+
+
+@pytest.mark.parametrize("device,dtype", [p for p in DEVICE_DTYPES if "cuda" in p.id])
+@pytest.mark.parametrize("approximate", ["none", "tanh"])
+def test_special_values_cuda(device, dtype, approximate):
+    # +-inf, NaN, signed zeros and values whose exponent overflows: torch's NaN / inf pattern
+    x = torch.tensor([float("inf"), float("-inf"), float("nan"), 0.0, -0.0, 9.0, -9.0, 20.0, -20.0,
+                      -100.0, 1e30, -1e30], device=device).to(dtype)
+    x = x.repeat(37)  # a length with a scalar tail after the packs
+    y, ref = fastkern.gelu(x, approximate=approximate), F.gelu(x, approximate=approximate)
+    assert torch.equal(torch.isnan(y), torch.isnan(ref))
+    finite = ~torch.isnan(ref)
+    assert torch.allclose(y[finite].double(), ref[finite].double(), rtol=1e-2, atol=1e-6)

@@ -103,6 +103,7 @@ static void forward_block(const fk_rows *r, fk_dtype dtype, const void *x, void 
         log_s[c] = log(s[c]);
         double l = m[c];
         int64_t at = r->o * r->inner + r->i0 + c;
+        if (row_max == NULL) continue;
         if (dtype == FK_FLOAT64) ((double *)row_max)[at] = l;
         else ((float *)row_max)[at] = (float)l;
     }

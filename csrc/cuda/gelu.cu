@@ -5,7 +5,7 @@
 // 90 us backward: ~4 elements per SM per clock, so with 16-bit storage the instruction count, not
 // the memory, can set the pace. The tanh form is computed as x * sigmoid(2u) = x / (1 + exp(-2u)):
 // one exp and one division, no cancellation in 1 + tanh(u) for negative x. fp32 keeps libdevice's
-// accurate expf / erff and IEEE division (its rounding must stay within 2x of torch's); fp16 / bf16
+// accurate expf / erff and correctly rounded division (its rounding must stay within 2x of torch's); fp16 / bf16
 // use bare MUFU ex2 / rcp (ftz, no fix-up code) with the constants folded: ~8 instructions an
 // element for the tanh form (94% of copy for bf16 forward, against 91% with exp2f / __fdividef).
 // The erf form's erff costs ~25 instructions an element: bf16 erf forward stays ALU-bound (~70%).
@@ -50,8 +50,16 @@ template <bool kFast> __device__ __forceinline__ float exp_any(float v) {
     return kFast ? ex2_ftz(kLog2e * v) : expf(v);
 }
 
+// a / b for b >= 1. 16-bit: a * rcp(b). fp32: the same quotient refined by one remainder step
+// (FMA), which rounds it correctly for the quotients GELU takes (where rcp flushes to 0, b > 2^126,
+// the true quotient is below 1e-37 and torch's formula gives 0 too, and NaN for a = -inf, as this
+// does); an infinite quotient (a = +inf) is kept. Six instructions against IEEE division's ten
+// and its slow-path branch.
 template <bool kFast> __device__ __forceinline__ float div_any(float a, float b) {
-    return kFast ? a * rcp_ftz(b) : a / b;
+    const float r = rcp_ftz(b), q = a * r;
+    if (kFast) return q;
+    const float refined = fmaf(fmaf(-q, b, a), r, q);
+    return isinf(q) ? q : refined;
 }
 
 // exp(-2u), u = sqrt(2/pi) (v + 0.044715 v^3), for the tanh form, clamped so that e * sigmoid stays

@@ -309,7 +309,7 @@ softmax_fwd_rows_warp(const T *__restrict__ x, T *__restrict__ y, float *__restr
         s = group_reduce<SumSum<float2>>(make_float2(s, 0.f), group).x;
         const float inv_s = 1.f / s, log_s = logf(s);
         if (row < rows) {
-            if (li == 0) row_max[row] = m;
+            if (li == 0 && row_max) row_max[row] = m;
 #pragma unroll
             for (int p = 0; p < P; p++) {
                 const int col = (p * group + li) * VEC;
@@ -499,7 +499,7 @@ softmax_fwd_rows_block(int64_t n, int64_t seg, int cluster_k, const T *__restric
         s = ms.y;
     }
     const float ref = exp_ref(m), inv_s = 1.f / s, log_s = logf(s);
-    if (rank == 0 && threadIdx.x == 0) row_max[row] = m;
+    if (rank == 0 && threadIdx.x == 0 && row_max) row_max[row] = m;
 
     // writes the chunk at `start`; exp_of(i, t) is element i's exp(t), t = x * scale - m
     auto write_chunk = [&](int64_t start, auto exp_of) {
@@ -775,7 +775,7 @@ softmax_fwd_rows_smem(int64_t n, int64_t seg, int cluster_k, int64_t rows, const
     }
     const float ref = exp_ref(m), inv_s = 1.f / s, log_s = logf(s);
     if (!sl.valid) return;
-    if (lane == 0 && sl.begin == 0) row_max[sl.row] = m;
+    if (lane == 0 && sl.begin == 0 && row_max) row_max[sl.row] = m;
     T *yr = y + sl.row * n + sl.begin;
 #pragma unroll 4
     for (int p = lane; p < outs; p += lanes) {
@@ -916,7 +916,7 @@ softmax_fwd_cols(const T *__restrict__ x, T *__restrict__ y, float *__restrict__
     for (int t = 0; t < ny; t++) s += rescale_f64(part_s[t][tx], part_m[t][tx], m);
     if (!active) return;
     const float ref = exp_ref(m), inv_s = (float)(1.0 / s), log_s = (float)log(s);
-    if (ty == 0) row_max[column] = m;
+    if (ty == 0 && row_max) row_max[column] = m;
     for (int64_t j = ty; j < n; j += ny) {
         const float v = __fmul_rn(fk::to_f32(x[base + j * inner]), scale);
         const float out = is_log ? (v - ref) - log_s : normalize<T>(expf(v - ref), (float)s, inv_s);

@@ -52,14 +52,15 @@ def _stat_dtype(x):
     return torch.float64 if x.dtype == torch.float64 else torch.float32
 
 
-def _launch(x, scale, log, outer, n, inner, causal_sq, code):
-    """(y, row max) for validated arguments (a plan from _check)."""
+def _launch(x, scale, log, outer, n, inner, causal_sq, code, stat=True):
+    """(y, row max) for validated arguments (a plan from _check); without `stat` (no backward will
+    follow) the row max is neither allocated nor written, and None stands in for it."""
     x = B.dense(x)
     y = torch.empty_like(x)
-    row_max = torch.empty(outer * inner, dtype=_stat_dtype(x), device=x.device)
+    row_max = torch.empty(outer * inner, dtype=_stat_dtype(x), device=x.device) if stat else None
     if outer and n and inner:
         device, stream = B.launch_args(x)
-        _C.softmax_fwd(x.data_ptr(), y.data_ptr(), row_max.data_ptr(), outer, n, inner, float(scale),
+        _C.softmax_fwd(x.data_ptr(), y.data_ptr(), B.ptr(row_max), outer, n, inner, float(scale),
                        causal_sq, int(log), code, device, stream)
     return y, row_max
 
@@ -142,7 +143,7 @@ def _call(x, dim, scale, causal, log):
     plan = _check(x, dim, scale, causal, log)  # bad input is refused here by name, on every path
     route = B.route(x)
     if route == B.DIRECT:
-        return _launch(x, scale, log, *plan)[0]
+        return _launch(x, scale, log, *plan, stat=False)[0]
     if route == B.GRAD:
         return _softmax_apply(x, dim, scale, causal, log, plan)[0]
     return _softmax_op(x, dim, scale, causal, log)[0]
