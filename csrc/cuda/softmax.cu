@@ -150,39 +150,56 @@ template <typename V> struct SumSum {  // V: float2, or double2 for the fp32 bac
 template <typename T> using Acc = std::conditional_t<std::is_same_v<T, float>, double, float>;
 template <typename T> using Acc2 = std::conditional_t<std::is_same_v<T, float>, double2, float2>;
 
-// One lane's running backward sums z = sum y' and a = sum dy * y' (log: sum dy). fp32 data: each
-// sum is an unevaluated pair hi + lo (Knuth's TwoSum), and each product's rounding error is
-// recovered exactly by an FMA (TwoProduct), so the pair carries the sum as if in fp64 at fp32
-// speed; it turns into fp64 only for the cross-lane reduction. (Plain fp64 accumulation converted
-// every element: three F2F.F64 and three fp64 operations per element held the fp32 warp backward
-// at 74% of copy on an H200.) 16-bit data: plain fp32 sums.
-template <typename T, bool kLog> struct BwdSums {
+// One lane's running row sum. fp32 data: an unevaluated pair hi + lo (Knuth's TwoSum), products
+// entering with their rounding error recovered exactly by an FMA (TwoProduct), so the pair carries
+// the sum as if in fp64 at fp32 speed; it turns into fp64 only for the cross-lane reduction, and is
+// rounded to fp32 once at the end. A row dominated by one key has y ~ 1 there and dx ~ 0 there, so
+// every rounding of a lane's running sum near 1 lands in those results: plain fp32 lane sums left
+// single fp32 rows at 3-25x torch's error (forward: 1.65e-7 against 6.4e-9, n = 1000; pairs only
+// where a lane adds 16 or more terms still failed 1 run in 3 on an H200), and plain
+// fp64 accumulation (three F2F.F64 and three fp64 operations per element) held the fp32 warp
+// backward at 74% of copy on an H200. 16-bit data: plain fp32 sums (their outputs round far coarser).
+template <typename T> struct RowSum {
     static constexpr bool kPair = std::is_same_v<T, float>;
-    float z = 0.f, a = 0.f, z_lo = 0.f, a_lo = 0.f;
-    static __device__ __forceinline__ void two_sum(float &hi, float &lo, float v) {
-        const float s = hi + v, bv = s - hi;
-        lo += (hi - (s - bv)) + (v - bv);
-        hi = s;
-    }
-    __device__ __forceinline__ void add(float y, float g) {
+    float hi = 0.f, lo = 0.f;
+    __device__ __forceinline__ void add(float v) {
         if constexpr (!kPair) {
-            z += y;
-            a += kLog ? g : g * y;
+            hi += v;
         } else {
-            two_sum(z, z_lo, y);
-            if (kLog) {
-                two_sum(a, a_lo, g);
-            } else {
-                const float p = g * y;
-                a_lo += fmaf(g, y, -p);
-                two_sum(a, a_lo, p);
-            }
+            const float s = hi + v, bv = s - hi;
+            lo += (hi - (s - bv)) + (v - bv);
+            hi = s;
         }
     }
-    __device__ __forceinline__ Acc2<T> value() const {
-        return Acc2<T>{(Acc<T>)z + (Acc<T>)z_lo, (Acc<T>)a + (Acc<T>)a_lo};
+    __device__ __forceinline__ void add_product(float g, float y) {
+        if constexpr (!kPair) {
+            hi += g * y;
+        } else {
+            const float p = g * y;
+            lo += fmaf(g, y, -p);
+            add(p);
+        }
     }
+    __device__ __forceinline__ Acc<T> value() const { return (Acc<T>)hi + (Acc<T>)lo; }
 };
+
+// The backward's two sums: z = sum y', a = sum dy * y' (log: sum dy).
+template <typename T, bool kLog> struct BwdSums {
+    RowSum<T> z, a;
+    __device__ __forceinline__ void add(float y, float g) {
+        z.add(y);
+        if (kLog) a.add(g);
+        else a.add_product(g, y);
+    }
+    __device__ __forceinline__ Acc2<T> value() const { return Acc2<T>{z.value(), a.value()}; }
+};
+
+// The forward's row sum of exps over the lanes `reduce` combines (a SumSum reduction of Acc2<T>),
+// rounded to fp32 once.
+template <typename T, typename Reduce>
+__device__ __forceinline__ float row_sum(const RowSum<T> &sum, Reduce reduce) {
+    return (float)reduce(Acc2<T>{sum.value(), 0}).x;
+}
 
 // dx for one element from the row's sums, in fp32 arithmetic: a / z is carried as a_hi + a_lo, so
 // dy - a / z keeps its accuracy where it cancels (dy - a_hi is exact there) without converting every
@@ -298,15 +315,16 @@ softmax_fwd_rows_warp(const T *__restrict__ x, T *__restrict__ y, float *__restr
                 if (is_key(p, k)) m = fmaxf(m, __fmul_rn(raw_at<T, VEC>(raw[r][p], k), scale));
         m = group_reduce<MaxOnly>(make_float2(m, 0.f), group).x;
         const float ref = exp_ref(m);
-        float e[C], s = 0.f;  // one exp per element, kept for the output
+        float e[C];  // one exp per element, kept for the output
+        RowSum<T> sum;
 #pragma unroll
         for (int p = 0; p < P; p++)
 #pragma unroll
             for (int k = 0; k < VEC; k++) {
                 e[p * VEC + k] = is_key(p, k) ? exp_for<T>(fmaf(raw_at<T, VEC>(raw[r][p], k), scale, -ref)) : 0.f;
-                s += e[p * VEC + k];
+                sum.add(e[p * VEC + k]);
             }
-        s = group_reduce<SumSum<float2>>(make_float2(s, 0.f), group).x;
+        const float s = row_sum(sum, [&](Acc2<T> v) { return group_reduce<SumSum<Acc2<T>>>(v, group); });
         const float inv_s = 1.f / s, log_s = logf(s);
         if (row < rows) {
             if (li == 0 && row_max) row_max[row] = m;
@@ -418,7 +436,8 @@ __global__ void __launch_bounds__(kBlockThreads, 2)
 softmax_fwd_rows_block(int64_t n, int64_t seg, int cluster_k, const T *__restrict__ x, T *__restrict__ y,
                        float *__restrict__ row_max, float scale, int64_t causal_sq) {
     constexpr int C = block_elems_fwd<T, VEC>(), P = C / VEC;
-    __shared__ RowReduceSmem<float2> smem[2];
+    __shared__ RowReduceSmem<float2> smem[1];
+    __shared__ RowReduceSmem<Acc2<T>> sum_smem;  // the in-register path's second reduction
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     if (cluster_k > 1) cluster_arrive_relaxed();
 #endif
@@ -461,16 +480,16 @@ softmax_fwd_rows_block(int64_t n, int64_t seg, int cluster_k, const T *__restric
             for (int k = 0; k < VEC; k++)
                 if (is_key(p, k, keys)) m = fmaxf(m, __fmul_rn(raw_at<T, VEC>(raw[p], k), scale));
         m = row_reduce<MaxOnly>(make_float2(m, 0.f), smem[0], cluster_k).x;
-        s = 0.f;
+        RowSum<T> sum;
 #pragma unroll
         for (int p = 0; p < P; p++)
 #pragma unroll
             for (int k = 0; k < VEC; k++) {
                 const int i = p * VEC + k;
                 e[i] = is_key(p, k, keys) ? exp_for<T>(fmaf(raw_at<T, VEC>(raw[p], k), scale, -exp_ref(m))) : 0.f;
-                s += e[i];
+                sum.add(e[i]);
             }
-        s = row_reduce<SumSum<float2>>(make_float2(s, 0.f), smem[1], cluster_k, false).x;
+        s = row_sum(sum, [&](Acc2<T> v) { return row_reduce<SumSum<Acc2<T>>>(v, sum_smem, cluster_k, false); });
     } else {
         // (max, sum of exp relative to it) of this thread's elements, online across chunks; the
         // write pass re-reads each chunk (mostly from L2) and takes its exp again
@@ -707,7 +726,8 @@ softmax_fwd_rows_smem(int64_t n, int64_t seg, int cluster_k, int64_t rows, const
     constexpr bool kExactMax = std::is_same_v<T, float>;
     extern __shared__ __align__(16) unsigned char smem_raw[];
     __shared__ uint64_t bar;
-    __shared__ RowReduceSmem<float2> red[2];
+    __shared__ RowReduceSmem<float2> red[1];
+    __shared__ RowReduceSmem<Acc2<T>> sum_red;  // fp32's second reduction
     if (!kWarps && cluster_k > 1) cluster_arrive_relaxed();
     const int w = kWarps ? threadIdx.x / 32 : 0;
     const int lane = kWarps ? threadIdx.x % 32 : threadIdx.x, lanes = kWarps ? 32 : kSmemThreads;
@@ -743,14 +763,15 @@ softmax_fwd_rows_smem(int64_t n, int64_t seg, int cluster_k, int64_t rows, const
         }
         m = slice_reduce<kWarps, MaxOnly>(make_float2(m, 0.f), red[0], cluster_k).x;
         const float ref = exp_ref(m);
+        RowSum<T> sum;
 #pragma unroll 4
         for (int p = lane; p < packs; p += lanes) {
             const fk::Pack<T> v = sx[p];
 #pragma unroll
             for (int k = 0; k < VEC; k++)
-                if (is_key(p, k)) s += exp_for<T>(fmaf(fk::to_f32(v.v[k]), scale, -ref));
+                if (is_key(p, k)) sum.add(exp_for<T>(fmaf(fk::to_f32(v.v[k]), scale, -ref)));
         }
-        s = slice_reduce<kWarps, SumSum<float2>>(make_float2(s, 0.f), red[1], cluster_k, false).x;
+        s = row_sum(sum, [&](Acc2<T> v) { return slice_reduce<kWarps, SumSum<Acc2<T>>>(v, sum_red, cluster_k, false); });
     } else {
         // online: each pack's max first, the running sum rescaled when the max grows
 #pragma unroll 2
