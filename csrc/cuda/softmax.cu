@@ -13,7 +13,11 @@
 // Strategies for inner == 1 (rows contiguous), by row length n:
 //   n <= 1024     a warp (or a 1..16-lane group for very short rows) per row, 1..4 rows per group so
 //                 each lane has >= 64 bytes in flight; row in registers, read once.
-//   longer        K CTAs per row (K = 1, else a thread-block cluster of up to 16 on sm_90), each
+//   longer, sm_90, rows a multiple of 16 bytes: the row slice is bulk-copied (TMA) into shared
+//                 memory and read from there (a warp per row up to 8 KB of row data, else one CTA or
+//                 a cluster of 64 KB CTAs per row; see "row slices in shared memory" below). H200:
+//                 81-89% of copy with one CTA per row, 60-80% with clusters.
+//   longer, other K CTAs per row (K = 1, else a thread-block cluster of up to 16 on sm_90), each
 //                 thread holding 64 bytes (backward: 32 of x and 32 of dy) raw in registers per
 //                 chunk, CTAs of up to 512 threads, and K the smallest power of two that leaves a CTA
 //                 at most two chunks (a second chunk is re-read from L2, which measured cheaper on an
@@ -28,7 +32,7 @@
 // inner > 1: a thread per (outer, inner) column, 32 columns per warp so loads stay coalesced, 8..32
 // threads splitting n, online max / sum down n, then a write pass (x read twice).
 //
-// Numerics: fp32 arithmetic. The max is taken of x * scale rounded (__fmul_rn), and exponents are
+// Numerics: fp32 arithmetic; fp32 data sums rows in TwoSum pairs (RowSum). The max is taken of x * scale rounded (__fmul_rn), and exponents are
 // fmaf(x, scale, -max): exact near the max, where the output's mass is, so exp2(that * log2(e))
 // costs ~2 ulp, as accurate expf does. y = e / sum (fp32) or e * (1 / sum) (16-bit outputs round far
 // coarser). Masked keys and all -inf rows contribute nothing to the sum, so fully masked or all
