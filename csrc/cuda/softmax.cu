@@ -349,8 +349,10 @@ softmax_fwd_rows_warp(const T *__restrict__ x, T *__restrict__ y, float *__restr
     }
 }
 
+// fp32 with 32 elements a lane: capped at 80 registers (6 CTAs an SM instead of 5, a few bytes of
+// spills): 1024-wide rows 78 -> 82% of copy on an H200.
 template <typename T, int VEC, int C, bool kCausal, bool kLog>
-__global__ void __launch_bounds__(kWarpBlock)
+__global__ void __launch_bounds__(kWarpBlock, std::is_same_v<T, float> && C == 32 ? 6 : 1)
 softmax_bwd_rows_warp(const T *__restrict__ dy, const T *__restrict__ x, const float *__restrict__ row_max,
                       T *__restrict__ dx, int64_t rows, int n, int group, float scale,
                       int64_t causal_sq) {
