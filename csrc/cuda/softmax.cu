@@ -32,8 +32,8 @@
 // inner > 1: a thread per (outer, inner) column, 32 columns per warp so loads stay coalesced, 8..32
 // threads splitting n, online max / sum down n, then a write pass (x read twice).
 //
-// Numerics: fp32 arithmetic; fp32 data sums rows in TwoSum pairs (RowSum). The max is taken of x * scale rounded (__fmul_rn), and exponents are
-// fmaf(x, scale, -max): exact near the max, where the output's mass is, so exp2(that * log2(e))
+// Numerics: fp32 arithmetic; fp32 data sums rows in TwoSum pairs (RowSum). The max is taken of
+// x * scale rounded (__fmul_rn), and exponents are fmaf(x, scale, -max): exact near the max, where the output's mass is, so exp2(that * log2(e))
 // costs ~2 ulp, as accurate expf does. y = e / sum (fp32) or e * (1 / sum) (16-bit outputs round far
 // coarser). Masked keys and all -inf rows contribute nothing to the sum, so fully masked or all
 // -inf rows give 0 * (1 / 0) = NaN and rows with +inf / NaN give NaN, exactly as torch.softmax after
@@ -716,6 +716,27 @@ __device__ __forceinline__ Slice slice_of(int w, int64_t rows, int64_t n, int64_
     return sl;
 }
 
+// Thread 0 starts the CTA's copies: copies(i, slice, copy) names, for slice i of the CTA, each
+// tensor's copy as copy(shared offset, source, bytes). One arrival announces all their bytes, so
+// the barrier's phase cannot complete before the last copy is counted.
+template <typename T, bool kCausal, bool kWarps, typename Copies>
+__device__ __forceinline__ void start_copies(uint64_t *bar, unsigned char *smem, int64_t rows, int64_t n,
+                                             int64_t seg, int cluster_k, int64_t causal_sq, Copies copies) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    if (threadIdx.x != 0) return;
+    uint32_t total = 0;
+    for (int i = 0; i < (kWarps ? kWarpRows : 1); i++)
+        copies(i, slice_of<kCausal, kWarps>(i, rows, n, seg, cluster_k, causal_sq),
+               [&](int64_t, const T *, uint32_t bytes) { total += bytes; });
+    mbar_expect(bar, total);
+    for (int i = 0; i < (kWarps ? kWarpRows : 1); i++)
+        copies(i, slice_of<kCausal, kWarps>(i, rows, n, seg, cluster_k, causal_sq),
+               [&](int64_t offset, const T *src, uint32_t bytes) {
+                   if (bytes) bulk_load(smem + offset, src, bytes, bar);
+               });
+#endif
+}
+
 // Reduction over the lanes that share a slice's row: the warp (kWarps), else the CTA and cluster.
 template <bool kWarps, typename Op, typename V>
 __device__ __forceinline__ V slice_reduce(V v, RowReduceSmem<V> &smem, int cluster_k, bool first = true) {
@@ -739,19 +760,10 @@ softmax_fwd_rows_smem(int64_t n, int64_t seg, int cluster_k, int64_t rows, const
     const int lane = kWarps ? threadIdx.x % 32 : threadIdx.x, lanes = kWarps ? 32 : kSmemThreads;
     const int64_t slice_bytes_max = seg * (int64_t)sizeof(T);
     mbar_setup(&bar);
-    if (threadIdx.x == 0) {
-        uint32_t total = 0;
-        for (int i = 0; i < (kWarps ? kWarpRows : 1); i++) {
-            const Slice s = slice_of<kCausal, kWarps>(i, rows, n, seg, cluster_k, causal_sq);
-            total += slice_bytes<T>(s.keys, s.len);
-        }
-        mbar_expect(&bar, total);
-        for (int i = 0; i < (kWarps ? kWarpRows : 1); i++) {
-            const Slice s = slice_of<kCausal, kWarps>(i, rows, n, seg, cluster_k, causal_sq);
-            const uint32_t bytes = slice_bytes<T>(s.keys, s.len);
-            if (bytes) bulk_load(smem_raw + i * slice_bytes_max, x + s.row * n + s.begin, bytes, &bar);
-        }
-    }
+    start_copies<T, kCausal, kWarps>(&bar, smem_raw, rows, n, seg, cluster_k, causal_sq,
+                                     [&](int i, const Slice &s, auto copy) {
+                                         copy(i * slice_bytes_max, x + s.row * n + s.begin, slice_bytes<T>(s.keys, s.len));
+                                     });
     const Slice sl = slice_of<kCausal, kWarps>(w, rows, n, seg, cluster_k, causal_sq);
     const int packs = (int)(slice_bytes<T>(sl.keys, sl.len) / 16), outs = (int)(sl.len > 0 ? sl.len / VEC : 0);
     const fk::Pack<T> *sx = reinterpret_cast<const fk::Pack<T> *>(smem_raw + w * slice_bytes_max);
@@ -838,19 +850,11 @@ softmax_bwd_rows_smem(int64_t n, int64_t seg, int cluster_k, int64_t rows, const
     auto x_bytes = [](const Slice &s) { return slice_bytes<T>(s.keys, s.len); };
     auto dy_bytes = [](const Slice &s) { return slice_bytes<T>(kLog ? s.len : s.keys, s.len); };
     mbar_setup(&bar);
-    if (threadIdx.x == 0) {
-        uint32_t total = 0;
-        for (int i = 0; i < (kWarps ? kWarpRows : 1); i++) {
-            const Slice s = slice_of<kCausal, kWarps>(i, rows, n, seg, cluster_k, causal_sq);
-            total += x_bytes(s) + dy_bytes(s);
-        }
-        mbar_expect(&bar, total);  // one arrival for every copy
-        for (int i = 0; i < (kWarps ? kWarpRows : 1); i++) {
-            const Slice s = slice_of<kCausal, kWarps>(i, rows, n, seg, cluster_k, causal_sq);
-            if (x_bytes(s)) bulk_load(smem_raw + i * slice, x + s.row * n + s.begin, x_bytes(s), &bar);
-            if (dy_bytes(s)) bulk_load(smem_raw + dy_base + i * slice, dy + s.row * n + s.begin, dy_bytes(s), &bar);
-        }
-    }
+    start_copies<T, kCausal, kWarps>(&bar, smem_raw, rows, n, seg, cluster_k, causal_sq,
+                                     [&](int i, const Slice &s, auto copy) {
+                                         copy(i * slice, x + s.row * n + s.begin, x_bytes(s));
+                                         copy(dy_base + i * slice, dy + s.row * n + s.begin, dy_bytes(s));
+                                     });
     const Slice sl = slice_of<kCausal, kWarps>(w, rows, n, seg, cluster_k, causal_sq);
     const int x_packs = (int)(x_bytes(sl) / 16), dy_packs = (int)(dy_bytes(sl) / 16);
     const int outs = (int)(sl.len > 0 ? sl.len / VEC : 0);
@@ -1003,6 +1007,27 @@ int compute_major(int device) {
     return majors[device];
 }
 
+// A launch of `ctas` CTAs of `threads` threads and `smem` bytes of dynamic shared memory, in
+// clusters of k when k > 1. Not copyable: the config points at its own attribute.
+struct ClusterLaunch {
+    cudaLaunchConfig_t config = {};
+    cudaLaunchAttribute attr = {};
+    ClusterLaunch(int64_t ctas, int threads, int64_t smem, int64_t k, cudaStream_t stream) {
+        attr.id = cudaLaunchAttributeClusterDimension;
+        attr.val.clusterDim.x = (unsigned)k;
+        attr.val.clusterDim.y = 1;
+        attr.val.clusterDim.z = 1;
+        config.gridDim = dim3((unsigned)ctas);
+        config.blockDim = dim3((unsigned)threads);
+        config.dynamicSmemBytes = (size_t)smem;
+        config.stream = stream;
+        config.attrs = &attr;
+        config.numAttrs = k > 1 ? 1 : 0;
+    }
+    ClusterLaunch(const ClusterLaunch &) = delete;
+    ClusterLaunch &operator=(const ClusterLaunch &) = delete;
+};
+
 // The largest cluster (16, else 8) that `kernel`, with `threads` threads and `smem` bytes of dynamic
 // shared memory (which it is allowed here), can be resident with on `device`; 1 where clusters do
 // not exist. Asked once per kernel and device.
@@ -1014,19 +1039,9 @@ template <auto kernel> int cluster_limit(int device, int threads, int smem) {
         if (cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1) == cudaSuccess &&
             (smem == 0 || cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem) == cudaSuccess)) {
             for (int k = kMaxCluster; k > 1 && limit == 1; k /= 2) {
-                cudaLaunchConfig_t config = {};
-                cudaLaunchAttribute attr;
-                attr.id = cudaLaunchAttributeClusterDimension;
-                attr.val.clusterDim.x = (unsigned)k;
-                attr.val.clusterDim.y = 1;
-                attr.val.clusterDim.z = 1;
-                config.gridDim = dim3((unsigned)k);
-                config.blockDim = dim3((unsigned)threads);
-                config.dynamicSmemBytes = (size_t)smem;
-                config.attrs = &attr;
-                config.numAttrs = 1;
+                const ClusterLaunch launch(k, threads, smem, k, nullptr);
                 int clusters = 0;
-                if (cudaOccupancyMaxActiveClusters(&clusters, kernel, &config) == cudaSuccess && clusters > 0)
+                if (cudaOccupancyMaxActiveClusters(&clusters, kernel, &launch.config) == cudaSuccess && clusters > 0)
                     limit = k;
             }
         }
@@ -1063,18 +1078,8 @@ fk_status launch_rows_block(const char *op, int64_t rows, int64_t n, int device,
     if (rows * k > 0x7fffffff)
         return fk_fail(FK_ERR_VALUE, "%s: %lld rows of %lld elements exceed the CUDA grid", op,
                        (long long)rows, (long long)n);
-    cudaLaunchConfig_t config = {};
-    cudaLaunchAttribute attr;
-    attr.id = cudaLaunchAttributeClusterDimension;
-    attr.val.clusterDim.x = (unsigned)k;
-    attr.val.clusterDim.y = 1;
-    attr.val.clusterDim.z = 1;
-    config.gridDim = dim3((unsigned)(rows * k));
-    config.blockDim = dim3((unsigned)threads);
-    config.stream = stream;
-    config.attrs = &attr;
-    config.numAttrs = k > 1 ? 1 : 0;
-    return fk::cuda_status(cudaLaunchKernelEx(&config, kernel, n, seg, (int)k, args...), op);
+    const ClusterLaunch launch(rows * k, threads, 0, k, stream);
+    return fk::cuda_status(cudaLaunchKernelEx(&launch.config, kernel, n, seg, (int)k, args...), op);
 }
 
 // Slice sizes of the shared-memory kernels, in bytes of all the tensors a CTA holds. Rows up to
@@ -1096,18 +1101,11 @@ bool launch_rows_smem(fk_status &status, const char *op, int64_t rows, int64_t n
     constexpr int64_t VEC = fk::Pack<T>::N;
     if (compute_major(device) < 9) return false;
     const int64_t row_bytes = n * (int64_t)sizeof(T) * kTensors;
-    cudaLaunchConfig_t config = {};
-    cudaLaunchAttribute attr;
-    config.stream = stream;
-    if (row_bytes <= kSmemWarpRowMax) {
-        static bool ready = cudaFuncSetAttribute(warp_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                                 (int)kSmemCtaMax) == cudaSuccess;
+    if (row_bytes <= kSmemWarpRowMax) {  // kWarpRows rows a CTA: at most 32 KB, no opt-in needed
         const int64_t ctas = (rows + kWarpRows - 1) / kWarpRows;
-        if (!ready || kWarpRows * row_bytes > kSmemCtaMax || ctas > 0x7fffffff) return false;
-        config.gridDim = dim3((unsigned)ctas);
-        config.blockDim = dim3(32 * kWarpRows);
-        config.dynamicSmemBytes = (size_t)(kWarpRows * row_bytes);
-        status = fk::cuda_status(cudaLaunchKernelEx(&config, warp_kernel, n, n, 1, rows, args...), op);
+        if (ctas > 0x7fffffff) return false;
+        const ClusterLaunch launch(ctas, 32 * kWarpRows, kWarpRows * row_bytes, 1, stream);
+        status = fk::cuda_status(cudaLaunchKernelEx(&launch.config, warp_kernel, n, n, 1, rows, args...), op);
         return true;
     }
     int64_t k = pow2_ceil((row_bytes + kSmemCtaMax - 1) / kSmemCtaMax);
@@ -1116,16 +1114,8 @@ bool launch_rows_smem(fk_status &status, const char *op, int64_t rows, int64_t n
     const int64_t seg = ((n + k - 1) / k + VEC - 1) / VEC * VEC;
     const int64_t smem = seg * (int64_t)sizeof(T) * kTensors;
     if (smem > kSmemCtaMax || rows * k > 0x7fffffff) return false;
-    attr.id = cudaLaunchAttributeClusterDimension;
-    attr.val.clusterDim.x = (unsigned)k;
-    attr.val.clusterDim.y = 1;
-    attr.val.clusterDim.z = 1;
-    config.gridDim = dim3((unsigned)(rows * k));
-    config.blockDim = dim3(kSmemThreads);
-    config.dynamicSmemBytes = (size_t)smem;
-    config.attrs = &attr;
-    config.numAttrs = k > 1 ? 1 : 0;
-    status = fk::cuda_status(cudaLaunchKernelEx(&config, cta_kernel, n, seg, (int)k, rows, args...), op);
+    const ClusterLaunch launch(rows * k, kSmemThreads, smem, k, stream);
+    status = fk::cuda_status(cudaLaunchKernelEx(&launch.config, cta_kernel, n, seg, (int)k, rows, args...), op);
     return true;
 }
 

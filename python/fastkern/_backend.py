@@ -28,20 +28,6 @@ _is_wrapped = torch._C._functorch.is_functorch_wrapped_tensor
 _grad_enabled = torch.is_grad_enabled
 
 
-def plain_eager(*tensors):
-    """True when an op may skip the torch dispatcher: plain tensors (None allowed, no subclass or
-    functorch wrapper) in plain eager mode, with no compile or tracing, no dispatch mode and no
-    functorch transform active. The dispatcher round trip and the custom-op autograd wrapper cost
-    more host time (~10-20 us) than a small kernel runs, so eager calls go straight to the kernel
-    (or a torch.autograd.Function)."""
-    if _is_compiling():
-        return False
-    for t in tensors:
-        if t is not None and (type(t) is not _Tensor or _is_wrapped(t)):
-            return False
-    return _get_current_dispatch_mode() is None and _functorch_level() is None
-
-
 OP, GRAD, DIRECT = 0, 1, 2
 
 
@@ -61,6 +47,12 @@ def route(*tensors):
     if _get_current_dispatch_mode() is not None or _functorch_level() is not None:
         return OP
     return GRAD if grad and _grad_enabled() else DIRECT
+
+
+def plain_eager(*tensors):
+    """True when an op may skip the torch dispatcher (route is not OP): the dispatcher round trip
+    and the custom-op autograd wrapper cost more host time (~10-20 us) than a small kernel runs."""
+    return route(*tensors) != OP
 
 
 def function_apply(function):
