@@ -11,8 +11,10 @@
 // its slice (64 bytes) before it uses the first, so an SM has ~64 KB in flight.
 //
 // Strategies for inner == 1 (rows contiguous), by row length n:
-//   n <= 1024     a warp (or a 1..16-lane group for very short rows) per row, 1..4 rows per group so
-//                 each lane has >= 64 bytes in flight; row in registers, read once.
+//   n <= 1024     the fewest lanes of a warp that hold the row at 64 bytes a lane (backward: 32 of
+//                 each of x and dy), e.g. 8 lanes for 128 fp32; row in registers, read once, and
+//                 no branch around an access (zero-filled loads, selects). Scalar rows: 1..4 rows
+//                 per lane group.
 //   longer, sm_90, rows a multiple of 16 bytes: the row slice is bulk-copied (TMA) into shared
 //                 memory and read from there (a warp per row up to 8 KB of row data, else one CTA or
 //                 a cluster of 64 KB CTAs per row; see "row slices in shared memory" below). H200:
@@ -32,7 +34,7 @@
 // inner > 1: a thread per (outer, inner) column, 32 columns per warp so loads stay coalesced, 8..32
 // threads splitting n, online max / sum down n, then a write pass (x read twice).
 //
-// Numerics: fp32 arithmetic; fp32 data sums rows in TwoSum pairs (RowSum). The max is taken of
+// Numerics: fp32 arithmetic; fp32 data sums rows in fp64 (RowSum). The max is taken of
 // x * scale rounded (__fmul_rn), and exponents are fmaf(x, scale, -max): exact near the max, where the output's mass is, so exp2(that * log2(e))
 // costs ~2 ulp, as accurate expf does. y = e / sum (fp32) or e * (1 / sum) (16-bit outputs round far
 // coarser). Masked keys and all -inf rows contribute nothing to the sum, so fully masked or all
@@ -112,6 +114,16 @@ template <typename T, int VEC> __device__ __forceinline__ Raw<T, VEC> load_raw(c
     else return fk::load_pack(p);
 }
 
+// The access at p when `in`, else zeros: the passes then compute every element and select, with
+// no branch around each access (branches kept each exp's dependent chain from overlapping the next).
+template <typename T, int VEC> __device__ __forceinline__ Raw<T, VEC> load_or_zero(const T *p, bool in) {
+    Raw<T, VEC> r;
+    if constexpr (VEC == 1) r = T(0.f);
+    else *reinterpret_cast<uint4 *>(&r) = make_uint4(0, 0, 0, 0);
+    if (in) r = load_raw<T, VEC>(p);
+    return r;
+}
+
 template <typename T, int VEC> __device__ __forceinline__ float raw_at(const Raw<T, VEC> &r, int k) {
     if constexpr (VEC == 1) return fk::to_f32(r);
     else return fk::to_f32(r.v[k]);
@@ -154,37 +166,21 @@ template <typename V> struct SumSum {  // V: float2, or double2 for the fp32 bac
 template <typename T> using Acc = std::conditional_t<std::is_same_v<T, float>, double, float>;
 template <typename T> using Acc2 = std::conditional_t<std::is_same_v<T, float>, double2, float2>;
 
-// One lane's running row sum. fp32 data: an unevaluated pair hi + lo (Knuth's TwoSum), products
-// entering with their rounding error recovered exactly by an FMA (TwoProduct), so the pair carries
-// the sum as if in fp64 at fp32 speed; it turns into fp64 only for the cross-lane reduction, and is
+// One lane's running row sum: fp64 for fp32 data (one F2F.F64 and one DADD / DFMA per term),
 // rounded to fp32 once at the end. A row dominated by one key has y ~ 1 there and dx ~ 0 there, so
-// every rounding of a lane's running sum near 1 lands in those results: plain fp32 lane sums left
-// single fp32 rows at 3-25x torch's error (forward: 1.65e-7 against 6.4e-9, n = 1000; pairs only
-// where a lane adds 16 or more terms still failed 1 run in 3 on an H200), and plain
-// fp64 accumulation (three F2F.F64 and three fp64 operations per element) held the fp32 warp
-// backward at 74% of copy on an H200. 16-bit data: plain fp32 sums (their outputs round far coarser).
+// every rounding of a running sum near 1 lands in those results: plain fp32 lane sums left single
+// fp32 rows at 3-25x torch's error (forward: 1.65e-7 against 6.4e-9, n = 1000). TwoSum / TwoProduct
+// pairs in fp32 are as exact but cost 7-10 instructions a term against two (the kernels are
+// instruction-bound: ncu on an H200 showed 80-88% issue-active). 16-bit data: plain fp32 sums
+// (their outputs round far coarser).
 template <typename T> struct RowSum {
-    static constexpr bool kPair = std::is_same_v<T, float>;
-    float hi = 0.f, lo = 0.f;
-    __device__ __forceinline__ void add(float v) {
-        if constexpr (!kPair) {
-            hi += v;
-        } else {
-            const float s = hi + v, bv = s - hi;
-            lo += (hi - (s - bv)) + (v - bv);
-            hi = s;
-        }
-    }
+    Acc<T> s = 0;
+    __device__ __forceinline__ void add(float v) { s += (Acc<T>)v; }
     __device__ __forceinline__ void add_product(float g, float y) {
-        if constexpr (!kPair) {
-            hi += g * y;
-        } else {
-            const float p = g * y;
-            lo += fmaf(g, y, -p);
-            add(p);
-        }
+        if constexpr (std::is_same_v<Acc<T>, double>) s = fma((double)g, (double)y, s);
+        else s = fmaf(g, y, s);
     }
-    __device__ __forceinline__ Acc<T> value() const { return (Acc<T>)hi + (Acc<T>)lo; }
+    __device__ __forceinline__ Acc<T> value() const { return s; }
 };
 
 // The backward's two sums: z = sum y', a = sum dy * y' (log: sum dy).
@@ -281,12 +277,14 @@ template <typename T, int C> __host__ __device__ constexpr int warp_rows() {
     return rows < 1 ? 1 : (rows > 4 ? 4 : rows);
 }
 
-// C elements per lane (C / VEC accesses); `group` lanes per row, group * C >= n.
-template <typename T, int VEC, int C, bool kCausal, bool kLog>
+// C elements per lane (C / VEC accesses); G lanes per row (0: `group_arg`, known at run time),
+// group * C >= n. A compile-time G folds the reductions' level tests away.
+template <typename T, int VEC, int C, int G, bool kCausal, bool kLog>
 __global__ void __launch_bounds__(kWarpBlock)
-softmax_fwd_rows_warp(const T *__restrict__ x, T *__restrict__ y, float *__restrict__ row_max,
-                      int64_t rows, int n, int group, float scale, int64_t causal_sq) {
+softmax_fwd_rows_warp(int64_t rows, int n, int group_arg, const T *__restrict__ x, T *__restrict__ y,
+                      float *__restrict__ row_max, float scale, int64_t causal_sq) {
     constexpr int ROWS = warp_rows<T, C>(), P = C / VEC;
+    const int group = G ? G : group_arg;
     const int lane = threadIdx.x & 31, li = lane & (group - 1);
     const int64_t warp = (int64_t)blockIdx.x * (kWarpBlock / 32) + (threadIdx.x >> 5);
     const int64_t first = (warp * (32 / group) + lane / group) * ROWS;
@@ -300,7 +298,7 @@ softmax_fwd_rows_warp(const T *__restrict__ x, T *__restrict__ y, float *__restr
 #pragma unroll
         for (int p = 0; p < P; p++) {
             const int col = (p * group + li) * VEC;
-            if (col < valid[r]) raw[r][p] = load_raw<T, VEC>(x + row * n + col);
+            raw[r][p] = load_or_zero<T, VEC>(x + row * n + col, col < valid[r]);
         }
     }
 #pragma unroll
@@ -315,8 +313,10 @@ softmax_fwd_rows_warp(const T *__restrict__ x, T *__restrict__ y, float *__restr
 #pragma unroll
         for (int p = 0; p < P; p++)
 #pragma unroll
-            for (int k = 0; k < VEC; k++)
-                if (is_key(p, k)) m = fmaxf(m, __fmul_rn(raw_at<T, VEC>(raw[r][p], k), scale));
+            for (int k = 0; k < VEC; k++) {
+                const float v = __fmul_rn(raw_at<T, VEC>(raw[r][p], k), scale);
+                m = fmaxf(m, is_key(p, k) ? v : -INFINITY);
+            }
         m = group_reduce<MaxOnly>(make_float2(m, 0.f), group).x;
         const float ref = exp_ref(m);
         float e[C];  // one exp per element, kept for the output
@@ -325,7 +325,8 @@ softmax_fwd_rows_warp(const T *__restrict__ x, T *__restrict__ y, float *__restr
         for (int p = 0; p < P; p++)
 #pragma unroll
             for (int k = 0; k < VEC; k++) {
-                e[p * VEC + k] = is_key(p, k) ? exp_for<T>(fmaf(raw_at<T, VEC>(raw[r][p], k), scale, -ref)) : 0.f;
+                const float ek = exp_for<T>(fmaf(raw_at<T, VEC>(raw[r][p], k), scale, -ref));
+                e[p * VEC + k] = is_key(p, k) ? ek : 0.f;
                 sum.add(e[p * VEC + k]);
             }
         const float s = row_sum(sum, [&](Acc2<T> v) { return group_reduce<SumSum<Acc2<T>>>(v, group); });
@@ -351,12 +352,12 @@ softmax_fwd_rows_warp(const T *__restrict__ x, T *__restrict__ y, float *__restr
 
 // fp32 with 32 elements a lane: capped at 80 registers (6 CTAs an SM instead of 5, a few bytes of
 // spills): 1024-wide rows 78 -> 82% of copy on an H200.
-template <typename T, int VEC, int C, bool kCausal, bool kLog>
+template <typename T, int VEC, int C, int G, bool kCausal, bool kLog>
 __global__ void __launch_bounds__(kWarpBlock, std::is_same_v<T, float> && C == 32 ? 6 : 1)
-softmax_bwd_rows_warp(const T *__restrict__ dy, const T *__restrict__ x, const float *__restrict__ row_max,
-                      T *__restrict__ dx, int64_t rows, int n, int group, float scale,
-                      int64_t causal_sq) {
+softmax_bwd_rows_warp(int64_t rows, int n, int group_arg, const T *__restrict__ dy, const T *__restrict__ x,
+                      const float *__restrict__ row_max, T *__restrict__ dx, float scale, int64_t causal_sq) {
     constexpr int ROWS = warp_rows<T, 2 * C>(), P = C / VEC;  // x and dy: 64 bytes between them
+    const int group = G ? G : group_arg;
     const int lane = threadIdx.x & 31, li = lane & (group - 1);
     const int64_t warp = (int64_t)blockIdx.x * (kWarpBlock / 32) + (threadIdx.x >> 5);
     const int64_t first = (warp * (32 / group) + lane / group) * ROWS;
@@ -374,8 +375,8 @@ softmax_bwd_rows_warp(const T *__restrict__ dy, const T *__restrict__ x, const f
 #pragma unroll
         for (int p = 0; p < P; p++) {
             const int col = (p * group + li) * VEC;
-            if (col < valid[r]) raw_x[r][p] = load_raw<T, VEC>(x + row * n + col);
-            if (col < dy_len[r]) raw_dy[r][p] = load_raw<T, VEC>(dy + row * n + col);
+            raw_x[r][p] = load_or_zero<T, VEC>(x + row * n + col, col < valid[r]);
+            raw_dy[r][p] = load_or_zero<T, VEC>(dy + row * n + col, col < dy_len[r]);
         }
     }
 #pragma unroll
@@ -392,8 +393,9 @@ softmax_bwd_rows_warp(const T *__restrict__ dy, const T *__restrict__ x, const f
 #pragma unroll
             for (int k = 0; k < VEC; k++) {
                 const int i = p * VEC + k;
-                yv[i] = in(p, k, valid[r]) ? exp_for<T>(fmaf(raw_at<T, VEC>(raw_x[r][p], k), scale, -exp_ref(m_saved[r]))) : 0.f;
-                g[i] = in(p, k, dy_len[r]) ? raw_at<T, VEC>(raw_dy[r][p], k) : 0.f;
+                const float yk = exp_for<T>(fmaf(raw_at<T, VEC>(raw_x[r][p], k), scale, -exp_ref(m_saved[r])));
+                yv[i] = in(p, k, valid[r]) ? yk : 0.f;
+                g[i] = !kCausal || in(p, k, dy_len[r]) ? raw_at<T, VEC>(raw_dy[r][p], k) : 0.f;
                 sums.add(yv[i], g[i]);
             }
         const Acc2<T> za = group_reduce<SumSum<Acc2<T>>>(sums.value(), group);
@@ -766,7 +768,7 @@ softmax_fwd_rows_smem(int64_t n, int64_t seg, int cluster_k, int64_t rows, const
                                      });
     const Slice sl = slice_of<kCausal, kWarps>(w, rows, n, seg, cluster_k, causal_sq);
     const int packs = (int)(slice_bytes<T>(sl.keys, sl.len) / 16), outs = (int)(sl.len > 0 ? sl.len / VEC : 0);
-    const fk::Pack<T> *sx = reinterpret_cast<const fk::Pack<T> *>(smem_raw + w * slice_bytes_max);
+    fk::Pack<T> *sx = reinterpret_cast<fk::Pack<T> *>(smem_raw + w * slice_bytes_max);
     auto is_key = [&](int p, int k) { return !kCausal || p * VEC + k < sl.keys; };
     mbar_wait(&bar);
 
@@ -781,13 +783,17 @@ softmax_fwd_rows_smem(int64_t n, int64_t seg, int cluster_k, int64_t rows, const
         }
         m = slice_reduce<kWarps, MaxOnly>(make_float2(m, 0.f), red[0], cluster_k).x;
         const float ref = exp_ref(m);
+        // softmax keeps each exp in place of its x (same size in fp32), for the write pass
         RowSum<T> sum;
 #pragma unroll 4
         for (int p = lane; p < packs; p += lanes) {
-            const fk::Pack<T> v = sx[p];
+            fk::Pack<T> v = sx[p];
 #pragma unroll
-            for (int k = 0; k < VEC; k++)
-                if (is_key(p, k)) sum.add(exp_for<T>(fmaf(fk::to_f32(v.v[k]), scale, -ref)));
+            for (int k = 0; k < VEC; k++) {
+                v.v[k] = is_key(p, k) ? exp_for<T>(fmaf(fk::to_f32(v.v[k]), scale, -ref)) : 0.f;
+                sum.add(v.v[k]);
+            }
+            if (!kLog) sx[p] = v;
         }
         s = row_sum(sum, [&](Acc2<T> v) { return slice_reduce<kWarps, SumSum<Acc2<T>>>(v, sum_red, cluster_k, false); });
     } else {
@@ -818,13 +824,16 @@ softmax_fwd_rows_smem(int64_t n, int64_t seg, int cluster_k, int64_t rows, const
     T *yr = y + sl.row * n + sl.begin;
 #pragma unroll 4
     for (int p = lane; p < outs; p += lanes) {
+        // without a mask every output pack was copied (packs == outs)
+        const bool copied = !kCausal || p < packs;
         fk::Pack<T> v, o;
-        if (p < packs) v = sx[p];
+        if (copied) v = sx[p];
 #pragma unroll
         for (int k = 0; k < VEC; k++) {
-            const bool key = p < packs && is_key(p, k);
+            const bool key = copied && is_key(p, k);
             const float t = key ? fmaf(fk::to_f32(v.v[k]), scale, -ref) : -INFINITY;
-            o.v[k] = fk::from_f32<T>(kLog ? t - log_s : normalize<T>(key ? exp_for<T>(t) : 0.f, s, inv_s));
+            const float e = kExactMax ? (copied ? fk::to_f32(v.v[k]) : 0.f) : key ? exp_for<T>(t) : 0.f;
+            o.v[k] = fk::from_f32<T>(kLog ? t - log_s : normalize<T>(e, s, inv_s));
         }
         fk::store_pack(yr + p * VEC, o);
     }
@@ -859,29 +868,34 @@ softmax_bwd_rows_smem(int64_t n, int64_t seg, int cluster_k, int64_t rows, const
     const int x_packs = (int)(x_bytes(sl) / 16), dy_packs = (int)(dy_bytes(sl) / 16);
     const int outs = (int)(sl.len > 0 ? sl.len / VEC : 0);
     const int64_t dy_keys = kLog ? sl.len : sl.keys;
-    const fk::Pack<T> *sx = reinterpret_cast<const fk::Pack<T> *>(smem_raw + w * slice);
+    fk::Pack<T> *sx = reinterpret_cast<fk::Pack<T> *>(smem_raw + w * slice);
     const fk::Pack<T> *sdy = reinterpret_cast<const fk::Pack<T> *>(smem_raw + dy_base + w * slice);
     const float ref = sl.valid ? exp_ref(row_max[sl.row]) : 0.f;
     // y' = exp(x * scale - row_max) of element k of pack p, 0 for masked keys; g likewise
+    // (without a mask x and dy cover every pack the loops visit: x_packs == dy_packs == outs)
     auto y_unnorm = [&](int p, int k, const fk::Pack<T> &v) {
-        return p < x_packs && (!kCausal || p * VEC + k < sl.keys) ? exp_for<T>(fmaf(fk::to_f32(v.v[k]), scale, -ref)) : 0.f;
+        return !kCausal || (p < x_packs && p * VEC + k < sl.keys) ? exp_for<T>(fmaf(fk::to_f32(v.v[k]), scale, -ref)) : 0.f;
     };
     auto grad = [&](int p, int k, const fk::Pack<T> &g) {
-        return p < dy_packs && (!kCausal || p * VEC + k < dy_keys) ? fk::to_f32(g.v[k]) : 0.f;
+        return !kCausal || (p < dy_packs && p * VEC + k < dy_keys) ? fk::to_f32(g.v[k]) : 0.f;
     };
     mbar_wait(&bar);
 
+    // fp32 keeps each y' in place of its x (same size) for the write pass: one expf per element
     BwdSums<T, kLog> sums;  // (z, a): sum of y', sum of dy * y' (log: of dy)
     const int packs = x_packs > dy_packs ? x_packs : dy_packs;
 #pragma unroll 2
     for (int p = lane; p < packs; p += lanes) {
         fk::Pack<T> v, g;
-        if (p < x_packs) v = sx[p];
-        if (p < dy_packs) g = sdy[p];
+        if (!kCausal || p < x_packs) v = sx[p];
+        if (!kCausal || p < dy_packs) g = sdy[p];
 #pragma unroll
         for (int k = 0; k < VEC; k++) {
-            sums.add(y_unnorm(p, k, v), grad(p, k, g));
+            const float yk = y_unnorm(p, k, v);
+            if constexpr (kExpOnce<T>) v.v[k] = yk;
+            sums.add(yk, grad(p, k, g));
         }
+        if (kExpOnce<T> && (!kCausal || p < x_packs)) sx[p] = v;
     }
     const Acc2<T> za = slice_reduce<kWarps, SumSum<Acc2<T>>>(sums.value(), red, cluster_k);
     if (!sl.valid) return;
@@ -890,12 +904,13 @@ softmax_bwd_rows_smem(int64_t n, int64_t seg, int cluster_k, int64_t rows, const
 #pragma unroll 2
     for (int p = lane; p < outs; p += lanes) {
         fk::Pack<T> v, g, o;
-        if (p < x_packs) v = sx[p];
-        if (p < dy_packs) g = sdy[p];
+        if (!kCausal || p < x_packs) v = sx[p];
+        if (!kCausal || p < dy_packs) g = sdy[p];
 #pragma unroll
         for (int k = 0; k < VEC; k++) {
-            const bool key = p < x_packs && (!kCausal || p * VEC + k < sl.keys);
-            o.v[k] = fk::from_f32<T>(key ? br.template dx<kLog>(y_unnorm(p, k, v), grad(p, k, g)) : 0.f);
+            const bool key = !kCausal || (p < x_packs && p * VEC + k < sl.keys);
+            const float yk = kExpOnce<T> ? (key ? fk::to_f32(v.v[k]) : 0.f) : y_unnorm(p, k, v);
+            o.v[k] = fk::from_f32<T>(key ? br.template dx<kLog>(yk, grad(p, k, g)) : 0.f);
         }
         fk::store_pack(dxr + p * VEC, o);
     }
@@ -1119,35 +1134,42 @@ bool launch_rows_smem(fk_status &status, const char *op, int64_t rows, int64_t n
     return true;
 }
 
-// Lanes per row and elements per lane for the warp kernels: the smallest C (a multiple of VEC)
-// with 32 * C >= n; rows shorter than 32 * VEC share a warp between 32 / group rows.
-template <typename T, int VEC, int C, bool kCausal, bool kLog>
-fk_status launch_fwd_rows_warp(const T *x, T *y, float *row_max, int64_t rows, int64_t n, float scale,
-                               int64_t causal_sq, cudaStream_t stream, const char *op) {
+// Lanes per row and elements per lane for the warp kernels. Packed rows: kBytes a lane per tensor
+// (forward 64, backward 32 of each of x and dy; more for rows that need it) and the fewest lanes
+// that cover the row, so a short row is reduced over few lanes (fp32 (65536, 128) forward: 8 lanes,
+// 3 shuffle levels, where 32 lanes holding 4 rows each took 20 levels a lane); the common lane
+// counts are compile-time. Scalar rows (misaligned or odd n): the smallest C with 32 * C >= n, and
+// rows shorter than 32 share a warp. Calls launch(C, G) with std::integral_constant arguments.
+template <typename T, int VEC, int kBytes, int C = (VEC == 1 ? 1 : kBytes / (int)sizeof(T)), typename F>
+fk_status with_warp_shape(int64_t n, F &&launch) {
     if constexpr (C < 32) {
-        if (32 * C < n) return launch_fwd_rows_warp<T, VEC, 2 * C, kCausal, kLog>(x, y, row_max, rows, n, scale, causal_sq, stream, op);
+        if (32 * C < n) return with_warp_shape<T, VEC, kBytes, 2 * C>(n, launch);
     }
-    const int group = C == VEC ? (int)pow2_ceil((n + VEC - 1) / VEC) : 32;
-    const int64_t rows_per_cta = (int64_t)warp_rows<T, C>() * (32 / group) * (kWarpBlock / 32);
-    const int64_t ctas = (rows + rows_per_cta - 1) / rows_per_cta;
-    if (ctas > 0x7fffffff) return fk_fail(FK_ERR_VALUE, "%s: %lld rows exceed the CUDA grid", op, (long long)rows);
-    softmax_fwd_rows_warp<T, VEC, C, kCausal, kLog><<<(unsigned)ctas, kWarpBlock, 0, stream>>>(
-        x, y, row_max, rows, (int)n, group, scale, causal_sq);
-    return fk::launch_status(op);
+    const int group = (int)pow2_ceil((n + C - 1) / C);
+    auto with_c = [&](auto g) { return launch(std::integral_constant<int, C>(), g); };
+    // past the first C, rows fill 32 lanes (n > 16 C)
+    if constexpr (C == 1) {
+        return with_c(std::integral_constant<int, 0>());
+    } else if constexpr (VEC == 1 || C > kBytes / (int)sizeof(T)) {
+        return with_c(std::integral_constant<int, 32>());
+    } else {
+        switch (group) {
+        case 32: return with_c(std::integral_constant<int, 32>());
+        case 16: return with_c(std::integral_constant<int, 16>());
+        case 8: return with_c(std::integral_constant<int, 8>());
+        case 4: return with_c(std::integral_constant<int, 4>());
+        default: return with_c(std::integral_constant<int, 0>());
+        }
+    }
 }
 
-template <typename T, int VEC, int C, bool kCausal, bool kLog>
-fk_status launch_bwd_rows_warp(const T *dy, const T *x, const float *row_max, T *dx, int64_t rows, int64_t n,
-                               float scale, int64_t causal_sq, cudaStream_t stream, const char *op) {
-    if constexpr (C < 32) {
-        if (32 * C < n) return launch_bwd_rows_warp<T, VEC, 2 * C, kCausal, kLog>(dy, x, row_max, dx, rows, n, scale, causal_sq, stream, op);
-    }
-    const int group = C == VEC ? (int)pow2_ceil((n + VEC - 1) / VEC) : 32;
-    const int64_t rows_per_cta = (int64_t)warp_rows<T, 2 * C>() * (32 / group) * (kWarpBlock / 32);
+template <auto kernel, int C, int G, int ROWS, typename... Args>
+fk_status launch_rows_warp(const char *op, int64_t rows, int64_t n, cudaStream_t stream, Args... args) {
+    const int group = G ? G : (int)pow2_ceil((n + C - 1) / C);
+    const int64_t rows_per_cta = (int64_t)ROWS * (32 / group) * (kWarpBlock / 32);
     const int64_t ctas = (rows + rows_per_cta - 1) / rows_per_cta;
     if (ctas > 0x7fffffff) return fk_fail(FK_ERR_VALUE, "%s: %lld rows exceed the CUDA grid", op, (long long)rows);
-    softmax_bwd_rows_warp<T, VEC, C, kCausal, kLog><<<(unsigned)ctas, kWarpBlock, 0, stream>>>(
-        dy, x, row_max, dx, rows, (int)n, group, scale, causal_sq);
+    kernel<<<(unsigned)ctas, kWarpBlock, 0, stream>>>(rows, (int)n, group, args...);
     return fk::launch_status(op);
 }
 
@@ -1155,7 +1177,10 @@ template <typename T, int VEC, bool kCausal, bool kLog>
 fk_status launch_fwd_rows(const T *x, T *y, float *row_max, int64_t rows, int64_t n, float scale,
                           int64_t causal_sq, int device, cudaStream_t stream, const char *op) {
     if (n <= kWarpMaxN)
-        return launch_fwd_rows_warp<T, VEC, VEC, kCausal, kLog>(x, y, row_max, rows, n, scale, causal_sq, stream, op);
+        return with_warp_shape<T, VEC, 64>(n, [&](auto c, auto g) {
+            return launch_rows_warp<softmax_fwd_rows_warp<T, VEC, c(), g(), kCausal, kLog>, c(), g(), warp_rows<T, c()>()>(
+                op, rows, n, stream, x, y, row_max, scale, causal_sq);
+        });
     fk_status status = FK_OK;
     if (VEC > 1 && launch_rows_smem<softmax_fwd_rows_smem<T, kCausal, kLog, true>,
                                     softmax_fwd_rows_smem<T, kCausal, kLog, false>, T, 1>(
@@ -1170,7 +1195,10 @@ fk_status launch_bwd_rows(const T *dy, const T *x, const float *row_max, T *dx, 
                           float scale, int64_t causal_sq, int device, cudaStream_t stream,
                           const char *op) {
     if (n <= kWarpMaxN)
-        return launch_bwd_rows_warp<T, VEC, VEC, kCausal, kLog>(dy, x, row_max, dx, rows, n, scale, causal_sq, stream, op);
+        return with_warp_shape<T, VEC, 32>(n, [&](auto c, auto g) {
+            return launch_rows_warp<softmax_bwd_rows_warp<T, VEC, c(), g(), kCausal, kLog>, c(), g(), warp_rows<T, 2 * c()>()>(
+                op, rows, n, stream, dy, x, row_max, dx, scale, causal_sq);
+        });
     fk_status status = FK_OK;
     if (VEC > 1 && launch_rows_smem<softmax_bwd_rows_smem<T, kCausal, kLog, true>,
                                     softmax_bwd_rows_smem<T, kCausal, kLog, false>, T, 2>(
