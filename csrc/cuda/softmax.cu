@@ -140,6 +140,26 @@ template <typename T, int VEC> __device__ __forceinline__ void store_vec(T *p, c
     }
 }
 
+// Largest x * scale (rounded, as __fmul_rn) over a 16-byte pack: the max and min of the raw values
+// (16-bit: packed pair instructions, 8 elements in 3 + 3), then one multiply, taking the min when
+// scale < 0 (rounding is monotonic, so this is the max of the rounded products). NaN elements are
+// skipped here, as fmaxf skips them; their exp then turns the row's sum into NaN.
+template <typename T> __device__ __forceinline__ float pack_max_scaled(const fk::Pack<T> &v, float scale) {
+    float hi, lo;
+    if constexpr (std::is_same_v<T, float>) {
+        hi = fmaxf(fmaxf(v.v[0], v.v[1]), fmaxf(v.v[2], v.v[3]));
+        lo = fminf(fminf(v.v[0], v.v[1]), fminf(v.v[2], v.v[3]));
+    } else {
+        using T2 = std::conditional_t<std::is_same_v<T, __half>, __half2, __nv_bfloat162>;
+        const T2 *p = reinterpret_cast<const T2 *>(v.v);
+        const T2 h = __hmax2(__hmax2(p[0], p[1]), __hmax2(p[2], p[3]));
+        const T2 l = __hmin2(__hmin2(p[0], p[1]), __hmin2(p[2], p[3]));
+        hi = fmaxf(fk::to_f32(h.x), fk::to_f32(h.y));
+        lo = fminf(fk::to_f32(l.x), fk::to_f32(l.y));
+    }
+    return __fmul_rn(scale >= 0.f ? hi : lo, scale);
+}
+
 // Per-row statistics combined across lanes, warps and CTAs: (max, sum of exp relative to it) for
 // the forward pass (a max alone for the warp kernel), two plain sums for the backward pass.
 struct MaxSum {
@@ -204,18 +224,21 @@ __device__ __forceinline__ float row_sum(const RowSum<T> &sum, Reduce reduce) {
 // dx for one element from the row's sums, in fp32 arithmetic: a / z is carried as a_hi + a_lo, so
 // dy - a / z keeps its accuracy where it cancels (dy - a_hi is exact there) without converting every
 // element to fp64 (F2F.F64 issues at 16 per clock per SM: it cost 13% on the fp32 backward).
+// 16-bit outputs fold scale and 1 / z into one factor per row (c): a rounding of fp32 that their
+// own rounding dwarfs, one or two multiplies an element fewer.
 template <typename T> struct BwdRow {
     static constexpr bool kSplit = std::is_same_v<T, float>;  // 16-bit: a_lo is 0
-    float inv_z, a_hi, a_lo, scale;
+    float inv_z, a_hi, a_lo, scale, c;
     __device__ __forceinline__ BwdRow(Acc<T> z, Acc<T> a, bool is_log, float scale_) : scale(scale_) {
         const Acc<T> inv = 1 / z, a_z = is_log ? a : a * inv;
         inv_z = (float)inv;
         a_hi = (float)a_z;
         a_lo = kSplit ? (float)(a_z - (Acc<T>)a_hi) : 0.f;
+        c = is_log ? scale * inv_z * a_hi : scale * inv_z;
     }
     template <bool kLog> __device__ __forceinline__ float dx(float y_unnorm, float g) const {
+        if (!kSplit) return kLog ? fmaf(-y_unnorm, c, scale * g) : (y_unnorm * c) * (g - a_hi);
         const float y = y_unnorm * inv_z;
-        if (!kSplit) return scale * (kLog ? fmaf(-y, a_hi, g) : y * (g - a_hi));
         return scale * (kLog ? fmaf(-y, a_hi, g) - y * a_lo : y * ((g - a_hi) - a_lo));
     }
 };
@@ -311,12 +334,17 @@ softmax_fwd_rows_warp(int64_t rows, int n, int group_arg, const T *__restrict__ 
         };
         float m = -INFINITY;
 #pragma unroll
-        for (int p = 0; p < P; p++)
+        for (int p = 0; p < P; p++) {
+            if constexpr (VEC > 1 && !kCausal) {
+                m = fmaxf(m, is_key(p, 0) ? pack_max_scaled<T>(raw[r][p], scale) : -INFINITY);
+            } else {
 #pragma unroll
-            for (int k = 0; k < VEC; k++) {
-                const float v = __fmul_rn(raw_at<T, VEC>(raw[r][p], k), scale);
-                m = fmaxf(m, is_key(p, k) ? v : -INFINITY);
+                for (int k = 0; k < VEC; k++) {
+                    const float v = __fmul_rn(raw_at<T, VEC>(raw[r][p], k), scale);
+                    m = fmaxf(m, is_key(p, k) ? v : -INFINITY);
+                }
             }
+        }
         m = group_reduce<MaxOnly>(make_float2(m, 0.f), group).x;
         const float ref = exp_ref(m);
         float e[C];  // one exp per element, kept for the output
@@ -651,10 +679,14 @@ softmax_bwd_rows_block(int64_t n, int64_t seg, int cluster_k, const T *__restric
 //  - else K CTAs of kSmemThreads per row (a cluster when K > 1; DSMEM exchange of the partials).
 // One CTA per row (or row group): a persistent grid walking rows with a two-stage pipeline
 // measured 25-40% slower on an H200, and so did 256-thread CTAs holding one short row.
-// Forward, 16-bit: one (max, sum of exp) reduction per row, online per thread; fp32 reduces the
-// exact max first (a second reduction), so that its sum carries no rescaling rounding.
+// Forward: the exact max first (a packed max / min of the raw values and one multiply per pack),
+// then the sum of exp relative to it (no online rescaling), then the write pass; fp32 keeps each
+// exp in place of its x, 16-bit takes its ex2.approx again.
 
-constexpr int kSmemThreads = 256;
+// Threads of a row CTA: 256 forward, 128 backward (H200, backward with 2-CTA clusters: fp32
+// 4096 x 16384 90% of copy against 83% with 256, 1024 x 65536 83 against 78; the forward lost
+// 3 points on bf16 1024 x 65536 with 128).
+template <bool kBackward> constexpr int kSmemThreads = kBackward ? 128 : 256;
 constexpr int kWarpRows = 4;  // rows (warps) per CTA of the warp-per-row shape
 
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
@@ -747,19 +779,19 @@ __device__ __forceinline__ V slice_reduce(V v, RowReduceSmem<V> &smem, int clust
 }
 
 template <typename T, bool kCausal, bool kLog, bool kWarps>
-__global__ void __launch_bounds__(kSmemThreads)
+__global__ void __launch_bounds__(kSmemThreads<false>)
 softmax_fwd_rows_smem(int64_t n, int64_t seg, int cluster_k, int64_t rows, const T *__restrict__ x,
                       T *__restrict__ y, float *__restrict__ row_max, float scale, int64_t causal_sq) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     constexpr int VEC = fk::Pack<T>::N;
-    constexpr bool kExactMax = std::is_same_v<T, float>;
+    constexpr bool kExpInPlace = std::is_same_v<T, float> && !kLog;
     extern __shared__ __align__(16) unsigned char smem_raw[];
     __shared__ uint64_t bar;
     __shared__ RowReduceSmem<float2> red[1];
-    __shared__ RowReduceSmem<Acc2<T>> sum_red;  // fp32's second reduction
+    __shared__ RowReduceSmem<Acc2<T>> sum_red;
     if (!kWarps && cluster_k > 1) cluster_arrive_relaxed();
     const int w = kWarps ? threadIdx.x / 32 : 0;
-    const int lane = kWarps ? threadIdx.x % 32 : threadIdx.x, lanes = kWarps ? 32 : kSmemThreads;
+    const int lane = kWarps ? threadIdx.x % 32 : threadIdx.x, lanes = kWarps ? 32 : kSmemThreads<false>;
     const int64_t slice_bytes_max = seg * (int64_t)sizeof(T);
     mbar_setup(&bar);
     start_copies<T, kCausal, kWarps>(&bar, smem_raw, rows, n, seg, cluster_k, causal_sq,
@@ -772,51 +804,41 @@ softmax_fwd_rows_smem(int64_t n, int64_t seg, int cluster_k, int64_t rows, const
     auto is_key = [&](int p, int k) { return !kCausal || p * VEC + k < sl.keys; };
     mbar_wait(&bar);
 
-    float m = -INFINITY, s = 0.f;
-    if constexpr (kExactMax) {
+    // the exact max first, then each exp once (fp32 keeps it in place of x for the write pass;
+    // 16-bit takes ex2.approx again there), then the write pass
+    float m = -INFINITY;
 #pragma unroll 4
-        for (int p = lane; p < packs; p += lanes) {
-            const fk::Pack<T> v = sx[p];
+    for (int p = lane; p < packs; p += lanes) {
+        const fk::Pack<T> v = sx[p];
+        if constexpr (!kCausal) {
+            m = fmaxf(m, pack_max_scaled<T>(v, scale));
+        } else {
 #pragma unroll
             for (int k = 0; k < VEC; k++)
                 if (is_key(p, k)) m = fmaxf(m, __fmul_rn(fk::to_f32(v.v[k]), scale));
         }
-        m = slice_reduce<kWarps, MaxOnly>(make_float2(m, 0.f), red[0], cluster_k).x;
+    }
+    m = slice_reduce<kWarps, MaxOnly>(make_float2(m, 0.f), red[0], cluster_k).x;
+    float s;
+    {
         const float ref = exp_ref(m);
-        // softmax keeps each exp in place of its x (same size in fp32), for the write pass
         RowSum<T> sum;
 #pragma unroll 4
         for (int p = lane; p < packs; p += lanes) {
             fk::Pack<T> v = sx[p];
+            float e[VEC];
 #pragma unroll
             for (int k = 0; k < VEC; k++) {
-                v.v[k] = is_key(p, k) ? exp_for<T>(fmaf(fk::to_f32(v.v[k]), scale, -ref)) : 0.f;
-                sum.add(v.v[k]);
+                e[k] = is_key(p, k) ? exp_for<T>(fmaf(fk::to_f32(v.v[k]), scale, -ref)) : 0.f;
+                sum.add(e[k]);
             }
-            if (!kLog) sx[p] = v;
+            if constexpr (kExpInPlace) {
+#pragma unroll
+                for (int k = 0; k < VEC; k++) v.v[k] = e[k];
+                sx[p] = v;
+            }
         }
         s = row_sum(sum, [&](Acc2<T> v) { return slice_reduce<kWarps, SumSum<Acc2<T>>>(v, sum_red, cluster_k, false); });
-    } else {
-        // online: each pack's max first, the running sum rescaled when the max grows
-#pragma unroll 2
-        for (int p = lane; p < packs; p += lanes) {
-            const fk::Pack<T> v = sx[p];
-            float pm = -INFINITY;
-#pragma unroll
-            for (int k = 0; k < VEC; k++)
-                if (is_key(p, k)) pm = fmaxf(pm, __fmul_rn(fk::to_f32(v.v[k]), scale));
-            if (pm > m) {
-                s = m == -INFINITY ? s : s * exp_for<T>(m - pm);
-                m = pm;
-            }
-            const float ref = exp_ref(m);
-#pragma unroll
-            for (int k = 0; k < VEC; k++)
-                if (is_key(p, k)) s += exp_for<T>(fmaf(fk::to_f32(v.v[k]), scale, -ref));
-        }
-        const float2 ms = slice_reduce<kWarps, MaxSum>(make_float2(m, s), red[0], cluster_k);
-        m = ms.x;
-        s = ms.y;
     }
     const float ref = exp_ref(m), inv_s = 1.f / s, log_s = logf(s);
     if (!sl.valid) return;
@@ -832,7 +854,7 @@ softmax_fwd_rows_smem(int64_t n, int64_t seg, int cluster_k, int64_t rows, const
         for (int k = 0; k < VEC; k++) {
             const bool key = copied && is_key(p, k);
             const float t = key ? fmaf(fk::to_f32(v.v[k]), scale, -ref) : -INFINITY;
-            const float e = kExactMax ? (copied ? fk::to_f32(v.v[k]) : 0.f) : key ? exp_for<T>(t) : 0.f;
+            const float e = kExpInPlace ? (copied ? fk::to_f32(v.v[k]) : 0.f) : key ? exp_for<T>(t) : 0.f;
             o.v[k] = fk::from_f32<T>(kLog ? t - log_s : normalize<T>(e, s, inv_s));
         }
         fk::store_pack(yr + p * VEC, o);
@@ -841,7 +863,7 @@ softmax_fwd_rows_smem(int64_t n, int64_t seg, int cluster_k, int64_t rows, const
 }
 
 template <typename T, bool kCausal, bool kLog, bool kWarps>
-__global__ void __launch_bounds__(kSmemThreads)
+__global__ void __launch_bounds__(kSmemThreads<true>)
 softmax_bwd_rows_smem(int64_t n, int64_t seg, int cluster_k, int64_t rows, const T *__restrict__ dy,
                       const T *__restrict__ x, const float *__restrict__ row_max, T *__restrict__ dx,
                       float scale, int64_t causal_sq) {
@@ -852,7 +874,7 @@ softmax_bwd_rows_smem(int64_t n, int64_t seg, int cluster_k, int64_t rows, const
     __shared__ RowReduceSmem<Acc2<T>> red;
     if (!kWarps && cluster_k > 1) cluster_arrive_relaxed();
     const int w = kWarps ? threadIdx.x / 32 : 0;
-    const int lane = kWarps ? threadIdx.x % 32 : threadIdx.x, lanes = kWarps ? 32 : kSmemThreads;
+    const int lane = kWarps ? threadIdx.x % 32 : threadIdx.x, lanes = kWarps ? 32 : kSmemThreads<true>;
     const int64_t slice = seg * (int64_t)sizeof(T);  // x slices, then dy slices
     const int64_t dy_base = (kWarps ? kWarpRows : 1) * slice;
     // bytes of x and dy for a slice (log_softmax sums dy over masked keys too)
@@ -1124,12 +1146,13 @@ bool launch_rows_smem(fk_status &status, const char *op, int64_t rows, int64_t n
         return true;
     }
     int64_t k = pow2_ceil((row_bytes + kSmemCtaMax - 1) / kSmemCtaMax);
-    const int64_t limit = cluster_limit<cta_kernel>(device, kSmemThreads, (int)kSmemCtaMax);
+    constexpr int threads = kSmemThreads<kTensors == 2>;
+    const int64_t limit = cluster_limit<cta_kernel>(device, threads, (int)kSmemCtaMax);
     if (k > limit) k = limit;
     const int64_t seg = ((n + k - 1) / k + VEC - 1) / VEC * VEC;
     const int64_t smem = seg * (int64_t)sizeof(T) * kTensors;
     if (smem > kSmemCtaMax || rows * k > 0x7fffffff) return false;
-    const ClusterLaunch launch(rows * k, kSmemThreads, smem, k, stream);
+    const ClusterLaunch launch(rows * k, threads, smem, k, stream);
     status = fk::cuda_status(cudaLaunchKernelEx(&launch.config, cta_kernel, n, seg, (int)k, rows, args...), op);
     return true;
 }
