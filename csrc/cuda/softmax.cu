@@ -5,8 +5,11 @@
 // and the aim is >= 90% of that. At 4.2 TB/s an SM must retire ~4 bf16 elements per clock (128
 // lane-instructions per clock: ~30 per element). The budget per element here is ~12: unpack, the
 // scaled max, then exp as FFMA + FMUL + MUFU.EX2 (ex2.approx.ftz, ~2 ulp) once for the sum and once
-// for the output, an add, a multiply by 1 / sum and half a pack. Masks cost nothing on rows without
-// one (kCausal is a template parameter), and out-of-row checks are per 16-byte access, not per element.
+// for the output, an add, a multiply by 1 / sum and half a pack. fp32 moves half the elements per
+// byte but spends ~30 (accurate expf ~8, the fp64 sum 2): ncu on an H200 found every kernel
+// issue-bound (80-88% issue-active) while they took 40-60 instructions an element, so instructions
+// per element are the budget to watch, not just bytes. Masks cost nothing on rows without one
+// (kCausal is a template parameter), and out-of-row checks are per 16-byte access, not per element.
 // Little's law: 4.2 TB/s x ~1 us latency = ~32 KB in flight per SM; every thread issues all loads of
 // its slice (64 bytes) before it uses the first, so an SM has ~64 KB in flight.
 //
@@ -676,7 +679,7 @@ softmax_bwd_rows_block(int64_t n, int64_t seg, int cluster_k, const T *__restric
 // once and a whole slice per CTA is in flight whatever the registers (the register kernels above
 // hold 32-64 bytes per thread and re-read a second chunk from L2). Two shapes:
 //  - kWarpRows: a CTA of kWarpRows warps takes kWarpRows short rows, a warp each (warp shuffles
-//    only), so a CTA has kWarpRows slices in flight;
+//    only, one mbarrier per row), so a CTA has kWarpRows slices in flight;
 //  - else K CTAs of kSmemThreads per row (a cluster when K > 1; DSMEM exchange of the partials).
 // One CTA per row (or row group): a persistent grid walking rows with a two-stage pipeline
 // measured 25-40% slower on an H200, and so did 256-thread CTAs holding one short row.
@@ -754,30 +757,31 @@ __device__ __forceinline__ Slice slice_of(int w, int64_t rows, int64_t n, int64_
 
 // Thread 0 starts the CTA's copies: copies(i, slice, copy) names, for slice i of the CTA, each
 // tensor's copy as copy(shared offset, source, bytes). Each tensor's copy is cut into `pieces`
-// pieces of chunk_bytes (a multiple of 16) at the same offsets, piece c counted on bar[c], so the
-// passes can start on the first piece while the rest are in flight. One arrival per barrier
-// announces all its bytes, so no phase completes before its last copy is counted.
+// pieces of chunk_bytes (a multiple of 16) at the same offsets, piece c of slice i counted on
+// bar[i * pieces + c], so a warp starts on its own row and the passes on the first piece while the
+// rest are in flight. One arrival per barrier announces all its bytes, so no phase completes before
+// its last copy is counted.
 template <typename T, bool kCausal, bool kWarps, typename Copies>
 __device__ __forceinline__ void start_copies(uint64_t *bar, int pieces, uint32_t chunk_bytes, unsigned char *smem,
                                              int64_t rows, int64_t n, int64_t seg, int cluster_k, int64_t causal_sq,
                                              Copies copies) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     if (threadIdx.x != 0) return;
-    for (int c = 0; c < pieces; c++) {
-        auto lo = [&](uint32_t bytes) { return min((uint32_t)c * chunk_bytes, bytes); };
-        auto len = [&](uint32_t bytes) { return min(lo(bytes) + chunk_bytes, bytes) - lo(bytes); };
-        uint32_t total = 0;
-        for (int i = 0; i < (kWarps ? kWarpRows : 1); i++)
-            copies(i, slice_of<kCausal, kWarps>(i, rows, n, seg, cluster_k, causal_sq),
-                   [&](int64_t, const T *, uint32_t bytes) { total += len(bytes); });
-        mbar_expect(&bar[c], total);
-        for (int i = 0; i < (kWarps ? kWarpRows : 1); i++)
-            copies(i, slice_of<kCausal, kWarps>(i, rows, n, seg, cluster_k, causal_sq),
-                   [&](int64_t offset, const T *src, uint32_t bytes) {
-                       if (len(bytes))
-                           bulk_load(smem + offset + lo(bytes), reinterpret_cast<const unsigned char *>(src) + lo(bytes),
-                                     len(bytes), &bar[c]);
-                   });
+    for (int i = 0; i < (kWarps ? kWarpRows : 1); i++) {
+        const Slice sl = slice_of<kCausal, kWarps>(i, rows, n, seg, cluster_k, causal_sq);
+        for (int c = 0; c < pieces; c++) {
+            uint64_t *b = &bar[i * pieces + c];
+            auto lo = [&](uint32_t bytes) { return min((uint32_t)c * chunk_bytes, bytes); };
+            auto len = [&](uint32_t bytes) { return min(lo(bytes) + chunk_bytes, bytes) - lo(bytes); };
+            uint32_t total = 0;
+            copies(i, sl, [&](int64_t, const T *, uint32_t bytes) { total += len(bytes); });
+            mbar_expect(b, total);
+            copies(i, sl, [&](int64_t offset, const T *src, uint32_t bytes) {
+                if (len(bytes))
+                    bulk_load(smem + offset + lo(bytes), reinterpret_cast<const unsigned char *>(src) + lo(bytes),
+                              len(bytes), b);
+            });
+        }
     }
 #endif
 }
@@ -826,7 +830,7 @@ softmax_fwd_rows_smem(int64_t n, int64_t seg, int cluster_k, int64_t rows, const
     constexpr int VEC = fk::Pack<T>::N;
     constexpr bool kExpInPlace = std::is_same_v<T, float> && !kLog;
     extern __shared__ __align__(16) unsigned char smem_raw[];
-    __shared__ uint64_t bar[kWarps ? 1 : kMaxPieces];
+    __shared__ uint64_t bar[kWarps ? kWarpRows : kMaxPieces];
     __shared__ RowReduceSmem<float2> red[1];
     __shared__ RowReduceSmem<Acc2<T>> sum_red;
     if (!kWarps && cluster_k > 1) cluster_arrive_relaxed();
@@ -835,7 +839,7 @@ softmax_fwd_rows_smem(int64_t n, int64_t seg, int cluster_k, int64_t rows, const
     const int64_t slice_bytes_max = seg * (int64_t)sizeof(T);
     const int pieces = kWarps || cluster_k > 1 ? 1 : kMaxPieces;
     const uint32_t piece = piece_bytes<T>(seg, pieces);
-    mbar_setup(bar, pieces);
+    mbar_setup(bar, kWarps ? kWarpRows : pieces);
     start_copies<T, kCausal, kWarps>(bar, pieces, piece, smem_raw, rows, n, seg, cluster_k, causal_sq,
                                      [&](int i, const Slice &s, auto copy) {
                                          copy(i * slice_bytes_max, x + s.row * n + s.begin, slice_bytes<T>(s.keys, s.len));
@@ -848,7 +852,7 @@ softmax_fwd_rows_smem(int64_t n, int64_t seg, int cluster_k, int64_t rows, const
     // the exact max first, then each exp once (fp32 keeps it in place of x for the write pass;
     // 16-bit takes ex2.approx again there), then the write pass
     float m = -INFINITY;
-    over_pieces<4>(bar, pieces, piece, packs, lane, lanes, [&](int p) {
+    over_pieces<4>(bar + w, pieces, piece, packs, lane, lanes, [&](int p) {
         const fk::Pack<T> v = sx[p];
         if constexpr (!kCausal) {
             m = fmaxf(m, pack_max_scaled<T>(v, scale));
@@ -910,7 +914,7 @@ softmax_bwd_rows_smem(int64_t n, int64_t seg, int cluster_k, int64_t rows, const
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     constexpr int VEC = fk::Pack<T>::N;
     extern __shared__ __align__(16) unsigned char smem_raw[];
-    __shared__ uint64_t bar[kWarps ? 1 : kMaxPieces];
+    __shared__ uint64_t bar[kWarps ? kWarpRows : kMaxPieces];
     __shared__ RowReduceSmem<Acc2<T>> red;
     if (!kWarps && cluster_k > 1) cluster_arrive_relaxed();
     const int w = kWarps ? threadIdx.x / 32 : 0;
@@ -922,7 +926,7 @@ softmax_bwd_rows_smem(int64_t n, int64_t seg, int cluster_k, int64_t rows, const
     auto dy_bytes = [](const Slice &s) { return slice_bytes<T>(kLog ? s.len : s.keys, s.len); };
     const int pieces = kWarps || cluster_k > 1 ? 1 : kMaxPieces;
     const uint32_t piece = piece_bytes<T>(seg, pieces);
-    mbar_setup(bar, pieces);
+    mbar_setup(bar, kWarps ? kWarpRows : pieces);
     start_copies<T, kCausal, kWarps>(bar, pieces, piece, smem_raw, rows, n, seg, cluster_k, causal_sq,
                                      [&](int i, const Slice &s, auto copy) {
                                          copy(i * slice, x + s.row * n + s.begin, x_bytes(s));
@@ -947,7 +951,7 @@ softmax_bwd_rows_smem(int64_t n, int64_t seg, int cluster_k, int64_t rows, const
     // fp32 keeps each y' in place of its x (same size) for the write pass: one expf per element
     BwdSums<T, kLog> sums;  // (z, a): sum of y', sum of dy * y' (log: of dy)
     const int packs = x_packs > dy_packs ? x_packs : dy_packs;
-    over_pieces<2>(bar, pieces, piece, packs, lane, lanes, [&](int p) {
+    over_pieces<2>(bar + w, pieces, piece, packs, lane, lanes, [&](int p) {
         fk::Pack<T> v, g;
         if (!kCausal || p < x_packs) v = sx[p];
         if (!kCausal || p < dy_packs) g = sdy[p];
