@@ -6,10 +6,11 @@
 // lane-instructions per clock: ~30 per element). The budget per element here is ~12: unpack, the
 // scaled max, then exp as FFMA + FMUL + MUFU.EX2 (ex2.approx.ftz, ~2 ulp) once for the sum and once
 // for the output, an add, a multiply by 1 / sum and half a pack. fp32 moves half the elements per
-// byte but spends ~30 (accurate expf ~8, the fp64 sum 2): ncu on an H200 found every kernel
-// issue-bound (80-88% issue-active) while they took 40-60 instructions an element, so instructions
-// per element are the budget to watch, not just bytes. Masks cost nothing on rows without one
-// (kCausal is a template parameter), and out-of-row checks are per 16-byte access, not per element.
+// byte but spends ~30 (accurate expf ~8, the fp64 sum 2; the 128-wide forward's SASS). ncu on an
+// H200, before these cuts: 62-88% issue-active (9 of 12 kernels at 76-88%) at 39-77 instructions an
+// fp32 element and 22-39 a 16-bit one, so instructions per element are the budget to watch, not
+// just bytes. Masks cost nothing on rows without one (kCausal is a template parameter), and
+// out-of-row checks are per 16-byte access, not per element.
 // Little's law: 4.2 TB/s x ~1 us latency = ~32 KB in flight per SM; every thread issues all loads of
 // its slice (64 bytes) before it uses the first, so an SM has ~64 KB in flight.
 //
@@ -194,7 +195,7 @@ template <typename T> using Acc2 = std::conditional_t<std::is_same_v<T, float>, 
 // every rounding of a running sum near 1 lands in those results: plain fp32 lane sums left single
 // fp32 rows at 3-25x torch's error (forward: 1.65e-7 against 6.4e-9, n = 1000). TwoSum / TwoProduct
 // pairs in fp32 are as exact but cost 7-10 instructions a term against two (the kernels are
-// instruction-bound: ncu on an H200 showed 80-88% issue-active). 16-bit data: plain fp32 sums
+// instruction-bound: ncu on an H200 showed up to 88% issue-active). 16-bit data: plain fp32 sums
 // (their outputs round far coarser).
 template <typename T> struct RowSum {
     Acc<T> s = 0;
@@ -755,24 +756,38 @@ __device__ __forceinline__ Slice slice_of(int w, int64_t rows, int64_t n, int64_
     return sl;
 }
 
+// Copy pieces of a CTA-per-row slice: 4 when the row has one CTA, so its passes start on the
+// first quarter while the rest is in flight (H200: bf16 (16384, 4096) backward 89 -> 98% of copy,
+// fp32 (4096, 16384) forward / backward 89 -> 94 / 97%); 1 in a cluster (its forward lost 3-5
+// points with 4) and for the warp-per-row kernels.
+constexpr int kMaxPieces = 4;
+struct Pieces {
+    int count;      // barriers per slice
+    uint32_t bytes; // bytes of each piece but the last: a multiple of 16, count * bytes >= a slice
+};
+template <typename T, bool kWarps> __device__ __forceinline__ Pieces pieces_of(int64_t seg, int cluster_k) {
+    const int count = kWarps || cluster_k > 1 ? 1 : kMaxPieces;
+    return {count, (uint32_t)(((seg * (int64_t)sizeof(T) + count - 1) / count + 15) / 16 * 16)};
+}
+
 // Thread 0 starts the CTA's copies: copies(i, slice, copy) names, for slice i of the CTA, each
-// tensor's copy as copy(shared offset, source, bytes). Each tensor's copy is cut into `pieces`
-// pieces of chunk_bytes (a multiple of 16) at the same offsets, piece c of slice i counted on
-// bar[i * pieces + c], so a warp starts on its own row and the passes on the first piece while the
+// tensor's copy as copy(shared offset, source, bytes). Each tensor's copy is cut into pieces.count
+// pieces of pieces.bytes at the same offsets, piece c of slice i counted on
+// bar[i * pieces.count + c], so a warp starts on its own row and the passes on the first piece while the
 // rest are in flight. One arrival per barrier announces all its bytes, so no phase completes before
 // its last copy is counted.
 template <typename T, bool kCausal, bool kWarps, typename Copies>
-__device__ __forceinline__ void start_copies(uint64_t *bar, int pieces, uint32_t chunk_bytes, unsigned char *smem,
-                                             int64_t rows, int64_t n, int64_t seg, int cluster_k, int64_t causal_sq,
+__device__ __forceinline__ void start_copies(uint64_t *bar, Pieces pieces, unsigned char *smem, int64_t rows,
+                                             int64_t n, int64_t seg, int cluster_k, int64_t causal_sq,
                                              Copies copies) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     if (threadIdx.x != 0) return;
     for (int i = 0; i < (kWarps ? kWarpRows : 1); i++) {
         const Slice sl = slice_of<kCausal, kWarps>(i, rows, n, seg, cluster_k, causal_sq);
-        for (int c = 0; c < pieces; c++) {
-            uint64_t *b = &bar[i * pieces + c];
-            auto lo = [&](uint32_t bytes) { return min((uint32_t)c * chunk_bytes, bytes); };
-            auto len = [&](uint32_t bytes) { return min(lo(bytes) + chunk_bytes, bytes) - lo(bytes); };
+        for (int c = 0; c < pieces.count; c++) {
+            uint64_t *b = &bar[i * pieces.count + c];
+            auto lo = [&](uint32_t bytes) { return min((uint32_t)c * pieces.bytes, bytes); };
+            auto len = [&](uint32_t bytes) { return min(lo(bytes) + pieces.bytes, bytes) - lo(bytes); };
             uint32_t total = 0;
             copies(i, sl, [&](int64_t, const T *, uint32_t bytes) { total += len(bytes); });
             mbar_expect(b, total);
@@ -786,27 +801,18 @@ __device__ __forceinline__ void start_copies(uint64_t *bar, int pieces, uint32_t
 #endif
 }
 
-// Copy pieces of a CTA-per-row slice: 4 when the row has one CTA, so its passes start on the
-// first quarter while the rest is in flight (H200: bf16 (16384, 4096) backward 89 -> 98% of copy,
-// fp32 (4096, 16384) forward / backward 89 -> 94 / 97%); 1 in a cluster (its forward lost 3-5
-// points with 4) and for the warp-per-row kernels.
-constexpr int kMaxPieces = 4;
-template <typename T> __device__ __forceinline__ uint32_t piece_bytes(int64_t seg, int pieces) {
-    return pieces == 1 ? 0x40000000u : (uint32_t)(((seg * (int64_t)sizeof(T) + pieces - 1) / pieces + 15) / 16 * 16);
-}
-
 // The first pass over a slice's packs (16-byte units from its start): body(p) for p = first,
 // first + stride, ... < packs, piece by piece, every thread waiting for piece c's barrier before
 // the packs of piece c (so every barrier is waited for and no copy is in flight at exit). The
 // inner loop holds no wait, so its shared-memory loads stay free to be scheduled early (a wait
 // inside the loop cost clustered rows 2-5 points).
 template <int kUnroll, typename Body>
-__device__ __forceinline__ void over_pieces(uint64_t *bar, int pieces, uint32_t piece_bytes_, int packs, int first,
-                                            int stride, Body body) {
+__device__ __forceinline__ void over_pieces(uint64_t *bar, Pieces pieces, int packs, int first, int stride,
+                                            Body body) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    const int64_t per = piece_bytes_ / 16;
+    const int64_t per = pieces.bytes / 16;
     int p = first;
-    for (int c = 0; c < pieces; c++) {
+    for (int c = 0; c < pieces.count; c++) {
         mbar_wait(&bar[c]);
         const int end = (int)min((int64_t)packs, (c + 1) * per);
 #pragma unroll kUnroll
@@ -837,10 +843,9 @@ softmax_fwd_rows_smem(int64_t n, int64_t seg, int cluster_k, int64_t rows, const
     const int w = kWarps ? threadIdx.x / 32 : 0;
     const int lane = kWarps ? threadIdx.x % 32 : threadIdx.x, lanes = kWarps ? 32 : kSmemThreads<false>;
     const int64_t slice_bytes_max = seg * (int64_t)sizeof(T);
-    const int pieces = kWarps || cluster_k > 1 ? 1 : kMaxPieces;
-    const uint32_t piece = piece_bytes<T>(seg, pieces);
-    mbar_setup(bar, kWarps ? kWarpRows : pieces);
-    start_copies<T, kCausal, kWarps>(bar, pieces, piece, smem_raw, rows, n, seg, cluster_k, causal_sq,
+    const Pieces pieces = pieces_of<T, kWarps>(seg, cluster_k);
+    mbar_setup(bar, kWarps ? kWarpRows : pieces.count);
+    start_copies<T, kCausal, kWarps>(bar, pieces, smem_raw, rows, n, seg, cluster_k, causal_sq,
                                      [&](int i, const Slice &s, auto copy) {
                                          copy(i * slice_bytes_max, x + s.row * n + s.begin, slice_bytes<T>(s.keys, s.len));
                                      });
@@ -852,7 +857,7 @@ softmax_fwd_rows_smem(int64_t n, int64_t seg, int cluster_k, int64_t rows, const
     // the exact max first, then each exp once (fp32 keeps it in place of x for the write pass;
     // 16-bit takes ex2.approx again there), then the write pass
     float m = -INFINITY;
-    over_pieces<4>(bar + w, pieces, piece, packs, lane, lanes, [&](int p) {
+    over_pieces<4>(bar + w, pieces, packs, lane, lanes, [&](int p) {
         const fk::Pack<T> v = sx[p];
         if constexpr (!kCausal) {
             m = fmaxf(m, pack_max_scaled<T>(v, scale));
@@ -924,10 +929,9 @@ softmax_bwd_rows_smem(int64_t n, int64_t seg, int cluster_k, int64_t rows, const
     // bytes of x and dy for a slice (log_softmax sums dy over masked keys too)
     auto x_bytes = [](const Slice &s) { return slice_bytes<T>(s.keys, s.len); };
     auto dy_bytes = [](const Slice &s) { return slice_bytes<T>(kLog ? s.len : s.keys, s.len); };
-    const int pieces = kWarps || cluster_k > 1 ? 1 : kMaxPieces;
-    const uint32_t piece = piece_bytes<T>(seg, pieces);
-    mbar_setup(bar, kWarps ? kWarpRows : pieces);
-    start_copies<T, kCausal, kWarps>(bar, pieces, piece, smem_raw, rows, n, seg, cluster_k, causal_sq,
+    const Pieces pieces = pieces_of<T, kWarps>(seg, cluster_k);
+    mbar_setup(bar, kWarps ? kWarpRows : pieces.count);
+    start_copies<T, kCausal, kWarps>(bar, pieces, smem_raw, rows, n, seg, cluster_k, causal_sq,
                                      [&](int i, const Slice &s, auto copy) {
                                          copy(i * slice, x + s.row * n + s.begin, x_bytes(s));
                                          copy(dy_base + i * slice, dy + s.row * n + s.begin, dy_bytes(s));
@@ -951,7 +955,7 @@ softmax_bwd_rows_smem(int64_t n, int64_t seg, int cluster_k, int64_t rows, const
     // fp32 keeps each y' in place of its x (same size) for the write pass: one expf per element
     BwdSums<T, kLog> sums;  // (z, a): sum of y', sum of dy * y' (log: of dy)
     const int packs = x_packs > dy_packs ? x_packs : dy_packs;
-    over_pieces<2>(bar + w, pieces, piece, packs, lane, lanes, [&](int p) {
+    over_pieces<2>(bar + w, pieces, packs, lane, lanes, [&](int p) {
         fk::Pack<T> v, g;
         if (!kCausal || p < x_packs) v = sx[p];
         if (!kCausal || p < dy_packs) g = sdy[p];
@@ -1206,14 +1210,15 @@ bool launch_rows_smem(fk_status &status, const char *op, int64_t rows, int64_t n
 // that cover the row, so a short row is reduced over few lanes (fp32 (65536, 128) forward: 8 lanes,
 // 3 shuffle levels, where 32 lanes holding 4 rows each took 20 levels a lane); the common lane
 // counts are compile-time. Scalar rows (misaligned or odd n): the smallest C with 32 * C >= n, and
-// rows shorter than 32 share a warp. Calls launch(C, G) with std::integral_constant arguments.
+// rows shorter than 32 share a warp. Calls launch(C, G, group): C and G as std::integral_constant,
+// group the lanes per row (G when G > 0).
 template <typename T, int VEC, int kBytes, int C = (VEC == 1 ? 1 : kBytes / (int)sizeof(T)), typename F>
 fk_status with_warp_shape(int64_t n, F &&launch) {
     if constexpr (C < 32) {
         if (32 * C < n) return with_warp_shape<T, VEC, kBytes, 2 * C>(n, launch);
     }
     const int group = (int)pow2_ceil((n + C - 1) / C);
-    auto with_c = [&](auto g) { return launch(std::integral_constant<int, C>(), g); };
+    auto with_c = [&](auto g) { return launch(std::integral_constant<int, C>(), g, group); };
     // past the first C, rows fill 32 lanes (n > 16 C)
     if constexpr (C == 1) {
         return with_c(std::integral_constant<int, 0>());
@@ -1230,9 +1235,8 @@ fk_status with_warp_shape(int64_t n, F &&launch) {
     }
 }
 
-template <auto kernel, int C, int G, int ROWS, typename... Args>
-fk_status launch_rows_warp(const char *op, int64_t rows, int64_t n, cudaStream_t stream, Args... args) {
-    const int group = G ? G : (int)pow2_ceil((n + C - 1) / C);
+template <auto kernel, int ROWS, typename... Args>
+fk_status launch_rows_warp(const char *op, int64_t rows, int64_t n, int group, cudaStream_t stream, Args... args) {
     const int64_t rows_per_cta = (int64_t)ROWS * (32 / group) * (kWarpBlock / 32);
     const int64_t ctas = (rows + rows_per_cta - 1) / rows_per_cta;
     if (ctas > 0x7fffffff) return fk_fail(FK_ERR_VALUE, "%s: %lld rows exceed the CUDA grid", op, (long long)rows);
@@ -1244,9 +1248,9 @@ template <typename T, int VEC, bool kCausal, bool kLog>
 fk_status launch_fwd_rows(const T *x, T *y, float *row_max, int64_t rows, int64_t n, float scale,
                           int64_t causal_sq, int device, cudaStream_t stream, const char *op) {
     if (n <= kWarpMaxN)
-        return with_warp_shape<T, VEC, 64>(n, [&](auto c, auto g) {
-            return launch_rows_warp<softmax_fwd_rows_warp<T, VEC, c(), g(), kCausal, kLog>, c(), g(), warp_rows<T, c()>()>(
-                op, rows, n, stream, x, y, row_max, scale, causal_sq);
+        return with_warp_shape<T, VEC, 64>(n, [&](auto c, auto g, int group) {
+            return launch_rows_warp<softmax_fwd_rows_warp<T, VEC, c(), g(), kCausal, kLog>, warp_rows<T, c()>()>(
+                op, rows, n, group, stream, x, y, row_max, scale, causal_sq);
         });
     fk_status status = FK_OK;
     if (VEC > 1 && launch_rows_smem<softmax_fwd_rows_smem<T, kCausal, kLog, true>,
@@ -1262,9 +1266,9 @@ fk_status launch_bwd_rows(const T *dy, const T *x, const float *row_max, T *dx, 
                           float scale, int64_t causal_sq, int device, cudaStream_t stream,
                           const char *op) {
     if (n <= kWarpMaxN)
-        return with_warp_shape<T, VEC, 32>(n, [&](auto c, auto g) {
-            return launch_rows_warp<softmax_bwd_rows_warp<T, VEC, c(), g(), kCausal, kLog>, c(), g(), warp_rows<T, 2 * c()>()>(
-                op, rows, n, stream, dy, x, row_max, dx, scale, causal_sq);
+        return with_warp_shape<T, VEC, 32>(n, [&](auto c, auto g, int group) {
+            return launch_rows_warp<softmax_bwd_rows_warp<T, VEC, c(), g(), kCausal, kLog>, warp_rows<T, 2 * c()>()>(
+                op, rows, n, group, stream, dy, x, row_max, dx, scale, causal_sq);
         });
     fk_status status = FK_OK;
     if (VEC > 1 && launch_rows_smem<softmax_bwd_rows_smem<T, kCausal, kLog, true>,
