@@ -8,8 +8,8 @@
 // accurate expf / erff and correctly rounded division (its rounding must stay within 2x of
 // torch's); fp16 / bf16 use bare MUFU ex2 / rcp (ftz, no fix-up code) with the constants folded:
 // ~8 instructions an element for the tanh form (bf16 forward 94% of copy on an H200, against 91%
-// with exp2f / __fdividef; 96-97% with the 128-thread blocks below). The erf form's erff costs ~25 instructions
-// an element: bf16 erf forward stays ALU-bound (75%).
+// with exp2f / __fdividef; 96-97% with the 128-thread blocks below). The erf form's erff costs ~25
+// instructions an element: bf16 erf forward stays ALU-bound (75%).
 //
 // Two kernel shapes, both moving 16-byte packs (plain loads: the read-only path measured slower),
 // with kUnroll packs in flight per thread and tensor (one element per lane where a view is
@@ -112,9 +112,9 @@ template <typename T, int N> struct alignas(N == fk::Pack<T>::N ? 16 : alignof(T
     }
 };
 
-constexpr int kThreads = 256;  // gelu_rows
+constexpr int kRowThreads = 256;  // threads per gelu_rows block
 constexpr int kLanesX = 32;  // gelu_rows: fragment columns per block
-constexpr int kLanesY = kThreads / kLanesX;
+constexpr int kLanesY = kRowThreads / kLanesX;
 
 // Fragments in flight per thread and tensor, measured on an H200 (2^26 elements, 16384 x 4096):
 // two for the flat kernel (one left the fp32 and erf forwards 1-6 points lower), one forward and
@@ -193,7 +193,7 @@ gelu_flat(const T *__restrict__ dy, const T *__restrict__ x, const T *__restrict
 // running together touch neighbouring rows. With kBiasGrad, each thread sums its column of dx and
 // the block writes one row of fp32 partials for its group.
 template <typename T, int N, int kApprox, bool kBackward, bool kBiasGrad>
-__global__ void __launch_bounds__(kThreads)
+__global__ void __launch_bounds__(kRowThreads)
 gelu_rows(const T *__restrict__ dy, const T *__restrict__ x, const T *__restrict__ bias,
           T *__restrict__ out, float *__restrict__ partial, int64_t rows, int64_t cols) {
     constexpr int kU = kUnroll<true, kBackward>;
@@ -228,7 +228,7 @@ gelu_rows(const T *__restrict__ dy, const T *__restrict__ x, const T *__restrict
         for (int i = 0; i < N; i++) fold[threadIdx.y][threadIdx.x * N + i] = acc[i];
         __syncthreads();
         // the block's threads fold its kLanesX * N columns down the kLanesY rows, in order
-        for (int c = threadIdx.y * kLanesX + threadIdx.x; c < kLanesX * N; c += kThreads) {
+        for (int c = threadIdx.y * kLanesX + threadIdx.x; c < kLanesX * N; c += kRowThreads) {
             float s = 0.0f;
 #pragma unroll
             for (int y = 0; y < kLanesY; y++) s += fold[y][c];
@@ -255,7 +255,7 @@ template <auto kernel> int64_t resident_blocks(int device) {
     static int per_sm = 0;
     if (per_sm == 0) {
         int n = 0;
-        if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, kThreads, 0) != cudaSuccess || n < 1) {
+        if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, kRowThreads, 0) != cudaSuccess || n < 1) {
             cudaGetLastError();
             n = 1;
         }

@@ -38,9 +38,9 @@
 // inner > 1: a thread per (outer, inner) column, 32 columns per warp so loads stay coalesced, 8..32
 // threads splitting n, online max / sum down n, then a write pass (x read twice).
 //
-// Numerics: fp32 arithmetic; fp32 data sums rows in fp64 (RowSum). The max is taken of
-// x * scale rounded (__fmul_rn), and exponents are fmaf(x, scale, -max): exact near the max, where the output's mass is, so exp2(that * log2(e))
-// costs ~2 ulp, as accurate expf does. y = e / sum (fp32) or e * (1 / sum) (16-bit outputs round far
+// Numerics: fp32 arithmetic; fp32 data sums rows in fp64 (RowSum). The max is taken of x * scale
+// rounded (__fmul_rn), and exponents are fmaf(x, scale, -max): exact near the max, where the
+// output's mass is, so exp2(that * log2(e)) costs ~2 ulp, as accurate expf does. y = e / sum (fp32) or e * (1 / sum) (16-bit outputs round far
 // coarser). Masked keys and all -inf rows contribute nothing to the sum, so fully masked or all
 // -inf rows give 0 * (1 / 0) = NaN and rows with +inf / NaN give NaN, exactly as torch.softmax after
 // masked_fill(-inf). The row statistic saved for backward is the row max m of the scaled, masked row;
@@ -476,7 +476,7 @@ __global__ void __launch_bounds__(kBlockThreads, 2)
 softmax_fwd_rows_block(int64_t n, int64_t seg, int cluster_k, const T *__restrict__ x, T *__restrict__ y,
                        float *__restrict__ row_max, float scale, int64_t causal_sq) {
     constexpr int C = block_elems_fwd<T, VEC>(), P = C / VEC;
-    __shared__ RowReduceSmem<float2> smem[1];
+    __shared__ RowReduceSmem<float2> smem;
     __shared__ RowReduceSmem<Acc2<T>> sum_smem;  // the in-register path's second reduction
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     if (cluster_k > 1) cluster_arrive_relaxed();
@@ -519,7 +519,7 @@ softmax_fwd_rows_block(int64_t n, int64_t seg, int cluster_k, const T *__restric
 #pragma unroll
             for (int k = 0; k < VEC; k++)
                 if (is_key(p, k, keys)) m = fmaxf(m, __fmul_rn(raw_at<T, VEC>(raw[p], k), scale));
-        m = row_reduce<MaxOnly>(make_float2(m, 0.f), smem[0], cluster_k).x;
+        m = row_reduce<MaxOnly>(make_float2(m, 0.f), smem, cluster_k).x;
         RowSum<T> sum;
 #pragma unroll
         for (int p = 0; p < P; p++)
@@ -553,7 +553,7 @@ softmax_fwd_rows_block(int64_t n, int64_t seg, int cluster_k, const T *__restric
                     if (is_key(p, k, keys)) cs += exp_for<T>(fmaf(raw_at<T, VEC>(raw[p], k), scale, -ref));
             ms = make_float2(cm, cs);
         }
-        ms = row_reduce<MaxSum>(ms, smem[0], cluster_k);
+        ms = row_reduce<MaxSum>(ms, smem, cluster_k);
         m = ms.x;
         s = ms.y;
     }
@@ -676,8 +676,8 @@ softmax_bwd_rows_block(int64_t n, int64_t seg, int cluster_k, const T *__restric
 //
 // Thread 0 of each CTA starts bulk copies (cp.async.bulk, the TMA engine) of its slices into shared
 // memory, counted on mbarriers (a lone CTA per row cuts its copy into 4 pieces, one barrier each,
-// and its first pass starts on the first piece); the passes then read shared memory, so global memory is read
-// once and a whole slice per CTA is in flight whatever the registers (the register kernels above
+// and its first pass starts on the first piece); the passes then read shared memory, so global
+// memory is read once and a whole slice per CTA is in flight whatever the registers (the register kernels above
 // hold 32-64 bytes per thread and re-read a second chunk from L2). Two shapes:
 //  - kWarpRows: a CTA of kWarpRows warps takes kWarpRows short rows, a warp each (warp shuffles
 //    only, one mbarrier per row), so a CTA has kWarpRows slices in flight;
@@ -773,8 +773,8 @@ template <typename T, bool kWarps> __device__ __forceinline__ Pieces pieces_of(i
 // Thread 0 starts the CTA's copies: copies(i, slice, copy) names, for slice i of the CTA, each
 // tensor's copy as copy(shared offset, source, bytes). Each tensor's copy is cut into pieces.count
 // pieces of pieces.bytes at the same offsets, piece c of slice i counted on
-// bar[i * pieces.count + c], so a warp starts on its own row and the passes on the first piece while the
-// rest are in flight. One arrival per barrier announces all its bytes, so no phase completes before
+// bar[i * pieces.count + c], so a warp starts on its own row and the passes on the first piece
+// while the rest are in flight. One arrival per barrier announces all its bytes, so no phase completes before
 // its last copy is counted.
 template <typename T, bool kCausal, bool kWarps, typename Copies>
 __device__ __forceinline__ void start_copies(uint64_t *bar, Pieces pieces, unsigned char *smem, int64_t rows,
@@ -834,10 +834,10 @@ softmax_fwd_rows_smem(int64_t n, int64_t seg, int cluster_k, int64_t rows, const
                       T *__restrict__ y, float *__restrict__ row_max, float scale, int64_t causal_sq) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     constexpr int VEC = fk::Pack<T>::N;
-    constexpr bool kExpInPlace = std::is_same_v<T, float> && !kLog;
+    constexpr bool kExpInPlace = kExpOnce<T> && !kLog;  // log_softmax writes t - log(s), no exp
     extern __shared__ __align__(16) unsigned char smem_raw[];
     __shared__ uint64_t bar[kWarps ? kWarpRows : kMaxPieces];
-    __shared__ RowReduceSmem<float2> red[1];
+    __shared__ RowReduceSmem<float2> red;
     __shared__ RowReduceSmem<Acc2<T>> sum_red;
     if (!kWarps && cluster_k > 1) cluster_arrive_relaxed();
     const int w = kWarps ? threadIdx.x / 32 : 0;
@@ -867,7 +867,7 @@ softmax_fwd_rows_smem(int64_t n, int64_t seg, int cluster_k, int64_t rows, const
                 if (is_key(p, k)) m = fmaxf(m, __fmul_rn(fk::to_f32(v.v[k]), scale));
         }
     });
-    m = slice_reduce<kWarps, MaxOnly>(make_float2(m, 0.f), red[0], cluster_k).x;
+    m = slice_reduce<kWarps, MaxOnly>(make_float2(m, 0.f), red, cluster_k).x;
     float s;
     {
         const float ref = exp_ref(m);
