@@ -15,6 +15,15 @@ def make(shape, dtype, device, requires_grad=False):
     return (torch.randn(shape, device=device) * 3).to(dtype).requires_grad_(requires_grad)
 
 
+def exact_gelu(v, approximate):
+    """The float64 reference: the erf form as v * erfc(-v / sqrt 2) / 2, since torch's
+    0.5 * v * (1 + erf(v / sqrt 2)) cancels for negative v (below v ~ -8 even in float64, where
+    it drops the cdf term of the gradient: a 1 / v^2 relative error)."""
+    if approximate == "none":
+        return v * 0.5 * torch.special.erfc(-v * 0.7071067811865476)
+    return F.gelu(v, approximate=approximate)
+
+
 def check_against_torch(x, bias, approximate, dtype):
     """Forward and backward of fastkern vs torch (same dtype) vs float64, with the 2x rule."""
     x = x.detach().requires_grad_()
@@ -24,15 +33,15 @@ def check_against_torch(x, bias, approximate, dtype):
     grad = torch.randn_like(y)
     y.backward(grad)
 
-    def torch_version(x_, b_):
+    def torch_version(x_, b_, gelu=F.gelu):
         x_ = x_.detach().requires_grad_()
         b_ = None if b_ is None else b_.detach().requires_grad_()
-        out = F.gelu(x_ if b_ is None else x_ + b_, approximate=approximate)
+        out = gelu(x_ if b_ is None else x_ + b_, approximate=approximate)
         out.backward(grad.to(out.dtype))
         return out, x_.grad, (None if b_ is None else b_.grad)
 
     t_y, t_dx, t_db = torch_version(x, b)
-    r_y, r_dx, r_db = torch_version(x.double(), None if b is None else b.double())
+    r_y, r_dx, r_db = torch_version(x.double(), None if b is None else b.double(), exact_gelu)
     assert_within_torch_error(y, t_y, r_y, "output")
     assert_within_torch_error(x.grad, t_dx, r_dx, "grad x")
     if b is not None:
@@ -257,3 +266,18 @@ def test_special_values_cuda(device, dtype, approximate):
     assert torch.equal(torch.isnan(y), torch.isnan(ref))
     finite = ~torch.isnan(ref)
     assert torch.allclose(y[finite].double(), ref[finite].double(), rtol=1e-2, atol=1e-6)
+
+
+@pytest.mark.parametrize("bias", [False, True], ids=["plain", "bias"])
+def test_erf_form_negative_tail_cpu(bias):
+    """The CPU erf form keeps its accuracy where 1 + erf(v / sqrt 2) cancels (v from -9 to -3):
+    values and gradients within 1e-5 of the float64 reference (1 + erff left ~1e-1 there)."""
+    x = torch.linspace(-9.0, -3.0, 601).requires_grad_()
+    b = torch.zeros(601).requires_grad_() if bias else None
+    y = fastkern.gelu(x, approximate="none", bias=b)
+    (dx,) = torch.autograd.grad(y.sum(), x)
+    xr = x.detach().double().requires_grad_()
+    yr = exact_gelu(xr, "none")
+    (dxr,) = torch.autograd.grad(yr.sum(), xr)
+    for out, ref in ((y, yr), (dx, dxr)):
+        assert ((out.double() - ref).norm() / ref.norm()).item() < 1e-5
