@@ -775,7 +775,7 @@ template <typename T, bool kWarps> __device__ __forceinline__ Pieces pieces_of(i
 // grid, which starts about when this one ends (three 64 KB CTAs an SM), so that its bulk copies hit
 // L2 and DRAM keeps reading while CTAs wait on their cluster's exchange. H200, against no prefetch:
 // + 2-4 points of copy on 64-256K rows and 4096 x 16384 forwards (bf16 87.6 -> 91.6), others level;
-// half the distance gained less, 1.5x lost up to 5 points and 3x up to 30 (L2 thrashing), and the
+// half the distance gained less, 1.5x lost up to 5 points and 3x up to 27 (L2 thrashing), and the
 // warp-per-row kernels (causal 2048-wide rows 80.7 -> 75.2) and the register warp kernels (up to 26
 // points) lost with it, so only CTA-per-row slices take it.
 template <typename T, bool kCausal, typename Copies>
