@@ -22,7 +22,7 @@
 //   longer, sm_90, rows a multiple of 16 bytes: the row slice is bulk-copied (TMA) into shared
 //                 memory and read from there (a warp per row up to 8 KB of row data, else one CTA or
 //                 a cluster of 64 KB CTAs per row; see "row slices in shared memory" below). H200:
-//                 89-100% of copy with one CTA per row, 68-86% with clusters.
+//                 90-100% of copy with one CTA per row, 68-86% with clusters.
 //   longer, other K CTAs per row (K = 1, else a thread-block cluster of up to 16 on sm_90), each
 //                 thread holding 64 bytes (backward: 32 of x and 32 of dy) raw in registers per
 //                 chunk, CTAs of up to 512 threads, and K the smallest power of two that leaves a CTA
@@ -40,13 +40,14 @@
 //
 // Numerics: fp32 arithmetic; fp32 data sums rows in fp64 (RowSum). The max is taken of x * scale
 // rounded (__fmul_rn), and exponents are fmaf(x, scale, -max): exact near the max, where the
-// output's mass is, so exp2(that * log2(e)) costs ~2 ulp, as accurate expf does. y = e / sum (fp32) or e * (1 / sum) (16-bit outputs round far
-// coarser). Masked keys and all -inf rows contribute nothing to the sum, so fully masked or all
-// -inf rows give 0 * (1 / 0) = NaN and rows with +inf / NaN give NaN, exactly as torch.softmax after
-// masked_fill(-inf). The row statistic saved for backward is the row max m of the scaled, masked row;
-// backward recomputes y' = exp(fmaf(x, scale, -m)) and divides by z = sum y', exactly the forward's
-// formula: the exponent is exact near the max, where the mass is. (Saving row_max = m + log(s) instead
-// put a rounding of ulp(log s) into every dominant exponent: fp32 gradients at up to 4x torch's error.)
+// output's mass is, so exp2(that * log2(e)) costs ~2 ulp, as accurate expf does. y = e / sum (fp32)
+// or e * (1 / sum) (16-bit outputs round far coarser). Masked keys and all -inf rows contribute
+// nothing to the sum, so fully masked or all -inf rows give 0 * (1 / 0) = NaN and rows with +inf /
+// NaN give NaN, exactly as torch.softmax after masked_fill(-inf). The row statistic saved for
+// backward is the row max m of the scaled, masked row; backward recomputes y' = exp(fmaf(x, scale,
+// -m)) and divides by z = sum y', exactly the forward's formula: the exponent is exact near the
+// max, where the mass is. (Saving row_max = m + log(s) instead put a rounding of ulp(log s) into
+// every dominant exponent: fp32 gradients at up to 4x torch's error.)
 #include <cooperative_groups.h>
 
 #include <type_traits>
@@ -771,13 +772,14 @@ template <typename T, bool kWarps> __device__ __forceinline__ Pieces pieces_of(i
     return {count, (uint32_t)(((seg * (int64_t)sizeof(T) + count - 1) / count + 15) / 16 * 16)};
 }
 
-// Thread 0's L2 prefetch (cp.async.bulk.prefetch) of the slices of the CTA one SM count ahead in the
-// grid, which starts about when this one ends (three 64 KB CTAs an SM), so that its bulk copies hit
-// L2 and DRAM keeps reading while CTAs wait on their cluster's exchange. H200, against no prefetch:
-// + 2-4 points of copy on 64-256K rows and 4096 x 16384 forwards (bf16 87.6 -> 91.6), others level;
-// half the distance gained less, 1.5x lost up to 5 points and 3x up to 27 (L2 thrashing), and the
-// warp-per-row kernels (causal 2048-wide rows 80.7 -> 75.2) and the register warp kernels (up to 26
-// points) lost with it, so only CTA-per-row slices take it.
+// Thread 0's L2 prefetch (cp.async.bulk.prefetch) of the slices of the CTA one SM count ahead in
+// the grid, which starts about when this one ends (three 64 KB CTAs an SM), so that its bulk copies
+// hit L2 and DRAM keeps reading while CTAs wait on their cluster's exchange. H200, against no
+// prefetch: +2.5-4 points of copy on the 16K-256K forwards (bf16 (4096, 16384) 87.7 -> 91.5) and
+// the fp32 (1024, 65536) backward, +0.8-0.9 on the other clustered backwards, others level. Half
+// the distance gained less, 1.5x lost up to 5 points and 3x up to 27 (L2 thrashing); the
+// warp-per-row kernels (causal 2048-wide rows 80.7 -> 75.2) and the register warp kernels (up to
+// 26 points) lost with it, so only CTA-per-row slices take it.
 template <typename T, bool kCausal, typename Copies>
 __device__ __forceinline__ void prefetch_next_cta(int64_t rows, int64_t n, int64_t seg, int cluster_k,
                                                   int64_t causal_sq, Copies copies) {
