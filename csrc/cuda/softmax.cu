@@ -29,8 +29,8 @@
 //                 at most two chunks (a second chunk is re-read from L2, which measured cheaper on an
 //                 H100 than a larger cluster or 256-thread CTAs). One combined reduction of (max, sum
 //                 of exp) pairs (backward: the two sums) per row: warp shuffles, one __syncthreads,
-//                 and for clusters one exchange through distributed shared memory (each CTA writes
-//                 its pair into every peer, then one cluster barrier). Looped slices take an online
+//                 and for clusters one exchange through distributed shared memory (each CTA sends
+//                 its pair into every peer with st.async; see row_reduce). Looped slices take an online
 //                 max / rescaled-sum pass, then the write pass re-reads them. fp32 slices that fit
 //                 one chunk instead reduce the exact max first and keep each exp for the write pass
 //                 (one accurate expf per element instead of two); 16-bit ones measured faster with
@@ -265,18 +265,72 @@ template <typename Op, typename V> __device__ __forceinline__ V group_reduce(V v
 template <typename V> struct RowReduceSmem {
     V warp[kBlockThreads / 32];
     V cta[kMaxCluster];
+    uint64_t landed;  // cluster exchange: completes when every CTA's pair has landed in cta[]
 };
 
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+__device__ __forceinline__ uint32_t smem_u32(const void *p) { return (uint32_t)__cvta_generic_to_shared(p); }
+
+// Thread 0's one arrival on `bar`, announcing the bytes the copies after it deliver.
+__device__ __forceinline__ void mbar_expect(uint64_t *bar, uint32_t bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_u32(bar)), "r"(bytes)
+                 : "memory");
+}
+
+__device__ __forceinline__ void mbar_wait(uint64_t *bar) {
+    asm volatile("{\n.reg .pred done;\nWAIT:\n"
+                 "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], 0;\n"
+                 "@!done bra WAIT;\n}" ::"r"(smem_u32(bar))
+                 : "memory");
+}
+
 // Split cluster barrier: the early arrive tells peers this CTA has started (so its shared memory
 // may be written); the wait before the first remote write then costs nothing.
 __device__ __forceinline__ void cluster_arrive_relaxed() { asm volatile("barrier.cluster.arrive.relaxed.aligned;" ::: "memory"); }
 __device__ __forceinline__ void cluster_wait() { asm volatile("barrier.cluster.wait.aligned;" ::: "memory"); }
+
+// The shared::cluster address of `p`'s counterpart in the CTA of cluster rank `rank`.
+__device__ __forceinline__ uint32_t peer_u32(const void *p, int rank) {
+    uint32_t a;
+    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(a) : "r"(smem_u32(p)), "r"(rank));
+    return a;
+}
+
+// Writes v to a peer's shared memory (st.async), counted on that peer's mbarrier `bar`.
+__device__ __forceinline__ void send_to_peer(uint32_t dst, float2 v, uint32_t bar) {
+    asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.v2.b32 [%0], {%1, %2}, [%3];"
+                 ::"r"(dst), "r"(__float_as_uint(v.x)), "r"(__float_as_uint(v.y)), "r"(bar) : "memory");
+}
+__device__ __forceinline__ void send_to_peer(uint32_t dst, double2 v, uint32_t bar) {
+    asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.v2.b64 [%0], {%1, %2}, [%3];"
+                 ::"r"(dst), "l"(__double_as_longlong(v.x)), "l"(__double_as_longlong(v.y)), "r"(bar) : "memory");
+}
 #endif
 
+// Start of a kernel whose rows may take a cluster of K CTAs: thread 0 readies the mbarrier of each
+// exchange `reds` for the K pairs it will receive, then every thread arrives on the cluster barrier,
+// which peers wait on before their first write into this CTA (row_reduce).
+template <typename... V> __device__ __forceinline__ void cluster_start(int cluster_k, RowReduceSmem<V> &...reds) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    if (cluster_k <= 1) return;
+    if (threadIdx.x == 0) {
+        auto ready = [&](auto &red) {
+            asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(smem_u32(&red.landed)) : "memory");
+            mbar_expect(&red.landed, (uint32_t)(cluster_k * sizeof(red.cta[0])));
+        };
+        (ready(reds), ...);
+        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    }
+    __syncthreads();
+    cluster_arrive_relaxed();
+#endif
+}
+
 // Reduction over the CTA, then over the K CTAs of the row's cluster; every thread gets the result.
-// One __syncthreads; with a cluster, each CTA writes its pair into every peer's smem, then one
-// cluster barrier. The kernel's first exchange (`first`) waits on the arrive made at kernel start.
+// One __syncthreads; with a cluster, warp 0 sends the CTA's pair into every peer's smem (st.async,
+// counted on the peer's mbarrier) and each CTA waits only for its own K pairs to land: no cluster
+// barrier, whose release fence (MEMBAR.ALL.GPU) every thread paid. The kernel's first exchange
+// (`first`) waits on the arrive made in cluster_start, so no pair lands on an unready barrier.
 template <typename Op, typename V>
 __device__ __forceinline__ V row_reduce(V v, RowReduceSmem<V> &smem, int cluster_k, bool first = true) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
@@ -286,11 +340,10 @@ __device__ __forceinline__ V row_reduce(V v, RowReduceSmem<V> &smem, int cluster
     v = group_reduce<Op>(lane < warps ? smem.warp[lane] : Op::identity(), 32);
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     if (cluster_k > 1) {
-        cg::cluster_group cluster = cg::this_cluster();
-        if (first) cluster_wait();  // pairs with cluster_arrive_relaxed at kernel start
+        if (first) cluster_wait();  // pairs with the arrive in cluster_start
         if (warp == 0 && lane < cluster_k)
-            *cluster.map_shared_rank(&smem.cta[cluster.block_rank()], lane) = v;
-        cluster.sync();
+            send_to_peer(peer_u32(&smem.cta[cg::this_cluster().block_rank()], lane), v, peer_u32(&smem.landed, lane));
+        mbar_wait(&smem.landed);
         v = group_reduce<Op>(lane < cluster_k ? smem.cta[lane] : Op::identity(), 32);
     }
 #endif
@@ -479,11 +532,9 @@ softmax_fwd_rows_block(int64_t n, int64_t seg, int cluster_k, const T *__restric
     constexpr int C = block_elems_fwd<T, VEC>(), P = C / VEC;
     __shared__ RowReduceSmem<float2> smem;
     __shared__ RowReduceSmem<Acc2<T>> sum_smem;  // the in-register path's second reduction
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    if (cluster_k > 1) cluster_arrive_relaxed();
-#endif
-    const int64_t row = blockIdx.x / cluster_k;
-    const int rank = blockIdx.x % cluster_k;
+    cluster_start(cluster_k, smem, sum_smem);
+    const int64_t row = blockIdx.x >> (__ffs(cluster_k) - 1);  // K: a power of two
+    const int rank = blockIdx.x & (cluster_k - 1);
     const int64_t begin = rank * seg, end = min(n, begin + seg);
     const int64_t load_end = kCausal ? min(end, causal_len(row, n, causal_sq)) : end;
     const int64_t chunk = (int64_t)blockDim.x * C;
@@ -596,11 +647,9 @@ softmax_bwd_rows_block(int64_t n, int64_t seg, int cluster_k, const T *__restric
                        float scale, int64_t causal_sq) {
     constexpr int C = block_elems_bwd<T, VEC>(), P = C / VEC;
     __shared__ RowReduceSmem<Acc2<T>> smem;
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    if (cluster_k > 1) cluster_arrive_relaxed();
-#endif
-    const int64_t row = blockIdx.x / cluster_k;
-    const int rank = blockIdx.x % cluster_k;
+    cluster_start(cluster_k, smem);
+    const int64_t row = blockIdx.x >> (__ffs(cluster_k) - 1);  // K: a power of two
+    const int rank = blockIdx.x & (cluster_k - 1);
     const int64_t begin = rank * seg, end = min(n, begin + seg);
     const int64_t x_end = kCausal ? min(end, causal_len(row, n, causal_sq)) : end;
     const int64_t dy_end = kLog ? end : x_end;  // log_softmax sums dy over masked keys too
@@ -695,27 +744,18 @@ softmax_bwd_rows_block(int64_t n, int64_t seg, int cluster_k, const T *__restric
 // 3 points on bf16 1024 x 65536 with 128).
 template <bool kBackward> constexpr int kSmemThreads = kBackward ? 128 : 256;
 constexpr int kWarpRows = 4;  // rows (warps) per CTA of the warp-per-row shape
+// Alignment of the shared-memory slices. The copy engine needs 16 bytes, but slices so aligned began
+// 32-64 bytes into a 128-byte line, after the static shared memory. H200, same kernels otherwise: 48
+// bytes in cost one-CTA rows 10-15 points of copy against 32 (fp32 (16384, 4096) backward 100 -> 86),
+// and 128-byte alignment against 48 lifted clustered rows 1-12 (bf16 (256, 262144) backward 78 -> 90).
+constexpr int kSliceAlign = 128;
 
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-__device__ __forceinline__ uint32_t smem_u32(const void *p) { return (uint32_t)__cvta_generic_to_shared(p); }
-
-// Thread 0's one arrival on `bar`, announcing the bytes the copies after it deliver.
-__device__ __forceinline__ void mbar_expect(uint64_t *bar, uint32_t bytes) {
-    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_u32(bar)), "r"(bytes)
-                 : "memory");
-}
 
 // Copies [src, src + bytes) to shared dst, counted on `bar`; bytes is a multiple of 16.
 __device__ __forceinline__ void bulk_load(void *dst, const void *src, uint32_t bytes, uint64_t *bar) {
     asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
                  ::"r"(smem_u32(dst)), "l"(src), "r"(bytes), "r"(smem_u32(bar))
-                 : "memory");
-}
-
-__device__ __forceinline__ void mbar_wait(uint64_t *bar) {
-    asm volatile("{\n.reg .pred done;\nWAIT:\n"
-                 "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], 0;\n"
-                 "@!done bra WAIT;\n}" ::"r"(smem_u32(bar))
                  : "memory");
 }
 
@@ -748,8 +788,10 @@ template <bool kCausal, bool kWarps>
 __device__ __forceinline__ Slice slice_of(int w, int64_t rows, int64_t n, int64_t seg, int cluster_k,
                                           int64_t causal_sq, int64_t block = blockIdx.x) {
     Slice sl;
-    const int rank = kWarps ? 0 : (int)(block % cluster_k);
-    sl.row = kWarps ? block * kWarpRows + w : block / cluster_k;
+    // K is a power of two (launch_rows_smem): rank and row by a mask and a shift, where two 64-bit
+    // divisions cost one-CTA rows up to 5 points (H200: fp32 (16384, 4096) forward 90 -> 95% of copy)
+    const int rank = kWarps ? 0 : (int)block & (cluster_k - 1);
+    sl.row = kWarps ? block * kWarpRows + w : block >> (__ffs(cluster_k) - 1);
     sl.valid = sl.row < rows;
     sl.begin = rank * seg;
     const int64_t end = min(n, sl.begin + seg);
@@ -769,7 +811,8 @@ struct Pieces {
 };
 template <typename T, bool kWarps> __device__ __forceinline__ Pieces pieces_of(int64_t seg, int cluster_k) {
     const int count = kWarps || cluster_k > 1 ? 1 : kMaxPieces;
-    return {count, (uint32_t)(((seg * (int64_t)sizeof(T) + count - 1) / count + 15) / 16 * 16)};
+    const int64_t bytes = seg * (int64_t)sizeof(T);  // count is 1 or kMaxPieces: no division
+    return {count, (uint32_t)(((count == 1 ? bytes : (bytes + kMaxPieces - 1) / kMaxPieces) + 15) / 16 * 16)};
 }
 
 // Thread 0's L2 prefetch (cp.async.bulk.prefetch) of the slices of the CTA one SM count ahead in
@@ -862,11 +905,11 @@ softmax_fwd_rows_smem(int64_t n, int64_t seg, int cluster_k, int64_t rows, const
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     constexpr int VEC = fk::Pack<T>::N;
     constexpr bool kExpInPlace = kExpOnce<T> && !kLog;  // log_softmax writes t - log(s), no exp
-    extern __shared__ __align__(16) unsigned char smem_raw[];
+    extern __shared__ __align__(kSliceAlign) unsigned char smem_raw[];
     __shared__ uint64_t bar[kWarps ? kWarpRows : kMaxPieces];
     __shared__ RowReduceSmem<float2> red;
     __shared__ RowReduceSmem<Acc2<T>> sum_red;
-    if (!kWarps && cluster_k > 1) cluster_arrive_relaxed();
+    if (!kWarps) cluster_start(cluster_k, red, sum_red);
     const int w = kWarps ? threadIdx.x / 32 : 0;
     const int lane = kWarps ? threadIdx.x % 32 : threadIdx.x, lanes = kWarps ? 32 : kSmemThreads<false>;
     const int64_t slice_bytes_max = seg * (int64_t)sizeof(T);
@@ -945,10 +988,10 @@ softmax_bwd_rows_smem(int64_t n, int64_t seg, int cluster_k, int64_t rows, const
                       float scale, int64_t causal_sq) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     constexpr int VEC = fk::Pack<T>::N;
-    extern __shared__ __align__(16) unsigned char smem_raw[];
+    extern __shared__ __align__(kSliceAlign) unsigned char smem_raw[];
     __shared__ uint64_t bar[kWarps ? kWarpRows : kMaxPieces];
     __shared__ RowReduceSmem<Acc2<T>> red;
-    if (!kWarps && cluster_k > 1) cluster_arrive_relaxed();
+    if (!kWarps) cluster_start(cluster_k, red);
     const int w = kWarps ? threadIdx.x / 32 : 0;
     const int lane = kWarps ? threadIdx.x % 32 : threadIdx.x, lanes = kWarps ? 32 : kSmemThreads<true>;
     const int64_t slice = seg * (int64_t)sizeof(T);  // x slices, then dy slices
