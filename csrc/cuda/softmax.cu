@@ -22,7 +22,8 @@
 //   longer, sm_90, rows a multiple of 16 bytes: the row slice is bulk-copied (TMA) into shared
 //                 memory and read from there (a warp per row up to 8 KB of row data, else one CTA or
 //                 a cluster of 64 KB CTAs per row; see "row slices in shared memory" below). H200:
-//                 90-100% of copy with one CTA per row, 68-86% with clusters.
+//                 90-100% of copy with one CTA per row, 86-96% with clusters (bf16 / fp32 rows of
+//                 64K-256K elements; fp32 256K backward: the register kernel below, 69%).
 //   longer, other K CTAs per row (K = 1, else a thread-block cluster of up to 16 on sm_90), each
 //                 thread holding 64 bytes (backward: 32 of x and 32 of dy) raw in registers per
 //                 chunk, CTAs of up to 512 threads, and K the smallest power of two that leaves a CTA
@@ -788,10 +789,11 @@ template <bool kCausal, bool kWarps>
 __device__ __forceinline__ Slice slice_of(int w, int64_t rows, int64_t n, int64_t seg, int cluster_k,
                                           int64_t causal_sq, int64_t block = blockIdx.x) {
     Slice sl;
-    // K is a power of two (launch_rows_smem): rank and row by a mask and a shift, where two 64-bit
-    // divisions cost one-CTA rows up to 5 points (H200: fp32 (16384, 4096) forward 90 -> 95% of copy)
-    const int rank = kWarps ? 0 : (int)block & (cluster_k - 1);
-    sl.row = kWarps ? block * kWarpRows + w : block >> (__ffs(cluster_k) - 1);
+    // A mask and a shift here (K is a power of two) lifted fp32 (16384, 4096) forward 90 -> 95% of
+    // copy on an H200 but cost the bf16 one-CTA backwards 4-8 points in the full benchmark run (not in
+    // a softmax-only one; cause not found): the divisions stay.
+    const int rank = kWarps ? 0 : (int)(block % cluster_k);
+    sl.row = kWarps ? block * kWarpRows + w : block / cluster_k;
     sl.valid = sl.row < rows;
     sl.begin = rank * seg;
     const int64_t end = min(n, sl.begin + seg);
@@ -811,8 +813,7 @@ struct Pieces {
 };
 template <typename T, bool kWarps> __device__ __forceinline__ Pieces pieces_of(int64_t seg, int cluster_k) {
     const int count = kWarps || cluster_k > 1 ? 1 : kMaxPieces;
-    const int64_t bytes = seg * (int64_t)sizeof(T);  // count is 1 or kMaxPieces: no division
-    return {count, (uint32_t)(((count == 1 ? bytes : (bytes + kMaxPieces - 1) / kMaxPieces) + 15) / 16 * 16)};
+    return {count, (uint32_t)(((seg * (int64_t)sizeof(T) + count - 1) / count + 15) / 16 * 16)};
 }
 
 // Thread 0's L2 prefetch (cp.async.bulk.prefetch) of the slices of the CTA one SM count ahead in
