@@ -272,6 +272,11 @@ template <typename V> struct RowReduceSmem {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
 __device__ __forceinline__ uint32_t smem_u32(const void *p) { return (uint32_t)__cvta_generic_to_shared(p); }
 
+// A one-shot mbarrier expecting one arrival (thread 0's, with the bytes it announces).
+__device__ __forceinline__ void mbar_init(uint64_t *bar) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(smem_u32(bar)) : "memory");
+}
+
 // Thread 0's one arrival on `bar`, announcing the bytes the copies after it deliver.
 __device__ __forceinline__ void mbar_expect(uint64_t *bar, uint32_t bytes) {
     asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_u32(bar)), "r"(bytes)
@@ -316,7 +321,7 @@ template <typename... V> __device__ __forceinline__ void cluster_start(int clust
     if (cluster_k <= 1) return;
     if (threadIdx.x == 0) {
         auto ready = [&](auto &red) {
-            asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(smem_u32(&red.landed)) : "memory");
+            mbar_init(&red.landed);
             mbar_expect(&red.landed, (uint32_t)(cluster_k * sizeof(red.cta[0])));
         };
         (ready(reds), ...);
@@ -534,8 +539,8 @@ softmax_fwd_rows_block(int64_t n, int64_t seg, int cluster_k, const T *__restric
     __shared__ RowReduceSmem<float2> smem;
     __shared__ RowReduceSmem<Acc2<T>> sum_smem;  // the in-register path's second reduction
     cluster_start(cluster_k, smem, sum_smem);
-    const int64_t row = blockIdx.x >> (__ffs(cluster_k) - 1);  // K: a power of two
-    const int rank = blockIdx.x & (cluster_k - 1);
+    const int64_t row = blockIdx.x / cluster_k;
+    const int rank = blockIdx.x % cluster_k;
     const int64_t begin = rank * seg, end = min(n, begin + seg);
     const int64_t load_end = kCausal ? min(end, causal_len(row, n, causal_sq)) : end;
     const int64_t chunk = (int64_t)blockDim.x * C;
@@ -649,8 +654,8 @@ softmax_bwd_rows_block(int64_t n, int64_t seg, int cluster_k, const T *__restric
     constexpr int C = block_elems_bwd<T, VEC>(), P = C / VEC;
     __shared__ RowReduceSmem<Acc2<T>> smem;
     cluster_start(cluster_k, smem);
-    const int64_t row = blockIdx.x >> (__ffs(cluster_k) - 1);  // K: a power of two
-    const int rank = blockIdx.x & (cluster_k - 1);
+    const int64_t row = blockIdx.x / cluster_k;
+    const int rank = blockIdx.x % cluster_k;
     const int64_t begin = rank * seg, end = min(n, begin + seg);
     const int64_t x_end = kCausal ? min(end, causal_len(row, n, causal_sq)) : end;
     const int64_t dy_end = kLog ? end : x_end;  // log_softmax sums dy over masked keys too
@@ -746,9 +751,10 @@ softmax_bwd_rows_block(int64_t n, int64_t seg, int cluster_k, const T *__restric
 template <bool kBackward> constexpr int kSmemThreads = kBackward ? 128 : 256;
 constexpr int kWarpRows = 4;  // rows (warps) per CTA of the warp-per-row shape
 // Alignment of the shared-memory slices. The copy engine needs 16 bytes, but slices so aligned began
-// 32-64 bytes into a 128-byte line, after the static shared memory. H200, same kernels otherwise: 48
-// bytes in cost one-CTA rows 10-15 points of copy against 32 (fp32 (16384, 4096) backward 100 -> 86),
-// and 128-byte alignment against 48 lifted clustered rows 1-12 (bf16 (256, 262144) backward 78 -> 90).
+// 32-64 bytes into a 128-byte line, after the static shared memory (1312-1856 bytes). H200, same
+// kernels otherwise: 48 bytes in cost one-CTA rows 6-14 points of copy against 32 (fp32 (16384,
+// 4096) backward 100 -> 86), and 128-byte alignment against 48 lifted clustered rows 1-14 (bf16
+// (256, 262144) backward 78 -> 90).
 constexpr int kSliceAlign = 128;
 
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
@@ -763,8 +769,7 @@ __device__ __forceinline__ void bulk_load(void *dst, const void *src, uint32_t b
 // Initialises the CTA's one-shot mbarriers (one arrival each: thread 0's, plus the copied bytes).
 __device__ __forceinline__ void mbar_setup(uint64_t *bar, int count) {
     if (threadIdx.x == 0) {
-        for (int i = 0; i < count; i++)
-            asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(smem_u32(&bar[i])) : "memory");
+        for (int i = 0; i < count; i++) mbar_init(&bar[i]);
         asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
     }
     __syncthreads();
