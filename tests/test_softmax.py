@@ -84,10 +84,12 @@ def test_dims(device, dtype, log, dim, shape, poison):
 
 @pytest.mark.parametrize("device,dtype", DEVICE_DTYPES)
 @pytest.mark.parametrize("log", [False, True], ids=["softmax", "log"])
-@pytest.mark.parametrize("sq,sk", [(17, 17), (5, 40), (40, 5), (128, 1000), (64, 2048), (40, 16400)],
-                         ids=str)
+@pytest.mark.parametrize("sq,sk", [(17, 17), (5, 40), (40, 5), (128, 1000), (64, 2048), (40, 16400),
+                                   (3, 262144), (2, 300000)], ids=str)
 @pytest.mark.parametrize("scale", [1.0, 0.125])
 def test_scale_and_causal(device, dtype, log, sq, sk, scale, poison):
+    if sk > 100000 and device == "cpu":
+        pytest.skip("long rows test the GPU's clustered kernels; the CPU runs one loop at every length")
     x = (torch.randn(2, 3, sq, sk, device=device) * 4).to(dtype)
     # with Sq > Sk the first rows are fully masked: NaN, as in the masked reference
     check(x, -1, log, scale=scale, causal=True, grad=sq <= sk)

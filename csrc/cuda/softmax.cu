@@ -21,9 +21,10 @@
 //                 per lane group.
 //   longer, sm_90, rows a multiple of 16 bytes: the row slice is bulk-copied (TMA) into shared
 //                 memory and read from there (a warp per row up to 8 KB of row data, else one CTA or
-//                 a cluster of 64 KB CTAs per row; see "row slices in shared memory" below). H200:
-//                 90-100% of copy with one CTA per row, 86-96% with clusters (bf16 / fp32 rows of
-//                 64K-256K elements; fp32 256K backward: the register kernel below, 69%).
+//                 a cluster of 64 KB CTAs per row; see "row slices in shared memory" below; a
+//                 backward whose x and dy outgrow a cluster holds dy in registers). H200: 90-100%
+//                 of copy with one CTA per row, 86-98% with clusters (bf16 / fp32 rows of 64K-256K
+//                 elements).
 //   longer, other K CTAs per row (K = 1, else a thread-block cluster of up to 16 on sm_90), each
 //                 thread holding 64 bytes (backward: 32 of x and 32 of dy) raw in registers per
 //                 chunk, CTAs of up to 512 threads, and K the smallest power of two that leaves a CTA
@@ -89,14 +90,13 @@ template <typename T> __device__ __forceinline__ float exp_for(float t) {
 // turns a partial sum into NaN before a finite value arrives.
 __device__ __forceinline__ float exp_ref(float m) { return m == -INFINITY ? 0.f : m; }
 
-// s was accumulated against exp_ref(from); re-express it against to >= from. Accurate expf: it
-// runs once per partial, and one factor scales many elements (the column kernels' fp32 error).
-__device__ __forceinline__ float rescale(float s, float from, float to) {
-    return from == -INFINITY ? s : s * expf(from - to);
-}
-
-__device__ __forceinline__ double rescale_f64(double s, float from, float to) {
-    return from == -INFINITY ? s : s * exp((double)from - (double)to);
+// s was accumulated against exp_ref(from); re-express it against to >= from, in s's precision A:
+// an fp64 sum (fp32 data) takes the difference and the exp in fp64, an fp32 sum accurate expf. It
+// runs once per partial sum, and one factor scales many elements.
+template <typename A> __device__ __forceinline__ A rescale(A s, float from, float to) {
+    if (from == -INFINITY) return s;
+    if constexpr (std::is_same_v<A, double>) return s * exp((double)from - (double)to);
+    else return s * expf(from - to);
 }
 
 // fp32 output is e / s correctly rounded, as torch divides: q = e * (1 / s) and one remainder step
@@ -167,12 +167,13 @@ template <typename T> __device__ __forceinline__ float pack_max_scaled(const fk:
 }
 
 // Per-row statistics combined across lanes, warps and CTAs: (max, sum of exp relative to it) for
-// the forward pass (a max alone for the warp kernel), two plain sums for the backward pass.
-struct MaxSum {
-    static __device__ __forceinline__ float2 identity() { return make_float2(-INFINITY, 0.f); }
-    static __device__ __forceinline__ float2 combine(float2 a, float2 b) {
-        const float m = fmaxf(a.x, b.x), ref = exp_ref(m);
-        return make_float2(m, rescale(a.y, a.x, ref) + rescale(b.y, b.x, ref));
+// the forward pass (V: float2, or double2 for fp32 data, whose sums are fp64; x holds the fp32 max
+// exactly), a max alone, or two plain sums for the backward pass.
+template <typename V> struct MaxSum {
+    static __device__ __forceinline__ V identity() { return V{-INFINITY, 0}; }
+    static __device__ __forceinline__ V combine(V a, V b) {
+        const float am = (float)a.x, bm = (float)b.x, m = fmaxf(am, bm), ref = exp_ref(m);
+        return V{m, rescale(a.y, am, ref) + rescale(b.y, bm, ref)};
     }
 };
 struct MaxOnly {
@@ -185,6 +186,8 @@ template <typename V> struct SumSum {  // V: float2, or double2 for the fp32 bac
     static __device__ __forceinline__ V identity() { return V{0, 0}; }
     static __device__ __forceinline__ V combine(V a, V b) { return V{a.x + b.x, a.y + b.y}; }
 };
+template <typename Op> constexpr bool kIsMaxSum = false;
+template <typename V> constexpr bool kIsMaxSum<MaxSum<V>> = true;
 
 // The backward's sums (z = sum y', a = sum dy * y'): fp64 for fp32 data. A row dominated by one
 // key has dx there = y (dy - a / z) ~ 0, so every rounding of a and z lands in the result (fp32
@@ -249,16 +252,23 @@ template <typename T> struct BwdRow {
     }
 };
 
-// Reduction over the `group` lanes (a power of two <= 32) that share a row.
+// Reduction over the `group` lanes (a power of two <= 32) that share a row. (max, sum) pairs take
+// the max first, then each lane rescales its sum once and the sums add: one exp a lane, not one
+// per level (an fp64 exp is ~40 instructions).
 template <typename Op, typename V> __device__ __forceinline__ V group_reduce(V v, int group) {
+    if constexpr (kIsMaxSum<Op>) {
+        const float m = group_reduce<MaxOnly>(make_float2((float)v.x, 0.f), group).x;
+        return V{m, group_reduce<SumSum<V>>(V{rescale(v.y, (float)v.x, exp_ref(m)), 0}, group).x};
+    } else {
 #pragma unroll
-    for (int offset = 16; offset > 0; offset >>= 1) {
-        if (offset < group) {
-            const V other{__shfl_xor_sync(0xffffffffu, v.x, offset), __shfl_xor_sync(0xffffffffu, v.y, offset)};
-            v = Op::combine(v, other);
+        for (int offset = 16; offset > 0; offset >>= 1) {
+            if (offset < group) {
+                const V other{__shfl_xor_sync(0xffffffffu, v.x, offset), __shfl_xor_sync(0xffffffffu, v.y, offset)};
+                v = Op::combine(v, other);
+            }
         }
+        return v;
     }
-    return v;
 }
 
 // Shared memory of one row-block reduction: a pair per warp, then a pair per CTA of the cluster.
@@ -536,8 +546,8 @@ __global__ void __launch_bounds__(kBlockThreads, 2)
 softmax_fwd_rows_block(int64_t n, int64_t seg, int cluster_k, const T *__restrict__ x, T *__restrict__ y,
                        float *__restrict__ row_max, float scale, int64_t causal_sq) {
     constexpr int C = block_elems_fwd<T, VEC>(), P = C / VEC;
-    __shared__ RowReduceSmem<float2> smem;
-    __shared__ RowReduceSmem<Acc2<T>> sum_smem;  // the in-register path's second reduction
+    __shared__ RowReduceSmem<float2> smem;       // the in-register path's max
+    __shared__ RowReduceSmem<Acc2<T>> sum_smem;  // its sum; the looped path's (max, sum) pairs
     cluster_start(cluster_k, smem, sum_smem);
     const int64_t row = blockIdx.x / cluster_k;
     const int rank = blockIdx.x % cluster_k;
@@ -589,31 +599,33 @@ softmax_fwd_rows_block(int64_t n, int64_t seg, int cluster_k, const T *__restric
             }
         s = row_sum(sum, [&](Acc2<T> v) { return row_reduce<SumSum<Acc2<T>>>(v, sum_smem, cluster_k, false); });
     } else {
-        // (max, sum of exp relative to it) of this thread's elements, online across chunks; the
-        // write pass re-reads each chunk (mostly from L2) and takes its exp again
-        float2 ms = MaxSum::identity();
+        // (max, sum of exp relative to it) of this thread's elements, online across chunks (the sum
+        // in fp64 for fp32 data, as RowSum: fp32 partial sums left single rows of 65543 at up to 11x
+        // torch's error); the write pass re-reads each chunk (mostly from L2) and takes its exp again
+        float lm = -INFINITY;
+        Acc<T> ls = 0;
         for (int64_t c = 0; c < chunks; c++) {
             const int64_t start = begin + c * chunk;
             load_chunk(start);
             const int keys = clamp_offset(load_end - start - lane_off, chunk);
-            float cm = ms.x;
+            float cm = lm;
 #pragma unroll
             for (int p = 0; p < P; p++)
 #pragma unroll
                 for (int k = 0; k < VEC; k++)
                     if (is_key(p, k, keys)) cm = fmaxf(cm, __fmul_rn(raw_at<T, VEC>(raw[p], k), scale));
             const float ref = exp_ref(cm);
-            float cs = rescale(ms.y, ms.x, ref);
+            ls = rescale(ls, lm, ref);
 #pragma unroll
             for (int p = 0; p < P; p++)
 #pragma unroll
                 for (int k = 0; k < VEC; k++)
-                    if (is_key(p, k, keys)) cs += exp_for<T>(fmaf(raw_at<T, VEC>(raw[p], k), scale, -ref));
-            ms = make_float2(cm, cs);
+                    if (is_key(p, k, keys)) ls += (Acc<T>)exp_for<T>(fmaf(raw_at<T, VEC>(raw[p], k), scale, -ref));
+            lm = cm;
         }
-        ms = row_reduce<MaxSum>(ms, smem, cluster_k);
-        m = ms.x;
-        s = ms.y;
+        const Acc2<T> ms = row_reduce<MaxSum<Acc2<T>>>(Acc2<T>{lm, ls}, sum_smem, cluster_k);
+        m = (float)ms.x;
+        s = (float)ms.y;
     }
     const float ref = exp_ref(m), inv_s = 1.f / s, log_s = logf(s);
     if (rank == 0 && threadIdx.x == 0 && row_max) row_max[row] = m;
@@ -987,8 +999,18 @@ softmax_fwd_rows_smem(int64_t n, int64_t seg, int cluster_k, int64_t rows, const
 #endif
 }
 
-template <typename T, bool kCausal, bool kLog, bool kWarps>
-__global__ void __launch_bounds__(kSmemThreads<true>)
+// Backward rows whose x and dy outgrow a full cluster's shared memory (kSmemCtaMax per CTA) but
+// whose x alone fits: x is bulk-copied into shared memory as above and dy held in registers,
+// kDyRegPacks 16-byte packs a thread, loaded once (256 threads, two CTAs an SM by registers), so
+// both are still read from DRAM once: fp32 rows of 128K-256K elements, 16-bit ones of 256K-512K.
+// Longer rows take the register block kernel, which re-reads from L2. H200, against that kernel:
+// fp32 (256, 262144) 69 -> 92% of copy, (256, 140000) 54 -> 72; bf16 (256, 524288) 65 -> 87,
+// (300, 300000) 56 -> 73.
+constexpr int kDyRegThreads = 256;
+constexpr int kDyRegPacks = 16;
+
+template <typename T, bool kCausal, bool kLog, bool kWarps, bool kDyRegs = false>
+__global__ void __launch_bounds__(kDyRegs ? kDyRegThreads : kSmemThreads<true>, kDyRegs ? 2 : 1)
 softmax_bwd_rows_smem(int64_t n, int64_t seg, int cluster_k, int64_t rows, const T *__restrict__ dy,
                       const T *__restrict__ x, const float *__restrict__ row_max, T *__restrict__ dx,
                       float scale, int64_t causal_sq) {
@@ -999,8 +1021,9 @@ softmax_bwd_rows_smem(int64_t n, int64_t seg, int cluster_k, int64_t rows, const
     __shared__ RowReduceSmem<Acc2<T>> red;
     if (!kWarps) cluster_start(cluster_k, red);
     const int w = kWarps ? threadIdx.x / 32 : 0;
-    const int lane = kWarps ? threadIdx.x % 32 : threadIdx.x, lanes = kWarps ? 32 : kSmemThreads<true>;
-    const int64_t slice = seg * (int64_t)sizeof(T);  // x slices, then dy slices
+    constexpr int kLanes = kWarps ? 32 : kDyRegs ? kDyRegThreads : kSmemThreads<true>;
+    const int lane = kWarps ? threadIdx.x % 32 : threadIdx.x, lanes = kLanes;
+    const int64_t slice = seg * (int64_t)sizeof(T);  // x slices, then dy slices (unless in registers)
     const int64_t dy_base = (kWarps ? kWarpRows : 1) * slice;
     // bytes of x and dy for a slice (log_softmax sums dy over masked keys too)
     auto x_bytes = [](const Slice &s) { return slice_bytes<T>(s.keys, s.len); };
@@ -1010,7 +1033,7 @@ softmax_bwd_rows_smem(int64_t n, int64_t seg, int cluster_k, int64_t rows, const
     start_copies<T, kCausal, kWarps>(bar, pieces, smem_raw, rows, n, seg, cluster_k, causal_sq,
                                      [&](int i, const Slice &s, auto copy) {
                                          copy(i * slice, x + s.row * n + s.begin, x_bytes(s));
-                                         copy(dy_base + i * slice, dy + s.row * n + s.begin, dy_bytes(s));
+                                         if (!kDyRegs) copy(dy_base + i * slice, dy + s.row * n + s.begin, dy_bytes(s));
                                      });
     const Slice sl = slice_of<kCausal, kWarps>(w, rows, n, seg, cluster_k, causal_sq);
     const int x_packs = (int)(x_bytes(sl) / 16), dy_packs = (int)(dy_bytes(sl) / 16);
@@ -1018,6 +1041,13 @@ softmax_bwd_rows_smem(int64_t n, int64_t seg, int cluster_k, int64_t rows, const
     const int64_t dy_keys = kLog ? sl.len : sl.keys;
     fk::Pack<T> *sx = reinterpret_cast<fk::Pack<T> *>(smem_raw + w * slice);
     const fk::Pack<T> *sdy = reinterpret_cast<const fk::Pack<T> *>(smem_raw + dy_base + w * slice);
+    fk::Pack<T> dy_reg[kDyRegs ? kDyRegPacks : 1];  // kDyRegs: pack lane + i * kLanes in dy_reg[i]
+    if constexpr (kDyRegs) {
+        const T *dyr = dy + sl.row * n + sl.begin;
+#pragma unroll
+        for (int i = 0; i < kDyRegPacks; i++)
+            if (lane + i * kLanes < dy_packs) dy_reg[i] = fk::load_pack(dyr + (lane + i * kLanes) * VEC);
+    }
     const float ref = sl.valid ? exp_ref(row_max[sl.row]) : 0.f;
     // y' = exp(x * scale - row_max) of element k of pack p, 0 for masked keys; g likewise
     // (without a mask x and dy cover every pack the loops visit: x_packs == dy_packs == outs)
@@ -1031,10 +1061,9 @@ softmax_bwd_rows_smem(int64_t n, int64_t seg, int cluster_k, int64_t rows, const
     // fp32 keeps each y' in place of its x (same size) for the write pass: one expf per element
     BwdSums<T, kLog> sums;  // (z, a): sum of y', sum of dy * y' (log: of dy)
     const int packs = x_packs > dy_packs ? x_packs : dy_packs;
-    over_pieces<2>(bar + w, pieces, packs, lane, lanes, [&](int p) {
-        fk::Pack<T> v, g;
+    auto sum_pack = [&](int p, const fk::Pack<T> &g) {
+        fk::Pack<T> v;
         if (!kCausal || p < x_packs) v = sx[p];
-        if (!kCausal || p < dy_packs) g = sdy[p];
 #pragma unroll
         for (int k = 0; k < VEC; k++) {
             const float yk = y_unnorm(p, k, v);
@@ -1042,16 +1071,32 @@ softmax_bwd_rows_smem(int64_t n, int64_t seg, int cluster_k, int64_t rows, const
             sums.add(yk, grad(p, k, g));
         }
         if (kExpOnce<T> && (!kCausal || p < x_packs)) sx[p] = v;
-    });
+    };
+    if constexpr (kDyRegs) {
+        for (int c = 0; c < pieces.count; c++) mbar_wait(&bar[c]);
+#pragma unroll
+        for (int i = 0; i < kDyRegPacks; i++) {
+            if (lane + i * kLanes < packs) sum_pack(lane + i * kLanes, dy_reg[i]);
+            // the packs look rewritten here, so the write pass converts them again rather than
+            // keeping both passes' fp32 values live (bf16: 128 registers and spills, 46% of copy
+            // at (256, 400000) against fp16's 80%)
+            uint4 &raw = *reinterpret_cast<uint4 *>(&dy_reg[i]);
+            asm volatile("" : "+r"(raw.x), "+r"(raw.y), "+r"(raw.z), "+r"(raw.w));
+        }
+    } else {
+        over_pieces<2>(bar + w, pieces, packs, lane, lanes, [&](int p) {
+            fk::Pack<T> g;
+            if (!kCausal || p < dy_packs) g = sdy[p];
+            sum_pack(p, g);
+        });
+    }
     const Acc2<T> za = slice_reduce<kWarps, SumSum<Acc2<T>>>(sums.value(), red, cluster_k);
     if (!sl.valid) return;
     const BwdRow<T> br(za.x, za.y, kLog, scale);
     T *dxr = dx + sl.row * n + sl.begin;
-#pragma unroll 2
-    for (int p = lane; p < outs; p += lanes) {
-        fk::Pack<T> v, g, o;
+    auto write_pack = [&](int p, const fk::Pack<T> &g) {
+        fk::Pack<T> v, o;
         if (!kCausal || p < x_packs) v = sx[p];
-        if (!kCausal || p < dy_packs) g = sdy[p];
 #pragma unroll
         for (int k = 0; k < VEC; k++) {
             const bool key = !kCausal || (p < x_packs && p * VEC + k < sl.keys);
@@ -1059,6 +1104,18 @@ softmax_bwd_rows_smem(int64_t n, int64_t seg, int cluster_k, int64_t rows, const
             o.v[k] = fk::from_f32<T>(key ? br.template dx<kLog>(yk, grad(p, k, g)) : 0.f);
         }
         fk::store_pack(dxr + p * VEC, o);
+    };
+    if constexpr (kDyRegs) {
+#pragma unroll
+        for (int i = 0; i < kDyRegPacks; i++)
+            if (lane + i * kLanes < outs) write_pack(lane + i * kLanes, dy_reg[i]);
+    } else {
+#pragma unroll 2
+        for (int p = lane; p < outs; p += lanes) {
+            fk::Pack<T> g;
+            if (!kCausal || p < dy_packs) g = sdy[p];
+            write_pack(p, g);
+        }
     }
 #endif
 }
@@ -1093,7 +1150,7 @@ softmax_fwd_cols(const T *__restrict__ x, T *__restrict__ y, float *__restrict__
 #pragma unroll
             for (int u = 1; u < kColsUnroll; u++) cm = fmaxf(cm, v[u]);
             const float m_new = fmaxf(m, cm), ref = exp_ref(m_new);
-            s = rescale_f64(s, m, m_new);
+            s = rescale(s, m, m_new);
 #pragma unroll
             for (int u = 0; u < kColsUnroll; u++) s += expf(v[u] - ref);
             m = m_new;
@@ -1105,7 +1162,7 @@ softmax_fwd_cols(const T *__restrict__ x, T *__restrict__ y, float *__restrict__
     m = -INFINITY;
     for (int t = 0; t < ny; t++) m = fmaxf(m, part_m[t][tx]);
     s = 0.0;
-    for (int t = 0; t < ny; t++) s += rescale_f64(part_s[t][tx], part_m[t][tx], m);
+    for (int t = 0; t < ny; t++) s += rescale(part_s[t][tx], part_m[t][tx], m);
     if (!active) return;
     const float ref = exp_ref(m), inv_s = (float)(1.0 / s), log_s = (float)log(s);
     if (ty == 0 && row_max) row_max[column] = m;
@@ -1256,7 +1313,7 @@ constexpr int64_t kSmemCtaMax = 64 * 1024;
 // Launches a shared-memory row kernel (kTensors slices per row: x, or x and dy) when the device
 // has the bulk copy engine, rows are 16-byte aligned and a CTA's slices fit; returns false
 // (launching nothing) otherwise.
-template <auto warp_kernel, auto cta_kernel, typename T, int kTensors, typename... Args>
+template <auto warp_kernel, auto cta_kernel, auto dy_reg_kernel, typename T, int kTensors, typename... Args>
 bool launch_rows_smem(fk_status &status, const char *op, int64_t rows, int64_t n, int device,
                       cudaStream_t stream, Args... args) {
     constexpr int64_t VEC = fk::Pack<T>::N;
@@ -1275,10 +1332,22 @@ bool launch_rows_smem(fk_status &status, const char *op, int64_t rows, int64_t n
     if (k > limit) k = limit;
     const int64_t seg = ((n + k - 1) / k + VEC - 1) / VEC * VEC;
     const int64_t smem = seg * (int64_t)sizeof(T) * kTensors;
-    if (smem > kSmemCtaMax || rows * k > 0x7fffffff) return false;
-    const ClusterLaunch launch(rows * k, threads, smem, k, stream);
-    status = fk::cuda_status(cudaLaunchKernelEx(&launch.config, cta_kernel, n, seg, (int)k, rows, args...), op);
-    return true;
+    if (rows * k > 0x7fffffff) return false;
+    if (smem <= kSmemCtaMax) {
+        const ClusterLaunch launch(rows * k, threads, smem, k, stream);
+        status = fk::cuda_status(cudaLaunchKernelEx(&launch.config, cta_kernel, n, seg, (int)k, rows, args...), op);
+        return true;
+    }
+    if constexpr (kTensors == 2) {  // x in shared memory, dy in registers (kDyRegs)
+        const int64_t x_smem = seg * (int64_t)sizeof(T);
+        if (x_smem > kSmemCtaMax || seg / VEC > kDyRegThreads * kDyRegPacks ||
+            cluster_limit<dy_reg_kernel>(device, kDyRegThreads, (int)kSmemCtaMax) < k)
+            return false;
+        const ClusterLaunch launch(rows * k, kDyRegThreads, x_smem, k, stream);
+        status = fk::cuda_status(cudaLaunchKernelEx(&launch.config, dy_reg_kernel, n, seg, (int)k, rows, args...), op);
+        return true;
+    }
+    return false;
 }
 
 // Lanes per row and elements per lane for the warp kernels. Packed rows: kBytes a lane per tensor
@@ -1330,7 +1399,7 @@ fk_status launch_fwd_rows(const T *x, T *y, float *row_max, int64_t rows, int64_
         });
     fk_status status = FK_OK;
     if (VEC > 1 && launch_rows_smem<softmax_fwd_rows_smem<T, kCausal, kLog, true>,
-                                    softmax_fwd_rows_smem<T, kCausal, kLog, false>, T, 1>(
+                                    softmax_fwd_rows_smem<T, kCausal, kLog, false>, nullptr, T, 1>(
                        status, op, rows, n, device, stream, x, y, row_max, scale, causal_sq))
         return status;
     return launch_rows_block<softmax_fwd_rows_block<T, VEC, kCausal, kLog>, VEC, block_elems_fwd<T, VEC>()>(
@@ -1348,7 +1417,8 @@ fk_status launch_bwd_rows(const T *dy, const T *x, const float *row_max, T *dx, 
         });
     fk_status status = FK_OK;
     if (VEC > 1 && launch_rows_smem<softmax_bwd_rows_smem<T, kCausal, kLog, true>,
-                                    softmax_bwd_rows_smem<T, kCausal, kLog, false>, T, 2>(
+                                    softmax_bwd_rows_smem<T, kCausal, kLog, false>,
+                                    softmax_bwd_rows_smem<T, kCausal, kLog, false, true>, T, 2>(
                        status, op, rows, n, device, stream, dy, x, row_max, dx, scale, causal_sq))
         return status;
     return launch_rows_block<softmax_bwd_rows_block<T, VEC, kCausal, kLog>, VEC, block_elems_bwd<T, VEC>()>(
