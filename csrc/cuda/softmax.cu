@@ -21,10 +21,10 @@
 //                 per lane group.
 //   longer, sm_90, rows a multiple of 16 bytes: the row slice is bulk-copied (TMA) into shared
 //                 memory and read from there (a warp per row up to 8 KB of row data, else one CTA or
-//                 a cluster of 64 KB CTAs per row; see "row slices in shared memory" below; a
-//                 backward whose x and dy outgrow a cluster holds dy in registers). H200: 90-100%
-//                 of copy with one CTA per row, 86-98% with clusters (bf16 / fp32 rows of 64K-256K
-//                 elements).
+//                 a cluster of 64 KB CTAs per row, up to 112 KB when 64 KB ones cannot hold it; see
+//                 "row slices in shared memory" below; a backward whose x and dy outgrow that
+//                 holds dy in registers). H200: 90-100% of copy with one CTA per row, 86-98% with
+//                 clusters (bf16 / fp32 rows of 64K-256K elements).
 //   longer, other K CTAs per row (K = 1, else a thread-block cluster of up to 16 on sm_90), each
 //                 thread holding 64 bytes (backward: 32 of x and 32 of dy) raw in registers per
 //                 chunk, CTAs of up to 512 threads, and K the smallest power of two that leaves a CTA
@@ -999,13 +999,12 @@ softmax_fwd_rows_smem(int64_t n, int64_t seg, int cluster_k, int64_t rows, const
 #endif
 }
 
-// Backward rows whose x and dy outgrow a full cluster's shared memory (kSmemCtaMax per CTA) but
-// whose x alone fits: x is bulk-copied into shared memory as above and dy held in registers,
-// kDyRegPacks 16-byte packs a thread, loaded once (256 threads, two CTAs an SM by registers), so
-// both are still read from DRAM once: fp32 rows of 128K-256K elements, 16-bit ones of 256K-512K.
-// Longer rows take the register block kernel, which re-reads from L2. H200, against that kernel:
-// fp32 (256, 262144) 69 -> 92% of copy, (256, 140000) 54 -> 72; bf16 (256, 524288) 65 -> 87,
-// (300, 300000) 56 -> 73.
+// Backward rows whose x and dy outgrow a full cluster's shared memory (kSmemCtaBigMax per CTA) but
+// whose x alone fits in kSmemCtaMax: x is bulk-copied into shared memory as above and dy held in
+// registers, kDyRegPacks 16-byte packs a thread, loaded once (256 threads, two CTAs an SM by
+// registers), so both are still read from DRAM once: fp32 rows of 229K-256K elements, 16-bit ones
+// of 459K-512K. Longer rows take the register block kernel, which re-reads from L2. H200, against
+// that kernel: fp32 (256, 262144) 69 -> 92% of copy; bf16 (256, 524288) 65 -> 87.
 constexpr int kDyRegThreads = 256;
 constexpr int kDyRegPacks = 16;
 
@@ -1246,16 +1245,39 @@ struct ClusterLaunch {
     ClusterLaunch &operator=(const ClusterLaunch &) = delete;
 };
 
+// Slice sizes of the shared-memory kernels, in bytes of all the tensors a CTA holds. Rows up to
+// kSmemWarpRowMax take a warp each; longer ones take K CTAs, K the smallest power of two that
+// brings a CTA to kSmemCtaMax (three CTAs an SM), capped by the cluster limit. Measured on an H200:
+// warps for rows of 8 KB beat 256-thread CTAs (bf16 16384 x 4096 forward 81% of copy against 51%,
+// causal 2048-wide rows 79% against 28%) and lose to them at 16 KB (79-83% against 88-90%);
+// 64 KB CTAs beat 32 KB ones (fewer CTAs per cluster: fp32 4096 x 16384 87 / 82% forward /
+// backward against 76 / 71%): every cluster costs, a CTA of one row costs least. Rows that a full
+// cluster of kSmemCtaMax CTAs cannot hold take CTAs of up to kSmemCtaBigMax (two an SM), against
+// the register block kernel (H200, % of copy): forward fp32 (300, 300000) 56 -> 90, (256, 400000)
+// 57 -> 83, bf16 (300, 600000) 60 -> 92; backward fp32 (256, 140000) 72 -> 90 and bf16 (300,
+// 300000) 73 -> 92 (those two against dy in registers, below: 2-4 points either way at 100 KB).
+constexpr int64_t kSmemWarpRowMax = 8 * 1024;
+constexpr int64_t kSmemCtaMax = 64 * 1024;
+constexpr int64_t kSmemCtaBigMax = 112 * 1024;
+
 // The largest cluster (16, else 8) that `kernel`, with `threads` threads and `smem` bytes of dynamic
-// shared memory (which it is allowed here), can be resident with on `device`; 1 where clusters do
-// not exist. Asked once per kernel and device.
+// shared memory, can be resident with on `device`: 1 where clusters do not exist, 0 where the
+// kernel may not have that much shared memory. Asked once per kernel, device and smem (0,
+// kSmemCtaMax or kSmemCtaBigMax); the kernel's allowance only grows, so a smaller size asked
+// later never takes back a larger one.
 template <auto kernel> int cluster_limit(int device, int threads, int smem) {
-    static int limits[64];
+    static int known[64][3];   // the limit + 1; 0 until asked
+    static int allowed[64];    // dynamic shared memory the kernel has been allowed
     if (compute_major(device) < 9 || device < 0 || device >= 64) return 1;
-    if (limits[device] == 0) {
-        int limit = 1;
-        if (cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1) == cudaSuccess &&
-            (smem == 0 || cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem) == cudaSuccess)) {
+    const int which = smem == 0 ? 0 : smem <= kSmemCtaMax ? 1 : 2;
+    if (known[device][which] == 0) {
+        int limit = 0;
+        if (smem <= allowed[device] ||
+            cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem) == cudaSuccess) {
+            if (smem > allowed[device]) allowed[device] = smem;
+            limit = 1;
+            // without the non-portable allowance clusters stop at 8
+            cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1);
             for (int k = kMaxCluster; k > 1 && limit == 1; k /= 2) {
                 const ClusterLaunch launch(k, threads, smem, k, nullptr);
                 int clusters = 0;
@@ -1264,9 +1286,9 @@ template <auto kernel> int cluster_limit(int device, int threads, int smem) {
             }
         }
         cudaGetLastError();
-        limits[device] = limit;
+        known[device][which] = limit + 1;
     }
-    return limits[device];
+    return known[device][which] - 1;
 }
 
 int64_t pow2_ceil(int64_t v) {
@@ -1300,16 +1322,6 @@ fk_status launch_rows_block(const char *op, int64_t rows, int64_t n, int device,
     return fk::cuda_status(cudaLaunchKernelEx(&launch.config, kernel, n, seg, (int)k, args...), op);
 }
 
-// Slice sizes of the shared-memory kernels, in bytes of all the tensors a CTA holds. Rows up to
-// kSmemWarpRowMax take a warp each; longer ones take K CTAs, K the smallest power of two that
-// brings a CTA to kSmemCtaMax (three CTAs an SM), capped by the cluster limit. Measured on an H200:
-// warps for rows of 8 KB beat 256-thread CTAs (bf16 16384 x 4096 forward 81% of copy against 51%,
-// causal 2048-wide rows 79% against 28%) and lose to them at 16 KB (79-83% against 88-90%);
-// 64 KB CTAs beat 32 KB ones (fewer CTAs per cluster: fp32 4096 x 16384 87 / 82% forward /
-// backward against 76 / 71%): every cluster costs, a CTA of one row costs least.
-constexpr int64_t kSmemWarpRowMax = 8 * 1024;
-constexpr int64_t kSmemCtaMax = 64 * 1024;
-
 // Launches a shared-memory row kernel (kTensors slices per row: x, or x and dy) when the device
 // has the bulk copy engine, rows are 16-byte aligned and a CTA's slices fit; returns false
 // (launching nothing) otherwise.
@@ -1329,11 +1341,14 @@ bool launch_rows_smem(fk_status &status, const char *op, int64_t rows, int64_t n
     int64_t k = pow2_ceil((row_bytes + kSmemCtaMax - 1) / kSmemCtaMax);
     constexpr int threads = kSmemThreads<kTensors == 2>;
     const int64_t limit = cluster_limit<cta_kernel>(device, threads, (int)kSmemCtaMax);
+    if (limit == 0) return false;
     if (k > limit) k = limit;
     const int64_t seg = ((n + k - 1) / k + VEC - 1) / VEC * VEC;
     const int64_t smem = seg * (int64_t)sizeof(T) * kTensors;
     if (rows * k > 0x7fffffff) return false;
-    if (smem <= kSmemCtaMax) {
+    // a row a full cluster of kSmemCtaMax CTAs cannot hold: CTAs of up to kSmemCtaBigMax
+    if (smem <= kSmemCtaMax ||
+        (smem <= kSmemCtaBigMax && cluster_limit<cta_kernel>(device, threads, (int)kSmemCtaBigMax) >= k)) {
         const ClusterLaunch launch(rows * k, threads, smem, k, stream);
         status = fk::cuda_status(cudaLaunchKernelEx(&launch.config, cta_kernel, n, seg, (int)k, rows, args...), op);
         return true;
