@@ -168,13 +168,10 @@ template <typename T> __device__ __forceinline__ float pack_max_scaled(const fk:
 
 // Per-row statistics combined across lanes, warps and CTAs: (max, sum of exp relative to it) for
 // the forward pass (V: float2, or double2 for fp32 data, whose sums are fp64; x holds the fp32 max
-// exactly), a max alone, or two plain sums for the backward pass.
+// exactly; group_reduce combines these pairs its own way, below), a max alone, or two plain sums
+// for the backward pass.
 template <typename V> struct MaxSum {
     static __device__ __forceinline__ V identity() { return V{-INFINITY, 0}; }
-    static __device__ __forceinline__ V combine(V a, V b) {
-        const float am = (float)a.x, bm = (float)b.x, m = fmaxf(am, bm), ref = exp_ref(m);
-        return V{m, rescale(a.y, am, ref) + rescale(b.y, bm, ref)};
-    }
 };
 struct MaxOnly {
     static __device__ __forceinline__ float2 identity() { return make_float2(-INFINITY, 0.f); }
@@ -323,22 +320,27 @@ __device__ __forceinline__ void send_to_peer(uint32_t dst, double2 v, uint32_t b
 }
 #endif
 
-// Start of a kernel whose rows may take a cluster of K CTAs: thread 0 readies the mbarrier of each
-// exchange `reds` for the K pairs it will receive, then every thread arrives on the cluster barrier,
+// Start of a kernel: thread 0 readies the CTA's `count` one-shot copy mbarriers `bar` (one arrival
+// each: thread 0's, plus the copied bytes) and, when its rows take a cluster of K CTAs, the
+// mbarrier of each exchange `reds` for the K pairs it will receive; one fence and one
+// __syncthreads for all of them; then with a cluster every thread arrives on the cluster barrier,
 // which peers wait on before their first write into this CTA (row_reduce).
-template <typename... V> __device__ __forceinline__ void cluster_start(int cluster_k, RowReduceSmem<V> &...reds) {
+template <typename... V>
+__device__ __forceinline__ void kernel_start(uint64_t *bar, int count, int cluster_k, RowReduceSmem<V> &...reds) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    if (cluster_k <= 1) return;
+    const bool exchange = cluster_k > 1;
+    if (count == 0 && !exchange) return;
     if (threadIdx.x == 0) {
+        for (int i = 0; i < count; i++) mbar_init(&bar[i]);
         auto ready = [&](auto &red) {
             mbar_init(&red.landed);
             mbar_expect(&red.landed, (uint32_t)(cluster_k * sizeof(red.cta[0])));
         };
-        (ready(reds), ...);
+        if (exchange) (ready(reds), ...);
         asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
     }
     __syncthreads();
-    cluster_arrive_relaxed();
+    if (exchange) cluster_arrive_relaxed();
 #endif
 }
 
@@ -346,7 +348,7 @@ template <typename... V> __device__ __forceinline__ void cluster_start(int clust
 // One __syncthreads; with a cluster, warp 0 sends the CTA's pair into every peer's smem (st.async,
 // counted on the peer's mbarrier) and each CTA waits only for its own K pairs to land: no cluster
 // barrier, whose release fence (MEMBAR.ALL.GPU) every thread paid. The kernel's first exchange
-// (`first`) waits on the arrive made in cluster_start, so no pair lands on an unready barrier.
+// (`first`) waits on the arrive made in kernel_start, so no pair lands on an unready barrier.
 template <typename Op, typename V>
 __device__ __forceinline__ V row_reduce(V v, RowReduceSmem<V> &smem, int cluster_k, bool first = true) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
@@ -356,7 +358,7 @@ __device__ __forceinline__ V row_reduce(V v, RowReduceSmem<V> &smem, int cluster
     v = group_reduce<Op>(lane < warps ? smem.warp[lane] : Op::identity(), 32);
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     if (cluster_k > 1) {
-        if (first) cluster_wait();  // pairs with the arrive in cluster_start
+        if (first) cluster_wait();  // pairs with the arrive in kernel_start
         if (warp == 0 && lane < cluster_k)
             send_to_peer(peer_u32(&smem.cta[cg::this_cluster().block_rank()], lane), v, peer_u32(&smem.landed, lane));
         mbar_wait(&smem.landed);
@@ -548,7 +550,7 @@ softmax_fwd_rows_block(int64_t n, int64_t seg, int cluster_k, const T *__restric
     constexpr int C = block_elems_fwd<T, VEC>(), P = C / VEC;
     __shared__ RowReduceSmem<float2> smem;       // the in-register path's max
     __shared__ RowReduceSmem<Acc2<T>> sum_smem;  // its sum; the looped path's (max, sum) pairs
-    cluster_start(cluster_k, smem, sum_smem);
+    kernel_start(nullptr, 0, cluster_k, smem, sum_smem);
     const int64_t row = blockIdx.x / cluster_k;
     const int rank = blockIdx.x % cluster_k;
     const int64_t begin = rank * seg, end = min(n, begin + seg);
@@ -665,7 +667,7 @@ softmax_bwd_rows_block(int64_t n, int64_t seg, int cluster_k, const T *__restric
                        float scale, int64_t causal_sq) {
     constexpr int C = block_elems_bwd<T, VEC>(), P = C / VEC;
     __shared__ RowReduceSmem<Acc2<T>> smem;
-    cluster_start(cluster_k, smem);
+    kernel_start(nullptr, 0, cluster_k, smem);
     const int64_t row = blockIdx.x / cluster_k;
     const int rank = blockIdx.x % cluster_k;
     const int64_t begin = rank * seg, end = min(n, begin + seg);
@@ -778,14 +780,6 @@ __device__ __forceinline__ void bulk_load(void *dst, const void *src, uint32_t b
                  : "memory");
 }
 
-// Initialises the CTA's one-shot mbarriers (one arrival each: thread 0's, plus the copied bytes).
-__device__ __forceinline__ void mbar_setup(uint64_t *bar, int count) {
-    if (threadIdx.x == 0) {
-        for (int i = 0; i < count; i++) mbar_init(&bar[i]);
-        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-    }
-    __syncthreads();
-}
 #endif
 
 // Bytes to copy for elements [0, len) of a slice: whole 16-byte packs, never past `cap` elements.
@@ -927,12 +921,11 @@ softmax_fwd_rows_smem(int64_t n, int64_t seg, int cluster_k, int64_t rows, const
     __shared__ uint64_t bar[kWarps ? kWarpRows : kMaxPieces];
     __shared__ RowReduceSmem<float2> red;
     __shared__ RowReduceSmem<Acc2<T>> sum_red;
-    if (!kWarps) cluster_start(cluster_k, red, sum_red);
+    const Pieces pieces = pieces_of<T, kWarps>(seg, cluster_k);
+    kernel_start(bar, kWarps ? kWarpRows : pieces.count, kWarps ? 1 : cluster_k, red, sum_red);
     const int w = kWarps ? threadIdx.x / 32 : 0;
     const int lane = kWarps ? threadIdx.x % 32 : threadIdx.x, lanes = kWarps ? 32 : kSmemThreads<false>;
     const int64_t slice_bytes_max = seg * (int64_t)sizeof(T);
-    const Pieces pieces = pieces_of<T, kWarps>(seg, cluster_k);
-    mbar_setup(bar, kWarps ? kWarpRows : pieces.count);
     start_copies<T, kCausal, kWarps>(bar, pieces, smem_raw, rows, n, seg, cluster_k, causal_sq,
                                      [&](int i, const Slice &s, auto copy) {
                                          copy(i * slice_bytes_max, x + s.row * n + s.begin, slice_bytes<T>(s.keys, s.len));
@@ -1018,7 +1011,8 @@ softmax_bwd_rows_smem(int64_t n, int64_t seg, int cluster_k, int64_t rows, const
     extern __shared__ __align__(kSliceAlign) unsigned char smem_raw[];
     __shared__ uint64_t bar[kWarps ? kWarpRows : kMaxPieces];
     __shared__ RowReduceSmem<Acc2<T>> red;
-    if (!kWarps) cluster_start(cluster_k, red);
+    const Pieces pieces = pieces_of<T, kWarps>(seg, cluster_k);
+    kernel_start(bar, kWarps ? kWarpRows : pieces.count, kWarps ? 1 : cluster_k, red);
     const int w = kWarps ? threadIdx.x / 32 : 0;
     constexpr int kLanes = kWarps ? 32 : kDyRegs ? kDyRegThreads : kSmemThreads<true>;
     const int lane = kWarps ? threadIdx.x % 32 : threadIdx.x, lanes = kLanes;
@@ -1027,8 +1021,6 @@ softmax_bwd_rows_smem(int64_t n, int64_t seg, int cluster_k, int64_t rows, const
     // bytes of x and dy for a slice (log_softmax sums dy over masked keys too)
     auto x_bytes = [](const Slice &s) { return slice_bytes<T>(s.keys, s.len); };
     auto dy_bytes = [](const Slice &s) { return slice_bytes<T>(kLog ? s.len : s.keys, s.len); };
-    const Pieces pieces = pieces_of<T, kWarps>(seg, cluster_k);
-    mbar_setup(bar, kWarps ? kWarpRows : pieces.count);
     start_copies<T, kCausal, kWarps>(bar, pieces, smem_raw, rows, n, seg, cluster_k, causal_sq,
                                      [&](int i, const Slice &s, auto copy) {
                                          copy(i * slice, x + s.row * n + s.begin, x_bytes(s));
@@ -1354,9 +1346,9 @@ bool launch_rows_smem(fk_status &status, const char *op, int64_t rows, int64_t n
         return true;
     }
     if constexpr (kTensors == 2) {  // x in shared memory, dy in registers (kDyRegs)
+        static_assert(kDyRegThreads * kDyRegPacks * 16 == kSmemCtaMax, "dy registers hold an x slice's packs");
         const int64_t x_smem = seg * (int64_t)sizeof(T);
-        if (x_smem > kSmemCtaMax || seg / VEC > kDyRegThreads * kDyRegPacks ||
-            cluster_limit<dy_reg_kernel>(device, kDyRegThreads, (int)kSmemCtaMax) < k)
+        if (x_smem > kSmemCtaMax || cluster_limit<dy_reg_kernel>(device, kDyRegThreads, (int)kSmemCtaMax) < k)
             return false;
         const ClusterLaunch launch(rows * k, kDyRegThreads, x_smem, k, stream);
         status = fk::cuda_status(cudaLaunchKernelEx(&launch.config, dy_reg_kernel, n, seg, (int)k, rows, args...), op);
