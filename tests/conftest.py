@@ -79,3 +79,35 @@ def misaligned(shape, dtype, device, offset=1):
     t = buf[offset:].view(shape)
     assert t.data_ptr() % 16 != 0
     return t
+
+
+def synchronized(t):
+    """`t` once the GPU has run everything queued so far; its gradient likewise waits for the GPU
+    before it flows on. Calls separated by it cannot overlap on the GPU."""
+    torch.cuda.synchronize()
+    if t.requires_grad:
+        t.register_hook(lambda g: (torch.cuda.synchronize(), g)[1])
+    return t
+
+
+def chain_matches_synchronized(fn, *inputs):
+    """Runs fn(*inputs, sync) (sync: a function fn applies to each intermediate result; it returns
+    (outputs...)) eagerly and captured in a CUDA graph, and checks both bit for bit against the same
+    calls with the GPU synchronized between them. On sm_90 a kernel may launch while its
+    predecessor drains (programmatic dependent launch); one that touched memory before its
+    grid-dependency wait would read stale values."""
+    expected = fn(*inputs, synchronized)
+    eager = fn(*inputs, lambda t: t)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up off the capture stream
+        fn(*inputs, lambda t: t)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = fn(*inputs, lambda t: t)
+    graph.replay()
+    torch.cuda.synchronize()
+    for want, got_eager, got_graph in zip(expected, eager, captured):
+        assert torch.equal(got_eager, want), "eager chain differs from the synchronized one"
+        assert torch.equal(got_graph, want), "captured chain differs from the synchronized one"

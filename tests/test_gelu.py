@@ -4,8 +4,8 @@ import torch
 import torch.nn.functional as F
 
 import fastkern
-from conftest import (CUDA, DEVICE_DTYPES, DEVICES, assert_within_torch_error, misaligned,
-                      needs_cuda)
+from conftest import (CUDA, DEVICE_DTYPES, DEVICES, assert_within_torch_error, chain_matches_synchronized,
+                      misaligned, needs_cuda)
 
 SHAPES = [(1,), (7,), (1023,), (4096,), (2**20 + 3,), (3, 7), (33, 1000), (2, 3, 4096)]
 
@@ -192,6 +192,24 @@ def test_cuda_graph_capture_and_replay():
         yr.backward(grad)
         assert torch.allclose(y, yr, atol=1e-5)
         assert torch.allclose(x.grad, xr.grad, atol=1e-5) and torch.allclose(b.grad, br.grad, atol=1e-3)
+
+
+@needs_cuda
+@pytest.mark.parametrize("shape", [(4096, 1024), (333, 777)], ids=str)
+def test_chained_calls_read_their_predecessors_output_cuda(shape):
+    """GELU calls with a bias, each on the previous output, and their backward (bias gradients:
+    a partial-sum kernel, then one that reads every CTA's partials) match the same calls run with
+    the GPU synchronized between them."""
+    def chain(x, biases, g, sync):
+        x = x.detach().requires_grad_()
+        biases = [b.detach().requires_grad_() for b in biases]
+        y = x
+        for i, b in enumerate(biases):
+            y = sync(fastkern.gelu(y, "tanh" if i % 2 else "none", b))
+        return (y, *torch.autograd.grad(y, [x, *biases], g))
+
+    x, g = torch.randn(shape, device="cuda"), torch.randn(shape, device="cuda")
+    chain_matches_synchronized(chain, x, [torch.randn(shape[1], device="cuda") for _ in range(4)], g)
 
 
 @needs_cuda

@@ -4,7 +4,8 @@ import pytest
 import torch
 
 import fastkern
-from conftest import DEVICE_DTYPES, DEVICES, assert_within_torch_error, misaligned, needs_cuda
+from conftest import (DEVICE_DTYPES, DEVICES, assert_within_torch_error, chain_matches_synchronized, misaligned,
+                      needs_cuda)
 
 # 16-byte multiples over 1024 (2048 ... 524288) take the GPU's shared-memory kernels (one CTA or a
 # cluster per row, 1000 rows: many rows per CTA; 300000 fp32 and 16-bit backward: 75 KB CTAs;
@@ -239,6 +240,24 @@ def test_cuda_graph_capture_and_replay():
         yr = torch.softmax(masked(xr, 0.5, True), -1)
         yr.backward(g)
         assert torch.allclose(y, yr, atol=1e-6) and torch.allclose(x.grad, xr.grad, atol=1e-6)
+
+
+@needs_cuda
+@pytest.mark.parametrize("shape", [(8192, 128), (512, 2048), (8, 65536), (256, 4097)], ids=str)
+def test_chained_calls_read_their_predecessors_output_cuda(shape):
+    """Calls alternating between rows (dim -1: warp, shared-memory or register-block kernels) and
+    columns (dim 0), so every CTA reads what every CTA of the call before wrote, forward and
+    backward, match the same calls run with the GPU synchronized between them."""
+    def chain(x, g, sync):
+        x = x.detach().requires_grad_()
+        y, scale = x, 1.0
+        for step in range(6):
+            dim = -1 if step % 2 == 0 else 0
+            y = sync(fastkern.softmax(y, dim, scale=scale))
+            scale = y.shape[dim]  # the next input, scaled to values of order 1
+        return y, torch.autograd.grad(y, x, g)[0]
+
+    chain_matches_synchronized(chain, torch.randn(shape, device="cuda"), torch.randn(shape, device="cuda"))
 
 
 @needs_cuda

@@ -1,5 +1,7 @@
 // CUDA runtime facts for module.c, and the helpers common.cuh declares.
 #include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
 
 #include "common.cuh"
 
@@ -21,6 +23,28 @@ int sm_count(int device) {
         counts[device] = n;
     }
     return counts[device];
+}
+
+int compute_major(int device) {
+    static int majors[64];
+    if (device < 0 || device >= 64) return 0;
+    if (majors[device] == 0) {
+        int major = 0;
+        if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess) {
+            cudaGetLastError();
+            return 0;
+        }
+        majors[device] = major;
+    }
+    return majors[device];
+}
+
+bool pdl_on(int device) {
+    static const bool enabled = [] {
+        const char *v = getenv("FASTKERN_PDL");
+        return !(v && strcmp(v, "0") == 0);
+    }();
+    return enabled && compute_major(device) >= 9;
 }
 
 fk_status cuda_status(cudaError_t error, const char *op) {

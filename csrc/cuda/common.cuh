@@ -84,9 +84,67 @@ struct DeviceGuard {
 // Multiprocessor count of `device`, read once per device.
 int sm_count(int device);
 
+// Compute capability major of `device` (0 if it cannot be read), read once per device.
+int compute_major(int device);
+
+// Programmatic dependent launch (sm_90 and later). A kernel launched through fk::Launch on such a
+// device may be scheduled while the stream's previous kernel drains, so every kernel calls
+// grid_dependency_sync() before its first global load or store: it returns once the previous grid
+// has finished and its writes are visible, so stream order holds for memory exactly as without it.
+// Set-up before the call (mbarriers, cluster arrival) overlaps the previous kernel's tail. The
+// call also lets the next kernel launch at once; its CTAs can only take the SM slots this grid's
+// last wave frees, and they wait in turn. FASTKERN_PDL=0 in the environment turns it off.
+__device__ __forceinline__ void grid_dependency_sync() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
+// Whether launches on `device` ask for programmatic dependent launch (see grid_dependency_sync).
+bool pdl_on(int device);
+
+// A cudaLaunchKernelEx configuration: `grid` CTAs of `block` threads and `smem` bytes of dynamic
+// shared memory, in clusters of `cluster_k` when > 1, with programmatic dependent launch where
+// pdl_on(device) (device -1: never, e.g. for occupancy queries). Not copyable: the config points at
+// its own attributes.
+struct Launch {
+    cudaLaunchConfig_t config = {};
+    cudaLaunchAttribute attrs[2] = {};
+    Launch(dim3 grid, dim3 block, size_t smem, cudaStream_t stream, int device, int64_t cluster_k = 1) {
+        config.gridDim = grid;
+        config.blockDim = block;
+        config.dynamicSmemBytes = smem;
+        config.stream = stream;
+        config.attrs = attrs;
+        if (cluster_k > 1) {
+            cudaLaunchAttribute &a = attrs[config.numAttrs++];
+            a.id = cudaLaunchAttributeClusterDimension;
+            a.val.clusterDim.x = (unsigned)cluster_k;
+            a.val.clusterDim.y = 1;
+            a.val.clusterDim.z = 1;
+        }
+        if (device >= 0 && pdl_on(device)) {
+            cudaLaunchAttribute &a = attrs[config.numAttrs++];
+            a.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+            a.val.programmaticStreamSerializationAllowed = 1;
+        }
+    }
+    Launch(const Launch &) = delete;
+    Launch &operator=(const Launch &) = delete;
+    // FK_OK, or the launch's CUDA error as a RuntimeError naming `op`.
+    template <typename... KernelArgs, typename... Args>
+    fk_status operator()(const char *op, void (*kernel)(KernelArgs...), Args... args) const;
+};
+
 // FK_OK, or a RuntimeError carrying the CUDA error of the last launch.
 fk_status launch_status(const char *op);
 fk_status cuda_status(cudaError_t error, const char *op);
+
+template <typename... KernelArgs, typename... Args>
+fk_status Launch::operator()(const char *op, void (*kernel)(KernelArgs...), Args... args) const {
+    return cuda_status(cudaLaunchKernelEx(&config, kernel, args...), op);
+}
 
 }  // namespace fk
 

@@ -155,6 +155,7 @@ template <typename T, int N, int kApprox, bool kBackward>
 __global__ void __launch_bounds__(kFlatThreads<kBackward>)
 gelu_flat(const T *__restrict__ dy, const T *__restrict__ x, const T *__restrict__ bias,
           T *__restrict__ out, float *__restrict__, int64_t rows, int64_t cols) {
+    fk::grid_dependency_sync();
     constexpr int kU = kUnroll<false, kBackward>, kThreads = kFlatThreads<kBackward>;
     const int64_t count = rows * cols, frags = count / N;
     const int64_t base = (int64_t)blockIdx.x * kThreads * kU + threadIdx.x;
@@ -196,6 +197,7 @@ template <typename T, int N, int kApprox, bool kBackward, bool kBiasGrad>
 __global__ void __launch_bounds__(kRowThreads)
 gelu_rows(const T *__restrict__ dy, const T *__restrict__ x, const T *__restrict__ bias,
           T *__restrict__ out, float *__restrict__ partial, int64_t rows, int64_t cols) {
+    fk::grid_dependency_sync();
     constexpr int kU = kUnroll<true, kBackward>;
     const int64_t col = ((int64_t)blockIdx.x * kLanesX + threadIdx.x) * N;
     float acc[N] = {};
@@ -241,6 +243,7 @@ gelu_rows(const T *__restrict__ dy, const T *__restrict__ x, const T *__restrict
 template <typename T>
 __global__ void gelu_bias_grad_finalize(const float *__restrict__ partial, T *__restrict__ dbias,
                                         int64_t groups, int64_t cols) {
+    fk::grid_dependency_sync();
     int64_t col = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
     if (col >= cols) return;
     float s = 0.0f;
@@ -336,15 +339,14 @@ fk_status run(const T *dy, const T *x, const T *bias, T *out, T *dbias, float *p
         return fk_fail(FK_ERR_VALUE, "%s: %lld elements exceed the grid limit", op, (long long)(rows * cols));
     const Plan p = make_plan<T>(x, backward ? (const void *)dy : (const void *)x, out, bias,
                                 dbias != nullptr, rows, cols, approximate, backward, device);
-    with_kernel<T>(p, [&](auto kernel) -> int64_t {
+    const fk_status status = with_kernel<T>(p, [&](auto kernel) {
         const dim3 grid = p.rows ? dim3((unsigned)p.tiles, (unsigned)p.groups) : dim3((unsigned)p.groups);
         const dim3 block = p.rows ? dim3(kLanesX, kLanesY) : dim3(p.threads);
-        decltype(kernel)::value<<<grid, block, 0, stream>>>(dy, x, bias, out, partial, rows, cols);
-        return 0;
+        return fk::Launch(grid, block, 0, stream, device)(op, decltype(kernel)::value, dy, x, bias, out, partial, rows, cols);
     });
-    if (dbias)
-        gelu_bias_grad_finalize<T><<<(unsigned)ceil_div(cols, 256), 256, 0, stream>>>(partial, dbias, p.groups, cols);
-    return fk::launch_status(op);
+    if (status != FK_OK || !dbias) return status;
+    return fk::Launch(dim3((unsigned)ceil_div(cols, 256)), dim3(256), 0, stream, device)(
+        op, gelu_bias_grad_finalize<T>, (const float *)partial, dbias, p.groups, cols);
 }
 
 }  // namespace

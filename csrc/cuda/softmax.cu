@@ -324,24 +324,27 @@ __device__ __forceinline__ void send_to_peer(uint32_t dst, double2 v, uint32_t b
 // each: thread 0's, plus the copied bytes) and, when its rows take a cluster of K CTAs, the
 // mbarrier of each exchange `reds` for the K pairs it will receive; one fence and one
 // __syncthreads for all of them; then with a cluster every thread arrives on the cluster barrier,
-// which peers wait on before their first write into this CTA (row_reduce).
+// which peers wait on before their first write into this CTA (row_reduce). Last, the wait for the
+// previous kernel (fk::grid_dependency_sync): the set-up above overlaps its tail.
 template <typename... V>
 __device__ __forceinline__ void kernel_start(uint64_t *bar, int count, int cluster_k, RowReduceSmem<V> &...reds) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     const bool exchange = cluster_k > 1;
-    if (count == 0 && !exchange) return;
-    if (threadIdx.x == 0) {
-        for (int i = 0; i < count; i++) mbar_init(&bar[i]);
-        auto ready = [&](auto &red) {
-            mbar_init(&red.landed);
-            mbar_expect(&red.landed, (uint32_t)(cluster_k * sizeof(red.cta[0])));
-        };
-        if (exchange) (ready(reds), ...);
-        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    if (count > 0 || exchange) {
+        if (threadIdx.x == 0) {
+            for (int i = 0; i < count; i++) mbar_init(&bar[i]);
+            auto ready = [&](auto &red) {
+                mbar_init(&red.landed);
+                mbar_expect(&red.landed, (uint32_t)(cluster_k * sizeof(red.cta[0])));
+            };
+            if (exchange) (ready(reds), ...);
+            asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+        }
+        __syncthreads();
+        if (exchange) cluster_arrive_relaxed();
     }
-    __syncthreads();
-    if (exchange) cluster_arrive_relaxed();
 #endif
+    fk::grid_dependency_sync();
 }
 
 // Reduction over the CTA, then over the K CTAs of the row's cluster; every thread gets the result.
@@ -382,6 +385,7 @@ template <typename T, int VEC, int C, int G, bool kCausal, bool kLog>
 __global__ void __launch_bounds__(kWarpBlock)
 softmax_fwd_rows_warp(int64_t rows, int n, int group_arg, const T *__restrict__ x, T *__restrict__ y,
                       float *__restrict__ row_max, float scale, int64_t causal_sq) {
+    fk::grid_dependency_sync();
     constexpr int ROWS = warp_rows<T, C>(), P = C / VEC;
     const int group = G ? G : group_arg;
     const int lane = threadIdx.x & 31, li = lane & (group - 1);
@@ -460,6 +464,7 @@ template <typename T, int VEC, int C, int G, bool kCausal, bool kLog>
 __global__ void __launch_bounds__(kWarpBlock, std::is_same_v<T, float> && C == 32 ? 6 : 1)
 softmax_bwd_rows_warp(int64_t rows, int n, int group_arg, const T *__restrict__ dy, const T *__restrict__ x,
                       const float *__restrict__ row_max, T *__restrict__ dx, float scale, int64_t causal_sq) {
+    fk::grid_dependency_sync();
     constexpr int ROWS = warp_rows<T, 2 * C>(), P = C / VEC;  // x and dy: 64 bytes between them
     const int group = G ? G : group_arg;
     const int lane = threadIdx.x & 31, li = lane & (group - 1);
@@ -1120,6 +1125,7 @@ template <typename T>
 __global__ void __launch_bounds__(1024)
 softmax_fwd_cols(const T *__restrict__ x, T *__restrict__ y, float *__restrict__ row_max, int64_t columns,
                  int64_t n, int64_t inner, float scale, int is_log) {
+    fk::grid_dependency_sync();
     // the sum is kept in fp64: in fp32, its rescalings and the merge of up to 32 partial sums
     // left the output at 3.5x torch's error (torch takes the exact max first, then one sum)
     __shared__ float part_m[32][kColsX];
@@ -1169,6 +1175,7 @@ __global__ void __launch_bounds__(1024)
 softmax_bwd_cols(const T *__restrict__ dy, const T *__restrict__ x, const float *__restrict__ row_max,
                  T *__restrict__ dx, int64_t columns, int64_t n, int64_t inner, float scale,
                  int is_log) {
+    fk::grid_dependency_sync();
     __shared__ Acc<T> part_z[32][kColsX], part_a[32][kColsX];
     const int tx = threadIdx.x, ty = threadIdx.y, ny = blockDim.y;
     const int64_t column = (int64_t)blockIdx.x * kColsX + tx;
@@ -1202,41 +1209,6 @@ softmax_bwd_cols(const T *__restrict__ dy, const T *__restrict__ x, const float 
 
 // ---- host side ---------------------------------------------------------------------------------
 
-int compute_major(int device) {
-    static int majors[64];
-    if (device < 0 || device >= 64) return 0;
-    if (majors[device] == 0) {
-        int major = 0;
-        if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess) {
-            cudaGetLastError();
-            return 0;
-        }
-        majors[device] = major;
-    }
-    return majors[device];
-}
-
-// A launch of `ctas` CTAs of `threads` threads and `smem` bytes of dynamic shared memory, in
-// clusters of k when k > 1. Not copyable: the config points at its own attribute.
-struct ClusterLaunch {
-    cudaLaunchConfig_t config = {};
-    cudaLaunchAttribute attr = {};
-    ClusterLaunch(int64_t ctas, int threads, int64_t smem, int64_t k, cudaStream_t stream) {
-        attr.id = cudaLaunchAttributeClusterDimension;
-        attr.val.clusterDim.x = (unsigned)k;
-        attr.val.clusterDim.y = 1;
-        attr.val.clusterDim.z = 1;
-        config.gridDim = dim3((unsigned)ctas);
-        config.blockDim = dim3((unsigned)threads);
-        config.dynamicSmemBytes = (size_t)smem;
-        config.stream = stream;
-        config.attrs = &attr;
-        config.numAttrs = k > 1 ? 1 : 0;
-    }
-    ClusterLaunch(const ClusterLaunch &) = delete;
-    ClusterLaunch &operator=(const ClusterLaunch &) = delete;
-};
-
 // Slice sizes of the shared-memory kernels, in bytes of all the tensors a CTA holds. Rows up to
 // kSmemWarpRowMax take a warp each; longer ones take K CTAs, K the smallest power of two that
 // brings a CTA to kSmemCtaMax (three CTAs an SM), capped by the cluster limit. Measured on an H200:
@@ -1260,7 +1232,7 @@ constexpr int64_t kSmemCtaBigMax = 112 * 1024;
 template <auto kernel> int cluster_limit(int device, int threads, int smem) {
     static int known[64][3];   // the limit + 1; 0 until asked
     static int allowed[64];    // dynamic shared memory the kernel has been allowed
-    if (compute_major(device) < 9 || device < 0 || device >= 64) return 1;
+    if (fk::compute_major(device) < 9 || device < 0 || device >= 64) return 1;
     const int which = smem == 0 ? 0 : smem <= kSmemCtaMax ? 1 : 2;
     if (known[device][which] == 0) {
         int limit = 0;
@@ -1271,7 +1243,7 @@ template <auto kernel> int cluster_limit(int device, int threads, int smem) {
             // without the non-portable allowance clusters stop at 8
             cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1);
             for (int k = kMaxCluster; k > 1 && limit == 1; k /= 2) {
-                const ClusterLaunch launch(k, threads, smem, k, nullptr);
+                const fk::Launch launch(dim3((unsigned)k), dim3(threads), smem, nullptr, -1, k);
                 int clusters = 0;
                 if (cudaOccupancyMaxActiveClusters(&clusters, kernel, &launch.config) == cudaSuccess && clusters > 0)
                     limit = k;
@@ -1310,8 +1282,7 @@ fk_status launch_rows_block(const char *op, int64_t rows, int64_t n, int device,
     if (rows * k > 0x7fffffff)
         return fk_fail(FK_ERR_VALUE, "%s: %lld rows of %lld elements exceed the CUDA grid", op,
                        (long long)rows, (long long)n);
-    const ClusterLaunch launch(rows * k, threads, 0, k, stream);
-    return fk::cuda_status(cudaLaunchKernelEx(&launch.config, kernel, n, seg, (int)k, args...), op);
+    return fk::Launch(dim3((unsigned)(rows * k)), dim3(threads), 0, stream, device, k)(op, kernel, n, seg, (int)k, args...);
 }
 
 // Launches a shared-memory row kernel (kTensors slices per row: x, or x and dy) when the device
@@ -1321,13 +1292,13 @@ template <auto warp_kernel, auto cta_kernel, auto dy_reg_kernel, typename T, int
 bool launch_rows_smem(fk_status &status, const char *op, int64_t rows, int64_t n, int device,
                       cudaStream_t stream, Args... args) {
     constexpr int64_t VEC = fk::Pack<T>::N;
-    if (compute_major(device) < 9) return false;
+    if (fk::compute_major(device) < 9) return false;
     const int64_t row_bytes = n * (int64_t)sizeof(T) * kTensors;
     if (row_bytes <= kSmemWarpRowMax) {  // kWarpRows rows a CTA: at most 32 KB, no opt-in needed
         const int64_t ctas = (rows + kWarpRows - 1) / kWarpRows;
         if (ctas > 0x7fffffff) return false;
-        const ClusterLaunch launch(ctas, 32 * kWarpRows, kWarpRows * row_bytes, 1, stream);
-        status = fk::cuda_status(cudaLaunchKernelEx(&launch.config, warp_kernel, n, n, 1, rows, args...), op);
+        status = fk::Launch(dim3((unsigned)ctas), dim3(32 * kWarpRows), (size_t)(kWarpRows * row_bytes), stream,
+                            device)(op, warp_kernel, n, n, 1, rows, args...);
         return true;
     }
     int64_t k = pow2_ceil((row_bytes + kSmemCtaMax - 1) / kSmemCtaMax);
@@ -1341,8 +1312,8 @@ bool launch_rows_smem(fk_status &status, const char *op, int64_t rows, int64_t n
     // a row a full cluster of kSmemCtaMax CTAs cannot hold: CTAs of up to kSmemCtaBigMax
     if (smem <= kSmemCtaMax ||
         (smem <= kSmemCtaBigMax && cluster_limit<cta_kernel>(device, threads, (int)kSmemCtaBigMax) >= k)) {
-        const ClusterLaunch launch(rows * k, threads, smem, k, stream);
-        status = fk::cuda_status(cudaLaunchKernelEx(&launch.config, cta_kernel, n, seg, (int)k, rows, args...), op);
+        status = fk::Launch(dim3((unsigned)(rows * k)), dim3(threads), (size_t)smem, stream, device, k)(
+            op, cta_kernel, n, seg, (int)k, rows, args...);
         return true;
     }
     if constexpr (kTensors == 2) {  // x in shared memory, dy in registers (kDyRegs)
@@ -1350,8 +1321,8 @@ bool launch_rows_smem(fk_status &status, const char *op, int64_t rows, int64_t n
         const int64_t x_smem = seg * (int64_t)sizeof(T);
         if (x_smem > kSmemCtaMax || cluster_limit<dy_reg_kernel>(device, kDyRegThreads, (int)kSmemCtaMax) < k)
             return false;
-        const ClusterLaunch launch(rows * k, kDyRegThreads, x_smem, k, stream);
-        status = fk::cuda_status(cudaLaunchKernelEx(&launch.config, dy_reg_kernel, n, seg, (int)k, rows, args...), op);
+        status = fk::Launch(dim3((unsigned)(rows * k)), dim3(kDyRegThreads), (size_t)x_smem, stream, device, k)(
+            op, dy_reg_kernel, n, seg, (int)k, rows, args...);
         return true;
     }
     return false;
@@ -1388,12 +1359,12 @@ fk_status with_warp_shape(int64_t n, F &&launch) {
 }
 
 template <auto kernel, int ROWS, typename... Args>
-fk_status launch_rows_warp(const char *op, int64_t rows, int64_t n, int group, cudaStream_t stream, Args... args) {
+fk_status launch_rows_warp(const char *op, int64_t rows, int64_t n, int group, int device, cudaStream_t stream,
+                           Args... args) {
     const int64_t rows_per_cta = (int64_t)ROWS * (32 / group) * (kWarpBlock / 32);
     const int64_t ctas = (rows + rows_per_cta - 1) / rows_per_cta;
     if (ctas > 0x7fffffff) return fk_fail(FK_ERR_VALUE, "%s: %lld rows exceed the CUDA grid", op, (long long)rows);
-    kernel<<<(unsigned)ctas, kWarpBlock, 0, stream>>>(rows, (int)n, group, args...);
-    return fk::launch_status(op);
+    return fk::Launch(dim3((unsigned)ctas), dim3(kWarpBlock), 0, stream, device)(op, kernel, rows, (int)n, group, args...);
 }
 
 template <typename T, int VEC, bool kCausal, bool kLog>
@@ -1402,7 +1373,7 @@ fk_status launch_fwd_rows(const T *x, T *y, float *row_max, int64_t rows, int64_
     if (n <= kWarpMaxN)
         return with_warp_shape<T, VEC, 64>(n, [&](auto c, auto g, int group) {
             return launch_rows_warp<softmax_fwd_rows_warp<T, VEC, c(), g(), kCausal, kLog>, warp_rows<T, c()>()>(
-                op, rows, n, group, stream, x, y, row_max, scale, causal_sq);
+                op, rows, n, group, device, stream, x, y, row_max, scale, causal_sq);
         });
     fk_status status = FK_OK;
     if (VEC > 1 && launch_rows_smem<softmax_fwd_rows_smem<T, kCausal, kLog, true>,
@@ -1420,7 +1391,7 @@ fk_status launch_bwd_rows(const T *dy, const T *x, const float *row_max, T *dx, 
     if (n <= kWarpMaxN)
         return with_warp_shape<T, VEC, 32>(n, [&](auto c, auto g, int group) {
             return launch_rows_warp<softmax_bwd_rows_warp<T, VEC, c(), g(), kCausal, kLog>, warp_rows<T, 2 * c()>()>(
-                op, rows, n, group, stream, dy, x, row_max, dx, scale, causal_sq);
+                op, rows, n, group, device, stream, dy, x, row_max, dx, scale, causal_sq);
         });
     fk_status status = FK_OK;
     if (VEC > 1 && launch_rows_smem<softmax_bwd_rows_smem<T, kCausal, kLog, true>,
@@ -1474,9 +1445,8 @@ extern "C" fk_status fk_cuda_softmax_fwd(const void *x, void *y, float *row_max,
         if (inner > 1) {
             const int64_t columns = outer * inner;
             const dim3 block = cols_block(columns, device);
-            softmax_fwd_cols<T><<<(unsigned)((columns + kColsX - 1) / kColsX), block, 0, s>>>(
-                xt, yt, row_max, columns, n, inner, (float)scale, log);
-            return fk::launch_status(op);
+            return fk::Launch(dim3((unsigned)((columns + kColsX - 1) / kColsX)), block, 0, s, device)(
+                op, softmax_fwd_cols<T>, xt, yt, row_max, columns, n, inner, (float)scale, log);
         }
         constexpr int N = fk::Pack<T>::N;
         const bool packed = fk::aligned16(x) && fk::aligned16(y) && n % N == 0;
@@ -1504,9 +1474,8 @@ extern "C" fk_status fk_cuda_softmax_bwd(const void *dy, const void *x, const fl
         if (inner > 1) {
             const int64_t columns = outer * inner;
             const dim3 block = cols_block(columns, device);
-            softmax_bwd_cols<T><<<(unsigned)((columns + kColsX - 1) / kColsX), block, 0, s>>>(
-                dyt, xt, row_max, dxt, columns, n, inner, (float)scale, log);
-            return fk::launch_status(op);
+            return fk::Launch(dim3((unsigned)((columns + kColsX - 1) / kColsX)), block, 0, s, device)(
+                op, softmax_bwd_cols<T>, dyt, xt, row_max, dxt, columns, n, inner, (float)scale, log);
         }
         constexpr int N = fk::Pack<T>::N;
         const bool packed = fk::aligned16(dy) && fk::aligned16(x) && fk::aligned16(dx) && n % N == 0;
