@@ -192,18 +192,20 @@ template <typename V> constexpr bool kIsMaxSum<MaxSum<V>> = true;
 template <typename T> using Acc = std::conditional_t<std::is_same_v<T, float>, double, float>;
 template <typename T> using Acc2 = std::conditional_t<std::is_same_v<T, float>, double2, float2>;
 
-// One lane's running row sum: fp64 for fp32 data (one F2F.F64 and one DADD / DFMA per term),
-// rounded to fp32 once at the end. A row dominated by one key has y ~ 1 there and dx ~ 0 there, so
-// every rounding of a running sum near 1 lands in those results: plain fp32 lane sums left single
-// fp32 rows at 3-25x torch's error (forward: 1.65e-7 against 6.4e-9, n = 1000). TwoSum / TwoProduct
+// One lane's running row sum: fp64 for fp32 data (one F2F.F64 and one DADD per term), rounded to
+// fp32 once at the end. A row dominated by one key has y ~ 1 there and dx ~ 0 there, so every
+// rounding of a running sum near 1 lands in those results: plain fp32 lane sums left single fp32
+// rows at 3-25x torch's error (forward: 1.65e-7 against 6.4e-9, n = 1000). TwoSum / TwoProduct
 // pairs in fp32 are as exact but cost 7-10 instructions a term against two (the kernels are
-// instruction-bound: ncu on an H200 showed up to 88% issue-active). 16-bit data: plain fp32 sums
-// (their outputs round far coarser).
+// instruction-bound: ncu on an H200 showed up to 88% issue-active). A product dy * y' is rounded
+// to fp32 once before it joins the sum, as torch rounds its own: exact where it matters (y' = 1
+// at the max), and one conversion instead of two and a DFMA (fp32 (32768, 1024) backward 94 -> 99%
+// of copy, H200). 16-bit data: plain fp32 sums (their outputs round far coarser).
 template <typename T> struct RowSum {
     Acc<T> s = 0;
     __device__ __forceinline__ void add(float v) { s += (Acc<T>)v; }
     __device__ __forceinline__ void add_product(float g, float y) {
-        if constexpr (std::is_same_v<Acc<T>, double>) s = fma((double)g, (double)y, s);
+        if constexpr (std::is_same_v<Acc<T>, double>) s += (double)(g * y);
         else s = fmaf(g, y, s);
     }
     __device__ __forceinline__ Acc<T> value() const { return s; }
