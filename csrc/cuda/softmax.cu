@@ -13,6 +13,9 @@
 // out-of-row checks are per 16-byte access, not per element.
 // Little's law: 4.2 TB/s x ~1 us latency = ~32 KB in flight per SM; every thread issues all loads of
 // its slice (64 bytes) before it uses the first, so an SM has ~64 KB in flight.
+// Launch: a kernel of 8 us (bf16 65536 x 128 forward) loses ~1 us to its launch and first load;
+// programmatic dependent launch (fk::Launch, grid_dependency_sync) overlaps the launch and set-up
+// with the previous kernel's tail: H200, back to back, 85-87 -> 93-94% of copy there.
 //
 // Strategies for inner == 1 (rows contiguous), by row length n:
 //   n <= 1024     the fewest lanes of a warp that hold the row at 64 bytes a lane (backward: 32 of

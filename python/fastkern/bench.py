@@ -14,6 +14,7 @@ finds its input in L2. An implementation that cannot be captured is timed eagerl
 import argparse
 import datetime
 import json
+import os
 import statistics
 import sys
 import time
@@ -317,6 +318,9 @@ def run(suites, device=None, quick=False, only=None):
         "triton": getattr(triton, "__version__", None),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "ceilings": {"copy_gbs": round(copy_gbs, 1)},
+        # sm_90+: consecutive fastkern calls in a timed graph overlap launch and set-up with the
+        # previous call's tail (programmatic dependent launch) unless FASTKERN_PDL=0
+        "pdl": os.environ.get("FASTKERN_PDL", "1") != "0",
         "host_overhead_us": host_overheads(device),
         "cases": [],
     }
