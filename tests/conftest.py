@@ -91,11 +91,11 @@ def synchronized(t):
 
 
 def chain_matches_synchronized(fn, *inputs):
-    """Runs fn(*inputs, sync) (sync: a function fn applies to each intermediate result; it returns
-    (outputs...)) eagerly and captured in a CUDA graph, and checks both bit for bit against the same
-    calls with the GPU synchronized between them. On sm_90 a kernel may launch while its
-    predecessor drains (programmatic dependent launch); one that touched memory before its
-    grid-dependency wait would read stale values."""
+    """Runs fn(*inputs, sync), which applies `sync` to each intermediate result and returns a tuple
+    of tensors, eagerly and captured in a CUDA graph, and checks both bit for bit against the same
+    calls with the GPU synchronized between them (sync = synchronized). On sm_90 a kernel may
+    launch while its predecessor drains (programmatic dependent launch); one that touched memory
+    before its grid-dependency wait would read stale values."""
     expected = fn(*inputs, synchronized)
     eager = fn(*inputs, lambda t: t)
     side = torch.cuda.Stream()

@@ -11,32 +11,28 @@
 
 namespace fk {
 
+// `attr` of `device`, kept in `cache` after the first read; `fallback` where it cannot be read.
+static int attribute_once(int (&cache)[64], int device, cudaDeviceAttr attr, int fallback) {
+    if (device < 0 || device >= 64) return fallback;
+    if (cache[device] == 0) {
+        int v = 0;
+        if (cudaDeviceGetAttribute(&v, attr, device) != cudaSuccess || v <= 0) {
+            cudaGetLastError();
+            return fallback;
+        }
+        cache[device] = v;
+    }
+    return cache[device];
+}
+
 int sm_count(int device) {
     static int counts[64];
-    if (device < 0 || device >= 64) return 132;
-    if (counts[device] == 0) {
-        int n = 0;
-        if (cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, device) != cudaSuccess || n <= 0) {
-            cudaGetLastError();
-            return 132;
-        }
-        counts[device] = n;
-    }
-    return counts[device];
+    return attribute_once(counts, device, cudaDevAttrMultiProcessorCount, 132);
 }
 
 int compute_major(int device) {
     static int majors[64];
-    if (device < 0 || device >= 64) return 0;
-    if (majors[device] == 0) {
-        int major = 0;
-        if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess) {
-            cudaGetLastError();
-            return 0;
-        }
-        majors[device] = major;
-    }
-    return majors[device];
+    return attribute_once(majors, device, cudaDevAttrComputeCapabilityMajor, 0);
 }
 
 bool pdl_on(int device) {
@@ -54,7 +50,6 @@ fk_status cuda_status(cudaError_t error, const char *op) {
                    cudaGetErrorString(error));
 }
 
-fk_status launch_status(const char *op) { return cuda_status(cudaGetLastError(), op); }
 
 }  // namespace fk
 

@@ -124,7 +124,7 @@ struct Launch {
             a.val.clusterDim.y = 1;
             a.val.clusterDim.z = 1;
         }
-        if (device >= 0 && pdl_on(device)) {
+        if (pdl_on(device)) {
             cudaLaunchAttribute &a = attrs[config.numAttrs++];
             a.id = cudaLaunchAttributeProgrammaticStreamSerialization;
             a.val.programmaticStreamSerializationAllowed = 1;
@@ -137,8 +137,7 @@ struct Launch {
     fk_status operator()(const char *op, void (*kernel)(KernelArgs...), Args... args) const;
 };
 
-// FK_OK, or a RuntimeError carrying the CUDA error of the last launch.
-fk_status launch_status(const char *op);
+// FK_OK, or a RuntimeError carrying `error`.
 fk_status cuda_status(cudaError_t error, const char *op);
 
 template <typename... KernelArgs, typename... Args>
