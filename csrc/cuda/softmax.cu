@@ -766,14 +766,30 @@ softmax_bwd_rows_block(int64_t n, int64_t seg, int cluster_k, const T *__restric
 // One CTA per row (or row group): a persistent grid walking rows with a two-stage pipeline
 // measured 25-40% slower on an H200, and so did 256-thread CTAs holding one short row.
 // Forward: the exact max first (a packed max / min of the raw values and one multiply per pack),
-// then the sum of exp relative to it (no online rescaling), then the write pass; fp32 keeps each
-// exp in place of its x, 16-bit takes its ex2.approx again.
+// then the sum of exp relative to it (no online rescaling), then the write pass; fp32 and bf16 keep
+// each exp in place of its x (kKeepExp), fp16 takes its ex2.approx again.
 
-// Threads of a row CTA: 256 forward, 128 backward (H200, backward with 2-CTA clusters: fp32
-// 4096 x 16384 90% of copy against 83% with 256, 1024 x 65536 83 against 78; the forward lost
-// 3 points on bf16 1024 x 65536 with 128).
-template <bool kBackward> constexpr int kSmemThreads = kBackward ? 128 : 256;
+// Threads of a row CTA: 256 forward (128 lost 3 points on bf16 1024 x 65536); backward 128 when
+// one CTA holds the row and 256 in a cluster (H200: 256 lifted clustered backwards 1.4-2.4 points
+// but cost bf16 16384 x 4096, 16 KB CTAs, 98.5 -> 76), each a compile-time instance (a pack
+// stride read from blockDim.x cost one-CTA rows 4 points).
+template <bool kBackward, bool kClustered>
+constexpr int kSmemThreads = kBackward && !kClustered ? 128 : 256;
 constexpr int kWarpRows = 4;  // rows (warps) per CTA of the warp-per-row shape
+// Whether a shared-memory kernel keeps each exp in place of its x for the write pass: fp32 as
+// is, bf16 as fp16 (y' in [0, 1] at 2^-11 relative error, far below bf16's 2^-8: H200, bf16
+// forwards +0.5-1.6 points of copy, the causal (4, 8, 2048, 2048) one 77 -> 103, backwards +0.2-0.5;
+// worst forward error 1.00 -> 1.09x torch's). fp16 takes its exp again: an fp16-kept y' put fp16
+// gradients at up to 3.9x torch's error.
+template <typename T> constexpr bool kKeepExp = !std::is_same_v<T, __half>;
+template <typename T> __device__ __forceinline__ void keep_exp(fk::Pack<T> &v, int k, float e) {
+    if constexpr (std::is_same_v<T, float>) v.v[k] = e;
+    else reinterpret_cast<__half *>(&v)[k] = __float2half_rn(e);
+}
+template <typename T> __device__ __forceinline__ float kept_exp(const fk::Pack<T> &v, int k) {
+    if constexpr (std::is_same_v<T, float>) return v.v[k];
+    else return __half2float(reinterpret_cast<const __half *>(&v)[k]);
+}
 // Alignment of the shared-memory slices. The copy engine needs 16 bytes, but slices so aligned began
 // 32-64 bytes into a 128-byte line, after the static shared memory (1312-1856 bytes). H200, same
 // kernels otherwise: 48 bytes in cost one-CTA rows 6-14 points of copy against 32 (fp32 (16384,
@@ -921,12 +937,12 @@ __device__ __forceinline__ V slice_reduce(V v, RowReduceSmem<V> &smem, int clust
 }
 
 template <typename T, bool kCausal, bool kLog, bool kWarps>
-__global__ void __launch_bounds__(kSmemThreads<false>)
+__global__ void __launch_bounds__(kSmemThreads<false, true>)
 softmax_fwd_rows_smem(int64_t n, int64_t seg, int cluster_k, int64_t rows, const T *__restrict__ x,
                       T *__restrict__ y, float *__restrict__ row_max, float scale, int64_t causal_sq) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     constexpr int VEC = fk::Pack<T>::N;
-    constexpr bool kExpInPlace = kExpOnce<T> && !kLog;  // log_softmax writes t - log(s), no exp
+    constexpr bool kExpInPlace = kKeepExp<T> && !kLog;  // log_softmax writes t - log(s), no exp
     extern __shared__ __align__(kSliceAlign) unsigned char smem_raw[];
     __shared__ uint64_t bar[kWarps ? kWarpRows : kMaxPieces];
     __shared__ RowReduceSmem<float2> red;
@@ -934,7 +950,7 @@ softmax_fwd_rows_smem(int64_t n, int64_t seg, int cluster_k, int64_t rows, const
     const Pieces pieces = pieces_of<T, kWarps>(seg, cluster_k);
     kernel_start(bar, kWarps ? kWarpRows : pieces.count, kWarps ? 1 : cluster_k, red, sum_red);
     const int w = kWarps ? threadIdx.x / 32 : 0;
-    const int lane = kWarps ? threadIdx.x % 32 : threadIdx.x, lanes = kWarps ? 32 : kSmemThreads<false>;
+    const int lane = kWarps ? threadIdx.x % 32 : threadIdx.x, lanes = kWarps ? 32 : kSmemThreads<false, true>;
     const int64_t slice_bytes_max = seg * (int64_t)sizeof(T);
     start_copies<T, kCausal, kWarps>(bar, pieces, smem_raw, rows, n, seg, cluster_k, causal_sq,
                                      [&](int i, const Slice &s, auto copy) {
@@ -945,8 +961,8 @@ softmax_fwd_rows_smem(int64_t n, int64_t seg, int cluster_k, int64_t rows, const
     fk::Pack<T> *sx = reinterpret_cast<fk::Pack<T> *>(smem_raw + w * slice_bytes_max);
     auto is_key = [&](int p, int k) { return !kCausal || p * VEC + k < sl.keys; };
 
-    // the exact max first, then each exp once (fp32 keeps it in place of x for the write pass;
-    // 16-bit takes ex2.approx again there), then the write pass
+    // the exact max first, then each exp once (kept in place of x for the write pass, kKeepExp;
+    // fp16 takes ex2.approx again there), then the write pass
     float m = -INFINITY;
     over_pieces<4>(bar + w, pieces, packs, lane, lanes, [&](int p) {
         const fk::Pack<T> v = sx[p];
@@ -974,7 +990,7 @@ softmax_fwd_rows_smem(int64_t n, int64_t seg, int cluster_k, int64_t rows, const
             }
             if constexpr (kExpInPlace) {
 #pragma unroll
-                for (int k = 0; k < VEC; k++) v.v[k] = e[k];
+                for (int k = 0; k < VEC; k++) keep_exp<T>(v, k, e[k]);
                 sx[p] = v;
             }
         }
@@ -994,7 +1010,7 @@ softmax_fwd_rows_smem(int64_t n, int64_t seg, int cluster_k, int64_t rows, const
         for (int k = 0; k < VEC; k++) {
             const bool key = copied && is_key(p, k);
             const float t = key ? fmaf(fk::to_f32(v.v[k]), scale, -ref) : -INFINITY;
-            const float e = kExpInPlace ? (copied ? fk::to_f32(v.v[k]) : 0.f) : key ? exp_for<T>(t) : 0.f;
+            const float e = kExpInPlace ? (copied ? kept_exp<T>(v, k) : 0.f) : key ? exp_for<T>(t) : 0.f;
             o.v[k] = fk::from_f32<T>(kLog ? t - log_s : normalize<T>(e, s, inv_s));
         }
         fk::store_pack(yr + p * VEC, o);
@@ -1011,8 +1027,8 @@ softmax_fwd_rows_smem(int64_t n, int64_t seg, int cluster_k, int64_t rows, const
 constexpr int kDyRegThreads = 256;
 constexpr int kDyRegPacks = 16;
 
-template <typename T, bool kCausal, bool kLog, bool kWarps, bool kDyRegs = false>
-__global__ void __launch_bounds__(kDyRegs ? kDyRegThreads : kSmemThreads<true>, kDyRegs ? 2 : 1)
+template <typename T, bool kCausal, bool kLog, bool kWarps, int kThreads, bool kDyRegs = false>
+__global__ void __launch_bounds__(kThreads, kDyRegs ? 2 : 1)
 softmax_bwd_rows_smem(int64_t n, int64_t seg, int cluster_k, int64_t rows, const T *__restrict__ dy,
                       const T *__restrict__ x, const float *__restrict__ row_max, T *__restrict__ dx,
                       float scale, int64_t causal_sq) {
@@ -1024,7 +1040,7 @@ softmax_bwd_rows_smem(int64_t n, int64_t seg, int cluster_k, int64_t rows, const
     const Pieces pieces = pieces_of<T, kWarps>(seg, cluster_k);
     kernel_start(bar, kWarps ? kWarpRows : pieces.count, kWarps ? 1 : cluster_k, red);
     const int w = kWarps ? threadIdx.x / 32 : 0;
-    constexpr int kLanes = kWarps ? 32 : kDyRegs ? kDyRegThreads : kSmemThreads<true>;
+    constexpr int kLanes = kWarps ? 32 : kThreads;
     const int lane = kWarps ? threadIdx.x % 32 : threadIdx.x, lanes = kLanes;
     const int64_t slice = seg * (int64_t)sizeof(T);  // x slices, then dy slices (unless in registers)
     const int64_t dy_base = (kWarps ? kWarpRows : 1) * slice;
@@ -1059,7 +1075,7 @@ softmax_bwd_rows_smem(int64_t n, int64_t seg, int cluster_k, int64_t rows, const
         return !kCausal || (p < dy_packs && p * VEC + k < dy_keys) ? fk::to_f32(g.v[k]) : 0.f;
     };
 
-    // fp32 keeps each y' in place of its x (same size) for the write pass: one expf per element
+    // y' kept in place of its x for the write pass (kKeepExp): one exp per element
     BwdSums<T, kLog> sums;  // (z, a): sum of y', sum of dy * y' (log: of dy)
     const int packs = x_packs > dy_packs ? x_packs : dy_packs;
     auto sum_pack = [&](int p, const fk::Pack<T> &g) {
@@ -1068,10 +1084,10 @@ softmax_bwd_rows_smem(int64_t n, int64_t seg, int cluster_k, int64_t rows, const
 #pragma unroll
         for (int k = 0; k < VEC; k++) {
             const float yk = y_unnorm(p, k, v);
-            if constexpr (kExpOnce<T>) v.v[k] = yk;
+            if constexpr (kKeepExp<T>) keep_exp<T>(v, k, yk);
             sums.add(yk, grad(p, k, g));
         }
-        if (kExpOnce<T> && (!kCausal || p < x_packs)) sx[p] = v;
+        if (kKeepExp<T> && (!kCausal || p < x_packs)) sx[p] = v;
     };
     if constexpr (kDyRegs) {
         for (int c = 0; c < pieces.count; c++) mbar_wait(&bar[c]);
@@ -1101,7 +1117,7 @@ softmax_bwd_rows_smem(int64_t n, int64_t seg, int cluster_k, int64_t rows, const
 #pragma unroll
         for (int k = 0; k < VEC; k++) {
             const bool key = !kCausal || (p < x_packs && p * VEC + k < sl.keys);
-            const float yk = kExpOnce<T> ? (key ? fk::to_f32(v.v[k]) : 0.f) : y_unnorm(p, k, v);
+            const float yk = kKeepExp<T> ? (key ? kept_exp<T>(v, k) : 0.f) : y_unnorm(p, k, v);
             o.v[k] = fk::from_f32<T>(key ? br.template dx<kLog>(yk, grad(p, k, g)) : 0.f);
         }
         fk::store_pack(dxr + p * VEC, o);
@@ -1292,8 +1308,10 @@ fk_status launch_rows_block(const char *op, int64_t rows, int64_t n, int device,
 
 // Launches a shared-memory row kernel (kTensors slices per row: x, or x and dy) when the device
 // has the bulk copy engine, rows are 16-byte aligned and a CTA's slices fit; returns false
-// (launching nothing) otherwise.
-template <auto warp_kernel, auto cta_kernel, auto dy_reg_kernel, typename T, int kTensors, typename... Args>
+// (launching nothing) otherwise. cta_kernel takes rows one CTA holds, cluster_kernel the others
+// (kSmemThreads threads each; the forward passes one kernel as both).
+template <auto warp_kernel, auto cta_kernel, auto cluster_kernel, auto dy_reg_kernel, typename T, int kTensors,
+          typename... Args>
 bool launch_rows_smem(fk_status &status, const char *op, int64_t rows, int64_t n, int device,
                       cudaStream_t stream, Args... args) {
     constexpr int64_t VEC = fk::Pack<T>::N;
@@ -1307,18 +1325,24 @@ bool launch_rows_smem(fk_status &status, const char *op, int64_t rows, int64_t n
         return true;
     }
     int64_t k = pow2_ceil((row_bytes + kSmemCtaMax - 1) / kSmemCtaMax);
-    constexpr int threads = kSmemThreads<kTensors == 2>;
-    const int64_t limit = cluster_limit<cta_kernel>(device, threads, (int)kSmemCtaMax);
+    const bool clustered = k > 1;
+    const auto kernel = clustered ? cluster_kernel : cta_kernel;
+    const int threads = clustered ? kSmemThreads<kTensors == 2, true> : kSmemThreads<kTensors == 2, false>;
+    // the largest cluster of `kernel` resident with `smem` bytes a CTA (0: that much is not allowed)
+    auto limit_at = [&](int smem) {
+        return clustered ? cluster_limit<cluster_kernel>(device, threads, smem)
+                         : cluster_limit<cta_kernel>(device, threads, smem);
+    };
+    const int64_t limit = limit_at((int)kSmemCtaMax);
     if (limit == 0) return false;
     if (k > limit) k = limit;
     const int64_t seg = ((n + k - 1) / k + VEC - 1) / VEC * VEC;
     const int64_t smem = seg * (int64_t)sizeof(T) * kTensors;
     if (rows * k > 0x7fffffff) return false;
     // a row a full cluster of kSmemCtaMax CTAs cannot hold: CTAs of up to kSmemCtaBigMax
-    if (smem <= kSmemCtaMax ||
-        (smem <= kSmemCtaBigMax && cluster_limit<cta_kernel>(device, threads, (int)kSmemCtaBigMax) >= k)) {
+    if (smem <= kSmemCtaMax || (smem <= kSmemCtaBigMax && limit_at((int)kSmemCtaBigMax) >= k)) {
         status = fk::Launch(dim3((unsigned)(rows * k)), dim3(threads), (size_t)smem, stream, device, k)(
-            op, cta_kernel, n, seg, (int)k, rows, args...);
+            op, kernel, n, seg, (int)k, rows, args...);
         return true;
     }
     if constexpr (kTensors == 2) {  // x in shared memory, dy in registers (kDyRegs)
@@ -1382,6 +1406,7 @@ fk_status launch_fwd_rows(const T *x, T *y, float *row_max, int64_t rows, int64_
         });
     fk_status status = FK_OK;
     if (VEC > 1 && launch_rows_smem<softmax_fwd_rows_smem<T, kCausal, kLog, true>,
+                                    softmax_fwd_rows_smem<T, kCausal, kLog, false>,
                                     softmax_fwd_rows_smem<T, kCausal, kLog, false>, nullptr, T, 1>(
                        status, op, rows, n, device, stream, x, y, row_max, scale, causal_sq))
         return status;
@@ -1399,9 +1424,11 @@ fk_status launch_bwd_rows(const T *dy, const T *x, const float *row_max, T *dx, 
                 op, rows, n, group, device, stream, dy, x, row_max, dx, scale, causal_sq);
         });
     fk_status status = FK_OK;
-    if (VEC > 1 && launch_rows_smem<softmax_bwd_rows_smem<T, kCausal, kLog, true>,
-                                    softmax_bwd_rows_smem<T, kCausal, kLog, false>,
-                                    softmax_bwd_rows_smem<T, kCausal, kLog, false, true>, T, 2>(
+    constexpr int kCta = kSmemThreads<true, false>, kCluster = kSmemThreads<true, true>;
+    if (VEC > 1 && launch_rows_smem<softmax_bwd_rows_smem<T, kCausal, kLog, true, 32 * kWarpRows>,
+                                    softmax_bwd_rows_smem<T, kCausal, kLog, false, kCta>,
+                                    softmax_bwd_rows_smem<T, kCausal, kLog, false, kCluster>,
+                                    softmax_bwd_rows_smem<T, kCausal, kLog, false, kDyRegThreads, true>, T, 2>(
                        status, op, rows, n, device, stream, dy, x, row_max, dx, scale, causal_sq))
         return status;
     return launch_rows_block<softmax_bwd_rows_block<T, VEC, kCausal, kLog>, VEC, block_elems_bwd<T, VEC>()>(
