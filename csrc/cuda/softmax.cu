@@ -769,18 +769,19 @@ softmax_bwd_rows_block(int64_t n, int64_t seg, int cluster_k, const T *__restric
 // then the sum of exp relative to it (no online rescaling), then the write pass; fp32 and bf16 keep
 // each exp in place of its x (kKeepExp), fp16 takes its ex2.approx again.
 
-// Threads of a row CTA: 256 forward (128 lost 3 points on bf16 1024 x 65536); backward 128 when
-// one CTA holds the row and 256 in a cluster (H200: 256 lifted clustered backwards 1.4-2.4 points
-// but cost bf16 16384 x 4096, 16 KB CTAs, 98.5 -> 76), each a compile-time instance (a pack
-// stride read from blockDim.x cost one-CTA rows 4 points).
+// Threads of a row CTA: 256 forward (128 lost 3 points on bf16 1024 x 65536), 128 backward. A
+// 256-thread instance for clustered backward rows (kClustered) measured +1.4-2.4 points in
+// fastkern-only runs but bf16 (1024, 65536) 94.9 -> 87-88 in the benchmark's own runs (H200), so
+// it is 128 too; the parameter stays for the next measurement.
 template <bool kBackward, bool kClustered>
-constexpr int kSmemThreads = kBackward && !kClustered ? 128 : 256;
+constexpr int kSmemThreads = kBackward ? 128 : 256;
 constexpr int kWarpRows = 4;  // rows (warps) per CTA of the warp-per-row shape
-// Whether a shared-memory kernel keeps each exp in place of its x for the write pass: fp32 as
-// is, bf16 as fp16 (y' in [0, 1] at 2^-11 relative error, far below bf16's 2^-8: H200, bf16
-// forwards +0.5-1.6 points of copy, the causal (4, 8, 2048, 2048) one 77 -> 103, backwards +0.2-0.5;
-// worst forward error 1.00 -> 1.09x torch's). fp16 takes its exp again: an fp16-kept y' put fp16
-// gradients at up to 3.9x torch's error.
+// Whether the shared-memory forward keeps each exp in place of its x for the write pass: fp32 as
+// is, bf16 as fp16 (e in [0, 1] at 2^-11 relative error, far below bf16's 2^-8: H200, bf16
+// forwards +0.5-1.6 points of copy, the causal (4, 8, 2048, 2048) one 82 -> 105; worst forward
+// error 1.00 -> 1.09x torch's). fp16 takes its exp again (an fp16-kept y' put fp16 gradients at
+// up to 3.9x torch's error), and so does the bf16 backward (kExpOnce): kept, it measured +0.2-0.5
+// in fastkern-only runs but cost bf16 (1024, 65536) 6 points in the benchmark's own runs.
 template <typename T> constexpr bool kKeepExp = !std::is_same_v<T, __half>;
 template <typename T> __device__ __forceinline__ void keep_exp(fk::Pack<T> &v, int k, float e) {
     if constexpr (std::is_same_v<T, float>) v.v[k] = e;
@@ -822,15 +823,17 @@ struct Slice {
     int64_t row, begin, len, keys;
     bool valid;
 };
-template <bool kCausal, bool kWarps>
+template <bool kCausal, bool kWarps, bool kDiv = false>
 __device__ __forceinline__ Slice slice_of(int w, int64_t rows, int64_t n, int64_t seg, int cluster_k,
                                           int64_t causal_sq, int64_t block = blockIdx.x) {
     Slice sl;
-    // A mask and a shift here (K is a power of two) lifted fp32 (16384, 4096) forward 90 -> 95% of
-    // copy on an H200 but cost the bf16 one-CTA backwards 4-8 points in the full benchmark run (not in
-    // a softmax-only one; cause not found): the divisions stay.
-    const int rank = kWarps ? 0 : (int)(block % cluster_k);
-    sl.row = kWarps ? block * kWarpRows + w : block / cluster_k;
+    // K is a power of two: a mask and a shift, not 64-bit divisions (a ~100-instruction routine each,
+    // in thread 0's path to its bulk copies). H200, benchmark runs: fp32 (16384, 4096) forward 91 ->
+    // 96% of copy, (256, 262144) 88 -> 92, bf16 (256, 262144) 87 -> 89.6. The backward keeps the
+    // divisions (kDiv): with the mask its bf16 (4096, 16384) fell 96 -> 90 in the benchmark's runs
+    // (not in fastkern-only ones; the same split as an earlier session saw; cause not found).
+    const int rank = kWarps ? 0 : kDiv ? (int)(block % cluster_k) : (int)(block & (cluster_k - 1));
+    sl.row = kWarps ? block * kWarpRows + w : kDiv ? block / cluster_k : block >> (__ffs(cluster_k) - 1);
     sl.valid = sl.row < rows;
     sl.begin = rank * seg;
     const int64_t end = min(n, sl.begin + seg);
@@ -848,9 +851,11 @@ struct Pieces {
     int count;      // barriers per slice
     uint32_t bytes; // bytes of each piece but the last: a multiple of 16, count * bytes >= a slice
 };
-template <typename T, bool kWarps> __device__ __forceinline__ Pieces pieces_of(int64_t seg, int cluster_k) {
+template <typename T, bool kWarps, bool kDiv = false> __device__ __forceinline__ Pieces pieces_of(int64_t seg, int cluster_k) {
     const int count = kWarps || cluster_k > 1 ? 1 : kMaxPieces;
-    return {count, (uint32_t)(((seg * (int64_t)sizeof(T) + count - 1) / count + 15) / 16 * 16)};
+    if constexpr (kDiv) return {count, (uint32_t)(((seg * (int64_t)sizeof(T) + count - 1) / count + 15) / 16 * 16)};
+    const uint32_t bytes = (uint32_t)seg * (uint32_t)sizeof(T);  // a slice is at most kSmemCtaBigMax
+    return {count, ((count == 1 ? bytes : (bytes + kMaxPieces - 1) / kMaxPieces) + 15) / 16 * 16};
 }
 
 // Thread 0's L2 prefetch (cp.async.bulk.prefetch) of the slices of the CTA one SM count ahead in
@@ -861,7 +866,7 @@ template <typename T, bool kWarps> __device__ __forceinline__ Pieces pieces_of(i
 // the distance gained less, 1.5x lost up to 5 points and 3x up to 27 (L2 thrashing); the
 // warp-per-row kernels (causal 2048-wide rows 80.7 -> 75.2) and the register warp kernels (up to
 // 26 points) lost with it, so only CTA-per-row slices take it.
-template <typename T, bool kCausal, typename Copies>
+template <typename T, bool kCausal, bool kDiv = false, typename Copies>
 __device__ __forceinline__ void prefetch_next_cta(int64_t rows, int64_t n, int64_t seg, int cluster_k,
                                                   int64_t causal_sq, Copies copies) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
@@ -869,7 +874,7 @@ __device__ __forceinline__ void prefetch_next_cta(int64_t rows, int64_t n, int64
     asm("mov.u32 %0, %%nsmid;" : "=r"(sms));
     const int64_t next = (int64_t)blockIdx.x + sms;
     if (next >= gridDim.x) return;
-    copies(0, slice_of<kCausal, false>(0, rows, n, seg, cluster_k, causal_sq, next),
+    copies(0, slice_of<kCausal, false, kDiv>(0, rows, n, seg, cluster_k, causal_sq, next),
            [&](int64_t, const T *src, uint32_t bytes) {
                if (bytes)
                    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(src), "r"(bytes) : "memory");
@@ -883,14 +888,14 @@ __device__ __forceinline__ void prefetch_next_cta(int64_t rows, int64_t n, int64
 // bar[i * pieces.count + c], so a warp starts on its own row and the passes on the first piece
 // while the rest are in flight. One arrival per barrier announces all its bytes, so no phase completes before
 // its last copy is counted.
-template <typename T, bool kCausal, bool kWarps, typename Copies>
+template <typename T, bool kCausal, bool kWarps, bool kDiv = false, typename Copies>
 __device__ __forceinline__ void start_copies(uint64_t *bar, Pieces pieces, unsigned char *smem, int64_t rows,
                                              int64_t n, int64_t seg, int cluster_k, int64_t causal_sq,
                                              Copies copies) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     if (threadIdx.x != 0) return;
     for (int i = 0; i < (kWarps ? kWarpRows : 1); i++) {
-        const Slice sl = slice_of<kCausal, kWarps>(i, rows, n, seg, cluster_k, causal_sq);
+        const Slice sl = slice_of<kCausal, kWarps, kDiv>(i, rows, n, seg, cluster_k, causal_sq);
         for (int c = 0; c < pieces.count; c++) {
             uint64_t *b = &bar[i * pieces.count + c];
             auto lo = [&](uint32_t bytes) { return min((uint32_t)c * pieces.bytes, bytes); };
@@ -905,7 +910,7 @@ __device__ __forceinline__ void start_copies(uint64_t *bar, Pieces pieces, unsig
             });
         }
     }
-    if constexpr (!kWarps) prefetch_next_cta<T, kCausal>(rows, n, seg, cluster_k, causal_sq, copies);
+    if constexpr (!kWarps) prefetch_next_cta<T, kCausal, kDiv>(rows, n, seg, cluster_k, causal_sq, copies);
 #endif
 }
 
@@ -1037,7 +1042,7 @@ softmax_bwd_rows_smem(int64_t n, int64_t seg, int cluster_k, int64_t rows, const
     extern __shared__ __align__(kSliceAlign) unsigned char smem_raw[];
     __shared__ uint64_t bar[kWarps ? kWarpRows : kMaxPieces];
     __shared__ RowReduceSmem<Acc2<T>> red;
-    const Pieces pieces = pieces_of<T, kWarps>(seg, cluster_k);
+    const Pieces pieces = pieces_of<T, kWarps, true>(seg, cluster_k);
     kernel_start(bar, kWarps ? kWarpRows : pieces.count, kWarps ? 1 : cluster_k, red);
     const int w = kWarps ? threadIdx.x / 32 : 0;
     constexpr int kLanes = kWarps ? 32 : kThreads;
@@ -1047,12 +1052,12 @@ softmax_bwd_rows_smem(int64_t n, int64_t seg, int cluster_k, int64_t rows, const
     // bytes of x and dy for a slice (log_softmax sums dy over masked keys too)
     auto x_bytes = [](const Slice &s) { return slice_bytes<T>(s.keys, s.len); };
     auto dy_bytes = [](const Slice &s) { return slice_bytes<T>(kLog ? s.len : s.keys, s.len); };
-    start_copies<T, kCausal, kWarps>(bar, pieces, smem_raw, rows, n, seg, cluster_k, causal_sq,
+    start_copies<T, kCausal, kWarps, true>(bar, pieces, smem_raw, rows, n, seg, cluster_k, causal_sq,
                                      [&](int i, const Slice &s, auto copy) {
                                          copy(i * slice, x + s.row * n + s.begin, x_bytes(s));
                                          if (!kDyRegs) copy(dy_base + i * slice, dy + s.row * n + s.begin, dy_bytes(s));
                                      });
-    const Slice sl = slice_of<kCausal, kWarps>(w, rows, n, seg, cluster_k, causal_sq);
+    const Slice sl = slice_of<kCausal, kWarps, true>(w, rows, n, seg, cluster_k, causal_sq);
     const int x_packs = (int)(x_bytes(sl) / 16), dy_packs = (int)(dy_bytes(sl) / 16);
     const int outs = (int)(sl.len > 0 ? sl.len / VEC : 0);
     const int64_t dy_keys = kLog ? sl.len : sl.keys;
@@ -1075,7 +1080,7 @@ softmax_bwd_rows_smem(int64_t n, int64_t seg, int cluster_k, int64_t rows, const
         return !kCausal || (p < dy_packs && p * VEC + k < dy_keys) ? fk::to_f32(g.v[k]) : 0.f;
     };
 
-    // y' kept in place of its x for the write pass (kKeepExp): one exp per element
+    // fp32 keeps each y' in place of its x for the write pass (kExpOnce): one expf per element
     BwdSums<T, kLog> sums;  // (z, a): sum of y', sum of dy * y' (log: of dy)
     const int packs = x_packs > dy_packs ? x_packs : dy_packs;
     auto sum_pack = [&](int p, const fk::Pack<T> &g) {
@@ -1084,10 +1089,10 @@ softmax_bwd_rows_smem(int64_t n, int64_t seg, int cluster_k, int64_t rows, const
 #pragma unroll
         for (int k = 0; k < VEC; k++) {
             const float yk = y_unnorm(p, k, v);
-            if constexpr (kKeepExp<T>) keep_exp<T>(v, k, yk);
+            if constexpr (kExpOnce<T>) v.v[k] = yk;
             sums.add(yk, grad(p, k, g));
         }
-        if (kKeepExp<T> && (!kCausal || p < x_packs)) sx[p] = v;
+        if (kExpOnce<T> && (!kCausal || p < x_packs)) sx[p] = v;
     };
     if constexpr (kDyRegs) {
         for (int c = 0; c < pieces.count; c++) mbar_wait(&bar[c]);
@@ -1117,7 +1122,7 @@ softmax_bwd_rows_smem(int64_t n, int64_t seg, int cluster_k, int64_t rows, const
 #pragma unroll
         for (int k = 0; k < VEC; k++) {
             const bool key = !kCausal || (p < x_packs && p * VEC + k < sl.keys);
-            const float yk = kKeepExp<T> ? (key ? kept_exp<T>(v, k) : 0.f) : y_unnorm(p, k, v);
+            const float yk = kExpOnce<T> ? (key ? fk::to_f32(v.v[k]) : 0.f) : y_unnorm(p, k, v);
             o.v[k] = fk::from_f32<T>(key ? br.template dx<kLog>(yk, grad(p, k, g)) : 0.f);
         }
         fk::store_pack(dxr + p * VEC, o);
