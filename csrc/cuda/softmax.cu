@@ -769,19 +769,19 @@ softmax_bwd_rows_block(int64_t n, int64_t seg, int cluster_k, const T *__restric
 // then the sum of exp relative to it (no online rescaling), then the write pass; fp32 and bf16 keep
 // each exp in place of its x (kKeepExp), fp16 takes its ex2.approx again.
 
-// Threads of a row CTA: 256 forward (128 lost 3 points on bf16 1024 x 65536), 128 backward. A
-// 256-thread instance for clustered backward rows (kClustered) measured +1.4-2.4 points in
-// fastkern-only runs but bf16 (1024, 65536) 94.9 -> 87-88 in the benchmark's own runs (H200), so
-// it is 128 too; the parameter stays for the next measurement.
-template <bool kBackward, bool kClustered>
-constexpr int kSmemThreads = kBackward ? 128 : 256;
+// Threads of a row CTA: 256 forward (128 lost 3 points on bf16 1024 x 65536), 128 backward (H200,
+// backward with 2-CTA clusters: fp32 4096 x 16384 90% of copy against 83% with 256; a 256-thread
+// instance for clustered rows only gained 1.4-2.4 points in fastkern-only runs, and with kept bf16
+// y' it took bf16 1024 x 65536 from 95 to 87-88 in the benchmark's own runs).
+template <bool kBackward> constexpr int kSmemThreads = kBackward ? 128 : 256;
 constexpr int kWarpRows = 4;  // rows (warps) per CTA of the warp-per-row shape
 // Whether the shared-memory forward keeps each exp in place of its x for the write pass: fp32 as
 // is, bf16 as fp16 (e in [0, 1] at 2^-11 relative error, far below bf16's 2^-8: H200, bf16
-// forwards +0.5-1.6 points of copy, the causal (4, 8, 2048, 2048) one 82 -> 105; worst forward
+// forwards 0 to +2.4 points of copy, the causal (4, 8, 2048, 2048) one 82 -> 105; worst forward
 // error 1.00 -> 1.09x torch's). fp16 takes its exp again (an fp16-kept y' put fp16 gradients at
-// up to 3.9x torch's error), and so does the bf16 backward (kExpOnce): kept, it measured +0.2-0.5
-// in fastkern-only runs but cost bf16 (1024, 65536) 6 points in the benchmark's own runs.
+// up to 3.9x torch's error), and so does the bf16 backward (kExpOnce): kept y' with 256-thread
+// clustered CTAs measured +0.4-2.4 in fastkern-only runs but took bf16 (1024, 65536) from 95 to
+// 87-88 in the benchmark's own runs (the two were not measured apart).
 template <typename T> constexpr bool kKeepExp = !std::is_same_v<T, __half>;
 template <typename T> __device__ __forceinline__ void keep_exp(fk::Pack<T> &v, int k, float e) {
     if constexpr (std::is_same_v<T, float>) v.v[k] = e;
@@ -942,7 +942,7 @@ __device__ __forceinline__ V slice_reduce(V v, RowReduceSmem<V> &smem, int clust
 }
 
 template <typename T, bool kCausal, bool kLog, bool kWarps>
-__global__ void __launch_bounds__(kSmemThreads<false, true>)
+__global__ void __launch_bounds__(kSmemThreads<false>)
 softmax_fwd_rows_smem(int64_t n, int64_t seg, int cluster_k, int64_t rows, const T *__restrict__ x,
                       T *__restrict__ y, float *__restrict__ row_max, float scale, int64_t causal_sq) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
@@ -955,7 +955,7 @@ softmax_fwd_rows_smem(int64_t n, int64_t seg, int cluster_k, int64_t rows, const
     const Pieces pieces = pieces_of<T, kWarps>(seg, cluster_k);
     kernel_start(bar, kWarps ? kWarpRows : pieces.count, kWarps ? 1 : cluster_k, red, sum_red);
     const int w = kWarps ? threadIdx.x / 32 : 0;
-    const int lane = kWarps ? threadIdx.x % 32 : threadIdx.x, lanes = kWarps ? 32 : kSmemThreads<false, true>;
+    const int lane = kWarps ? threadIdx.x % 32 : threadIdx.x, lanes = kWarps ? 32 : kSmemThreads<false>;
     const int64_t slice_bytes_max = seg * (int64_t)sizeof(T);
     start_copies<T, kCausal, kWarps>(bar, pieces, smem_raw, rows, n, seg, cluster_k, causal_sq,
                                      [&](int i, const Slice &s, auto copy) {
@@ -1032,8 +1032,8 @@ softmax_fwd_rows_smem(int64_t n, int64_t seg, int cluster_k, int64_t rows, const
 constexpr int kDyRegThreads = 256;
 constexpr int kDyRegPacks = 16;
 
-template <typename T, bool kCausal, bool kLog, bool kWarps, int kThreads, bool kDyRegs = false>
-__global__ void __launch_bounds__(kThreads, kDyRegs ? 2 : 1)
+template <typename T, bool kCausal, bool kLog, bool kWarps, bool kDyRegs = false>
+__global__ void __launch_bounds__(kDyRegs ? kDyRegThreads : kSmemThreads<true>, kDyRegs ? 2 : 1)
 softmax_bwd_rows_smem(int64_t n, int64_t seg, int cluster_k, int64_t rows, const T *__restrict__ dy,
                       const T *__restrict__ x, const float *__restrict__ row_max, T *__restrict__ dx,
                       float scale, int64_t causal_sq) {
@@ -1045,7 +1045,7 @@ softmax_bwd_rows_smem(int64_t n, int64_t seg, int cluster_k, int64_t rows, const
     const Pieces pieces = pieces_of<T, kWarps, true>(seg, cluster_k);
     kernel_start(bar, kWarps ? kWarpRows : pieces.count, kWarps ? 1 : cluster_k, red);
     const int w = kWarps ? threadIdx.x / 32 : 0;
-    constexpr int kLanes = kWarps ? 32 : kThreads;
+    constexpr int kLanes = kWarps ? 32 : kDyRegs ? kDyRegThreads : kSmemThreads<true>;
     const int lane = kWarps ? threadIdx.x % 32 : threadIdx.x, lanes = kLanes;
     const int64_t slice = seg * (int64_t)sizeof(T);  // x slices, then dy slices (unless in registers)
     const int64_t dy_base = (kWarps ? kWarpRows : 1) * slice;
@@ -1313,10 +1313,8 @@ fk_status launch_rows_block(const char *op, int64_t rows, int64_t n, int device,
 
 // Launches a shared-memory row kernel (kTensors slices per row: x, or x and dy) when the device
 // has the bulk copy engine, rows are 16-byte aligned and a CTA's slices fit; returns false
-// (launching nothing) otherwise. cta_kernel takes rows one CTA holds, cluster_kernel the others
-// (kSmemThreads threads each; the forward passes one kernel as both).
-template <auto warp_kernel, auto cta_kernel, auto cluster_kernel, auto dy_reg_kernel, typename T, int kTensors,
-          typename... Args>
+// (launching nothing) otherwise.
+template <auto warp_kernel, auto cta_kernel, auto dy_reg_kernel, typename T, int kTensors, typename... Args>
 bool launch_rows_smem(fk_status &status, const char *op, int64_t rows, int64_t n, int device,
                       cudaStream_t stream, Args... args) {
     constexpr int64_t VEC = fk::Pack<T>::N;
@@ -1330,24 +1328,18 @@ bool launch_rows_smem(fk_status &status, const char *op, int64_t rows, int64_t n
         return true;
     }
     int64_t k = pow2_ceil((row_bytes + kSmemCtaMax - 1) / kSmemCtaMax);
-    const bool clustered = k > 1;
-    const auto kernel = clustered ? cluster_kernel : cta_kernel;
-    const int threads = clustered ? kSmemThreads<kTensors == 2, true> : kSmemThreads<kTensors == 2, false>;
-    // the largest cluster of `kernel` resident with `smem` bytes a CTA (0: that much is not allowed)
-    auto limit_at = [&](int smem) {
-        return clustered ? cluster_limit<cluster_kernel>(device, threads, smem)
-                         : cluster_limit<cta_kernel>(device, threads, smem);
-    };
-    const int64_t limit = limit_at((int)kSmemCtaMax);
+    constexpr int threads = kSmemThreads<kTensors == 2>;
+    const int64_t limit = cluster_limit<cta_kernel>(device, threads, (int)kSmemCtaMax);
     if (limit == 0) return false;
     if (k > limit) k = limit;
     const int64_t seg = ((n + k - 1) / k + VEC - 1) / VEC * VEC;
     const int64_t smem = seg * (int64_t)sizeof(T) * kTensors;
     if (rows * k > 0x7fffffff) return false;
     // a row a full cluster of kSmemCtaMax CTAs cannot hold: CTAs of up to kSmemCtaBigMax
-    if (smem <= kSmemCtaMax || (smem <= kSmemCtaBigMax && limit_at((int)kSmemCtaBigMax) >= k)) {
+    if (smem <= kSmemCtaMax ||
+        (smem <= kSmemCtaBigMax && cluster_limit<cta_kernel>(device, threads, (int)kSmemCtaBigMax) >= k)) {
         status = fk::Launch(dim3((unsigned)(rows * k)), dim3(threads), (size_t)smem, stream, device, k)(
-            op, kernel, n, seg, (int)k, rows, args...);
+            op, cta_kernel, n, seg, (int)k, rows, args...);
         return true;
     }
     if constexpr (kTensors == 2) {  // x in shared memory, dy in registers (kDyRegs)
@@ -1411,7 +1403,6 @@ fk_status launch_fwd_rows(const T *x, T *y, float *row_max, int64_t rows, int64_
         });
     fk_status status = FK_OK;
     if (VEC > 1 && launch_rows_smem<softmax_fwd_rows_smem<T, kCausal, kLog, true>,
-                                    softmax_fwd_rows_smem<T, kCausal, kLog, false>,
                                     softmax_fwd_rows_smem<T, kCausal, kLog, false>, nullptr, T, 1>(
                        status, op, rows, n, device, stream, x, y, row_max, scale, causal_sq))
         return status;
@@ -1429,11 +1420,9 @@ fk_status launch_bwd_rows(const T *dy, const T *x, const float *row_max, T *dx, 
                 op, rows, n, group, device, stream, dy, x, row_max, dx, scale, causal_sq);
         });
     fk_status status = FK_OK;
-    constexpr int kCta = kSmemThreads<true, false>, kCluster = kSmemThreads<true, true>;
-    if (VEC > 1 && launch_rows_smem<softmax_bwd_rows_smem<T, kCausal, kLog, true, 32 * kWarpRows>,
-                                    softmax_bwd_rows_smem<T, kCausal, kLog, false, kCta>,
-                                    softmax_bwd_rows_smem<T, kCausal, kLog, false, kCluster>,
-                                    softmax_bwd_rows_smem<T, kCausal, kLog, false, kDyRegThreads, true>, T, 2>(
+    if (VEC > 1 && launch_rows_smem<softmax_bwd_rows_smem<T, kCausal, kLog, true>,
+                                    softmax_bwd_rows_smem<T, kCausal, kLog, false>,
+                                    softmax_bwd_rows_smem<T, kCausal, kLog, false, true>, T, 2>(
                        status, op, rows, n, device, stream, dy, x, row_max, dx, scale, causal_sq))
         return status;
     return launch_rows_block<softmax_bwd_rows_block<T, VEC, kCausal, kLog>, VEC, block_elems_bwd<T, VEC>()>(
