@@ -133,6 +133,9 @@ template <typename T, int VEC> __device__ __forceinline__ Raw<T, VEC> load_or_ze
     return r;
 }
 
+// The register kernels convert element by element: fk::pack_f32 here cut the bf16 warp backward
+// of 1000-wide rows from 80 to 64 registers and cost it 4-6 points of copy at (3000, 1000) (H200),
+// where the shared-memory kernels gained with it.
 template <typename T, int VEC> __device__ __forceinline__ float raw_at(const Raw<T, VEC> &r, int k) {
     if constexpr (VEC == 1) return fk::to_f32(r);
     else return fk::to_f32(r.v[k]);
@@ -235,20 +238,22 @@ __device__ __forceinline__ float row_sum(const RowSum<T> &sum, Reduce reduce) {
 // dx for one element from the row's sums, in fp32 arithmetic: a / z is carried as a_hi + a_lo, so
 // dy - a / z keeps its accuracy where it cancels (dy - a_hi is exact there) without converting every
 // element to fp64 (F2F.F64 issues at 16 per clock per SM: it cost 13% on the fp32 backward).
-// 16-bit outputs fold scale and 1 / z into one factor per row (c): a rounding of fp32 that their
-// own rounding dwarfs, one or two multiplies an element fewer.
+// 16-bit outputs fold scale and 1 / z into one factor per row (c) and take y' (c g - c a) as one
+// FFMA and a multiply: roundings of fp32 that their own rounding dwarfs (c a's is ulp(c a), as
+// torch's own rounding of a), two multiplies an element fewer.
 template <typename T> struct BwdRow {
     static constexpr bool kSplit = std::is_same_v<T, float>;  // 16-bit: a_lo is 0
-    float inv_z, a_hi, a_lo, scale, c;
+    float inv_z, a_hi, a_lo, scale, c, ca;
     __device__ __forceinline__ BwdRow(Acc<T> z, Acc<T> a, bool is_log, float scale_) : scale(scale_) {
         const Acc<T> inv = 1 / z, a_z = is_log ? a : a * inv;
         inv_z = (float)inv;
         a_hi = (float)a_z;
         a_lo = kSplit ? (float)(a_z - (Acc<T>)a_hi) : 0.f;
         c = is_log ? scale * inv_z * a_hi : scale * inv_z;
+        ca = c * a_hi;
     }
     template <bool kLog> __device__ __forceinline__ float dx(float y_unnorm, float g) const {
-        if (!kSplit) return kLog ? fmaf(-y_unnorm, c, scale * g) : (y_unnorm * c) * (g - a_hi);
+        if (!kSplit) return kLog ? fmaf(-y_unnorm, c, scale * g) : y_unnorm * fmaf(c, g, -ca);
         const float y = y_unnorm * inv_z;
         return scale * (kLog ? fmaf(-y, a_hi, g) - y * a_lo : y * ((g - a_hi) - a_lo));
     }
@@ -976,7 +981,7 @@ softmax_fwd_rows_smem(int64_t n, int64_t seg, int cluster_k, int64_t rows, const
         } else {
 #pragma unroll
             for (int k = 0; k < VEC; k++)
-                if (is_key(p, k)) m = fmaxf(m, __fmul_rn(fk::to_f32(v.v[k]), scale));
+                if (is_key(p, k)) m = fmaxf(m, __fmul_rn(fk::pack_f32<T>(v, k), scale));
         }
     });
     m = slice_reduce<kWarps, MaxOnly>(make_float2(m, 0.f), red, cluster_k).x;
@@ -990,7 +995,7 @@ softmax_fwd_rows_smem(int64_t n, int64_t seg, int cluster_k, int64_t rows, const
             float e[VEC];
 #pragma unroll
             for (int k = 0; k < VEC; k++) {
-                e[k] = is_key(p, k) ? exp_for<T>(fmaf(fk::to_f32(v.v[k]), scale, -ref)) : 0.f;
+                e[k] = is_key(p, k) ? exp_for<T>(fmaf(fk::pack_f32<T>(v, k), scale, -ref)) : 0.f;
                 sum.add(e[k]);
             }
             if constexpr (kExpInPlace) {
@@ -1014,7 +1019,7 @@ softmax_fwd_rows_smem(int64_t n, int64_t seg, int cluster_k, int64_t rows, const
 #pragma unroll
         for (int k = 0; k < VEC; k++) {
             const bool key = copied && is_key(p, k);
-            const float t = key ? fmaf(fk::to_f32(v.v[k]), scale, -ref) : -INFINITY;
+            const float t = key ? fmaf(fk::pack_f32<T>(v, k), scale, -ref) : -INFINITY;
             const float e = kExpInPlace ? (copied ? kept_exp<T>(v, k) : 0.f) : key ? exp_for<T>(t) : 0.f;
             o.v[k] = fk::from_f32<T>(kLog ? t - log_s : normalize<T>(e, s, inv_s));
         }
@@ -1074,10 +1079,10 @@ softmax_bwd_rows_smem(int64_t n, int64_t seg, int cluster_k, int64_t rows, const
     // y' = exp(x * scale - row_max) of element k of pack p, 0 for masked keys; g likewise
     // (without a mask x and dy cover every pack the loops visit: x_packs == dy_packs == outs)
     auto y_unnorm = [&](int p, int k, const fk::Pack<T> &v) {
-        return !kCausal || (p < x_packs && p * VEC + k < sl.keys) ? exp_for<T>(fmaf(fk::to_f32(v.v[k]), scale, -ref)) : 0.f;
+        return !kCausal || (p < x_packs && p * VEC + k < sl.keys) ? exp_for<T>(fmaf(fk::pack_f32<T>(v, k), scale, -ref)) : 0.f;
     };
     auto grad = [&](int p, int k, const fk::Pack<T> &g) {
-        return !kCausal || (p < dy_packs && p * VEC + k < dy_keys) ? fk::to_f32(g.v[k]) : 0.f;
+        return !kCausal || (p < dy_packs && p * VEC + k < dy_keys) ? fk::pack_f32<T>(g, k) : 0.f;
     };
 
     // fp32 keeps each y' in place of its x for the write pass (kExpOnce): one expf per element
@@ -1122,7 +1127,7 @@ softmax_bwd_rows_smem(int64_t n, int64_t seg, int cluster_k, int64_t rows, const
 #pragma unroll
         for (int k = 0; k < VEC; k++) {
             const bool key = !kCausal || (p < x_packs && p * VEC + k < sl.keys);
-            const float yk = kExpOnce<T> ? (key ? fk::to_f32(v.v[k]) : 0.f) : y_unnorm(p, k, v);
+            const float yk = kExpOnce<T> ? (key ? fk::pack_f32<T>(v, k) : 0.f) : y_unnorm(p, k, v);
             o.v[k] = fk::from_f32<T>(key ? br.template dx<kLog>(yk, grad(p, k, g)) : 0.f);
         }
         fk::store_pack(dxr + p * VEC, o);
