@@ -50,7 +50,6 @@ fk_status cuda_status(cudaError_t error, const char *op) {
                    cudaGetErrorString(error));
 }
 
-
 }  // namespace fk
 
 extern "C" int fk_cuda_device_count(void) {

@@ -134,8 +134,8 @@ template <typename T, int VEC> __device__ __forceinline__ Raw<T, VEC> load_or_ze
 }
 
 // The register kernels convert element by element: fk::pack_f32 here cut the bf16 warp backward
-// of 1000-wide rows from 80 to 64 registers and cost it 4-6 points of copy at (3000, 1000) (H200),
-// where the shared-memory kernels gained with it.
+// of 1000-wide rows from 80 to 64 registers and cost it about 4 points of copy at (3000, 1000)
+// (H200: 70.0-70.5 -> 65.8-66.5), where the shared-memory kernels gained with it.
 template <typename T, int VEC> __device__ __forceinline__ float raw_at(const Raw<T, VEC> &r, int k) {
     if constexpr (VEC == 1) return fk::to_f32(r);
     else return fk::to_f32(r.v[k]);
@@ -238,9 +238,9 @@ __device__ __forceinline__ float row_sum(const RowSum<T> &sum, Reduce reduce) {
 // dx for one element from the row's sums, in fp32 arithmetic: a / z is carried as a_hi + a_lo, so
 // dy - a / z keeps its accuracy where it cancels (dy - a_hi is exact there) without converting every
 // element to fp64 (F2F.F64 issues at 16 per clock per SM: it cost 13% on the fp32 backward).
-// 16-bit outputs fold scale and 1 / z into one factor per row (c) and take y' (c g - c a) as one
-// FFMA and a multiply: roundings of fp32 that their own rounding dwarfs (c a's is ulp(c a), as
-// torch's own rounding of a), two multiplies an element fewer.
+// 16-bit outputs fold scale and 1 / z into one factor per row (c) and take y' (c g - c a): an FFMA
+// and a multiply an element where (y' c)(g - a) took three instructions, and roundings of fp32 that
+// their own rounding dwarfs (c a's is ulp(c a), the size of torch's own rounding of a).
 template <typename T> struct BwdRow {
     static constexpr bool kSplit = std::is_same_v<T, float>;  // 16-bit: a_lo is 0
     float inv_z, a_hi, a_lo, scale, c, ca;
@@ -1094,7 +1094,7 @@ softmax_bwd_rows_smem(int64_t n, int64_t seg, int cluster_k, int64_t rows, const
 #pragma unroll
         for (int k = 0; k < VEC; k++) {
             const float yk = y_unnorm(p, k, v);
-            if constexpr (kExpOnce<T>) v.v[k] = yk;
+            if constexpr (kExpOnce<T>) keep_exp<T>(v, k, yk);
             sums.add(yk, grad(p, k, g));
         }
         if (kExpOnce<T> && (!kCausal || p < x_packs)) sx[p] = v;
@@ -1127,7 +1127,7 @@ softmax_bwd_rows_smem(int64_t n, int64_t seg, int cluster_k, int64_t rows, const
 #pragma unroll
         for (int k = 0; k < VEC; k++) {
             const bool key = !kCausal || (p < x_packs && p * VEC + k < sl.keys);
-            const float yk = kExpOnce<T> ? (key ? fk::pack_f32<T>(v, k) : 0.f) : y_unnorm(p, k, v);
+            const float yk = kExpOnce<T> ? (key ? kept_exp<T>(v, k) : 0.f) : y_unnorm(p, k, v);
             o.v[k] = fk::from_f32<T>(key ? br.template dx<kLog>(yk, grad(p, k, g)) : 0.f);
         }
         fk::store_pack(dxr + p * VEC, o);
