@@ -24,10 +24,9 @@
 //                 per lane group.
 //   longer, sm_90, rows a multiple of 16 bytes: the row slice is bulk-copied (TMA) into shared
 //                 memory and read from there (a warp per row up to 8 KB of row data, else one CTA or
-//                 a cluster of 64 KB CTAs per row, up to 112 KB when 64 KB ones cannot hold it; see
+//                 a cluster of 32 KB CTAs per row, up to 112 KB when 32 KB ones cannot hold it; see
 //                 "row slices in shared memory" below; a backward whose x and dy outgrow that
-//                 holds dy in registers). H200: 90-100% of copy with one CTA per row, 86-98% with
-//                 clusters (bf16 / fp32 rows of 64K-256K elements).
+//                 holds dy in registers). H200: 91-101% of copy on the issue's 4K-256K rows.
 //   longer, other K CTAs per row (K = 1, else a thread-block cluster of up to 16 on sm_90), each
 //                 thread holding 64 bytes (backward: 32 of x and 32 of dy) raw in registers per
 //                 chunk, CTAs of up to 512 threads, and K the smallest power of two that leaves a CTA
@@ -864,7 +863,7 @@ template <typename T, bool kWarps, bool kDiv = false> __device__ __forceinline__
 }
 
 // Thread 0's L2 prefetch (cp.async.bulk.prefetch) of the slices of the CTA one SM count ahead in
-// the grid, which starts about when this one ends (three 64 KB CTAs an SM), so that its bulk copies
+// the grid, which starts while this one runs (six 32 KB CTAs an SM), so that its bulk copies
 // hit L2 and DRAM keeps reading while CTAs wait on their cluster's exchange. H200, against no
 // prefetch: +2.5-4 points of copy on the 16K-256K forwards (bf16 (4096, 16384) 87.7 -> 91.5) and
 // the fp32 (1024, 65536) backward, +0.8-0.9 on the other clustered backwards, others level. Half
@@ -928,11 +927,11 @@ template <int kUnroll, typename Body>
 __device__ __forceinline__ void over_pieces(uint64_t *bar, Pieces pieces, int packs, int first, int stride,
                                             Body body) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    const int64_t per = pieces.bytes / 16;
-    int p = first;
+    const int per = (int)(pieces.bytes / 16);  // 32-bit bounds: fp32 (16384, 4096) forward 96 -> 98% of copy
+    int p = first, end = 0;
     for (int c = 0; c < pieces.count; c++) {
         mbar_wait(&bar[c]);
-        const int end = (int)min((int64_t)packs, (c + 1) * per);
+        end = min(packs, end + per);
 #pragma unroll kUnroll
         for (; p < end; p += stride) body(p);
     }
@@ -1029,13 +1028,14 @@ softmax_fwd_rows_smem(int64_t n, int64_t seg, int cluster_k, int64_t rows, const
 }
 
 // Backward rows whose x and dy outgrow a full cluster's shared memory (kSmemCtaBigMax per CTA) but
-// whose x alone fits in kSmemCtaMax: x is bulk-copied into shared memory as above and dy held in
+// whose x alone fits in kDyRegSliceMax: x is bulk-copied into shared memory as above and dy held in
 // registers, kDyRegPacks 16-byte packs a thread, loaded once (256 threads, two CTAs an SM by
 // registers), so both are still read from DRAM once: fp32 rows of 229K-256K elements, 16-bit ones
 // of 459K-512K. Longer rows take the register block kernel, which re-reads from L2. H200, against
 // that kernel: fp32 (256, 262144) 69 -> 92% of copy; bf16 (256, 524288) 65 -> 87.
 constexpr int kDyRegThreads = 256;
 constexpr int kDyRegPacks = 16;
+constexpr int64_t kDyRegSliceMax = kDyRegThreads * kDyRegPacks * 16;  // 64 KB
 
 template <typename T, bool kCausal, bool kLog, bool kWarps, bool kDyRegs = false>
 __global__ void __launch_bounds__(kDyRegs ? kDyRegThreads : kSmemThreads<true>, kDyRegs ? 2 : 1)
@@ -1242,23 +1242,27 @@ softmax_bwd_cols(const T *__restrict__ dy, const T *__restrict__ x, const float 
 
 // Slice sizes of the shared-memory kernels, in bytes of all the tensors a CTA holds. Rows up to
 // kSmemWarpRowMax take a warp each; longer ones take K CTAs, K the smallest power of two that
-// brings a CTA to kSmemCtaMax (three CTAs an SM), capped by the cluster limit. Measured on an H200:
+// brings a CTA to kSmemCtaMax (six CTAs an SM), capped by the cluster limit. Measured on an H200:
 // warps for rows of 8 KB beat 256-thread CTAs (bf16 16384 x 4096 forward 81% of copy against 51%,
-// causal 2048-wide rows 79% against 28%) and lose to them at 16 KB (79-83% against 88-90%);
-// 64 KB CTAs beat 32 KB ones (fewer CTAs per cluster: fp32 4096 x 16384 87 / 82% forward /
-// backward against 76 / 71%): every cluster costs, a CTA of one row costs least. Rows that a full
+// causal 2048-wide rows 79% against 28%) and lose to them at 16 KB (79-83% against 88-90%).
+// 32 KB CTAs beat 64 KB ones (benchmark runs, two a build): bf16 (256, 262144) forward 88.6-89.0
+// -> 93.7-94.3, fp32 (4096, 16384) / (1024, 65536) forwards 95 -> 97-98, bf16 (4096, 16384)
+// backward 95.7-96.3 -> 97.5-98.3, bf16 (1024, 65536) backward 94.6-95.2 -> 96.7-97.7; others
+// level. 16 KB ones lost up to 6 points (fp32 (1024, 65536) forward 97 -> 91; fp32 (16384, 4096)
+// backward, split in two, 101 -> 95). Rows that a full
 // cluster of kSmemCtaMax CTAs cannot hold take CTAs of up to kSmemCtaBigMax (two an SM), against
 // the register block kernel (H200, % of copy): forward fp32 (300, 300000) 56 -> 90, (256, 400000)
 // 57 -> 83, bf16 (300, 600000) 60 -> 92; backward fp32 (256, 140000) 72 -> 90 and bf16 (300,
 // 300000) 73 -> 92 (those two against dy in registers, below: 2-4 points either way at 100 KB).
 constexpr int64_t kSmemWarpRowMax = 8 * 1024;
-constexpr int64_t kSmemCtaMax = 64 * 1024;
+constexpr int64_t kSmemCtaMax = 32 * 1024;
 constexpr int64_t kSmemCtaBigMax = 112 * 1024;
 
 // The largest cluster (16, else 8) that `kernel`, with `threads` threads and `smem` bytes of dynamic
 // shared memory, can be resident with on `device`: 1 where clusters do not exist, 0 where the
 // kernel may not have that much shared memory. Asked once per kernel, device and smem (0,
-// kSmemCtaMax or kSmemCtaBigMax); the kernel's allowance only grows, so a smaller size asked
+// kSmemCtaMax, or kSmemCtaBigMax / kDyRegSliceMax: the dy-register kernel asks for that alone);
+// the kernel's allowance only grows, so a smaller size asked
 // later never takes back a larger one.
 template <auto kernel> int cluster_limit(int device, int threads, int smem) {
     static int known[64][3];   // the limit + 1; 0 until asked
@@ -1348,9 +1352,8 @@ bool launch_rows_smem(fk_status &status, const char *op, int64_t rows, int64_t n
         return true;
     }
     if constexpr (kTensors == 2) {  // x in shared memory, dy in registers (kDyRegs)
-        static_assert(kDyRegThreads * kDyRegPacks * 16 == kSmemCtaMax, "dy registers hold an x slice's packs");
         const int64_t x_smem = seg * (int64_t)sizeof(T);
-        if (x_smem > kSmemCtaMax || cluster_limit<dy_reg_kernel>(device, kDyRegThreads, (int)kSmemCtaMax) < k)
+        if (x_smem > kDyRegSliceMax || cluster_limit<dy_reg_kernel>(device, kDyRegThreads, (int)kDyRegSliceMax) < k)
             return false;
         status = fk::Launch(dim3((unsigned)(rows * k)), dim3(kDyRegThreads), (size_t)x_smem, stream, device, k)(
             op, dy_reg_kernel, n, seg, (int)k, rows, args...);
