@@ -1248,8 +1248,8 @@ softmax_bwd_cols(const T *__restrict__ dy, const T *__restrict__ x, const float 
 // 32 KB CTAs beat 64 KB ones (benchmark runs, two a build): bf16 (256, 262144) forward 88.6-89.0
 // -> 93.7-94.3, fp32 (4096, 16384) / (1024, 65536) forwards 95 -> 97-98, bf16 (4096, 16384)
 // backward 95.7-96.3 -> 97.5-98.3, bf16 (1024, 65536) backward 94.6-95.2 -> 96.7-97.7; others
-// level. 16 KB ones lost up to 6 points (fp32 (1024, 65536) forward 97 -> 91; fp32 (16384, 4096)
-// backward, split in two, 101 -> 95). Rows that a full
+// level. 16 KB ones lost up to 7 points (fp32 (1024, 65536) forward 97 -> 91; bf16 (1024, 65536)
+// backward 97 -> 89.6; fp32 (16384, 4096) backward, split in two, 100 -> 95). Rows that a full
 // cluster of kSmemCtaMax CTAs cannot hold take CTAs of up to kSmemCtaBigMax (two an SM), against
 // the register block kernel (H200, % of copy): forward fp32 (300, 300000) 56 -> 90, (256, 400000)
 // 57 -> 83, bf16 (300, 600000) 60 -> 92; backward fp32 (256, 140000) 72 -> 90 and bf16 (300,
