@@ -847,9 +847,9 @@ __device__ __forceinline__ Slice slice_of(int w, int64_t rows, int64_t n, int64_
 }
 
 // Copy pieces of a CTA-per-row slice: 4 when the row has one CTA, so its passes start on the
-// first quarter while the rest is in flight (H200: bf16 (16384, 4096) backward 89 -> 98% of copy,
-// fp32 (4096, 16384) forward / backward 89 -> 94 / 97%); 1 in a cluster (its forward lost 3-5
-// points with 4) and for the warp-per-row kernels.
+// first quarter while the rest is in flight (H200, measured when rows of up to 64 KB took one CTA:
+// bf16 (16384, 4096) backward 89 -> 98% of copy, fp32 (4096, 16384) forward / backward 89 -> 94 /
+// 97%); 1 in a cluster (its forward lost 3-5 points with 4) and for the warp-per-row kernels.
 constexpr int kMaxPieces = 4;
 struct Pieces {
     int count;      // barriers per slice
@@ -866,8 +866,9 @@ template <typename T, bool kWarps, bool kDiv = false> __device__ __forceinline__
 // the grid, which starts while this one runs (six 32 KB CTAs an SM), so that its bulk copies
 // hit L2 and DRAM keeps reading while CTAs wait on their cluster's exchange. H200, against no
 // prefetch: +2.5-4 points of copy on the 16K-256K forwards (bf16 (4096, 16384) 87.7 -> 91.5) and
-// the fp32 (1024, 65536) backward, +0.8-0.9 on the other clustered backwards, others level. Half
-// the distance gained less, 1.5x lost up to 5 points and 3x up to 27 (L2 thrashing); the
+// the fp32 (1024, 65536) backward, +0.8-0.9 on the other clustered backwards, others level. With
+// 64 KB CTAs half the distance gained less, 1.5x lost up to 5 points and 3x up to 27 (L2
+// thrashing); with 32 KB ones 2x lost clustered rows up to 19 points; the
 // warp-per-row kernels (causal 2048-wide rows 80.7 -> 75.2) and the register warp kernels (up to
 // 26 points) lost with it, so only CTA-per-row slices take it.
 template <typename T, bool kCausal, bool kDiv = false, typename Copies>
@@ -1262,8 +1263,7 @@ constexpr int64_t kSmemCtaBigMax = 112 * 1024;
 // shared memory, can be resident with on `device`: 1 where clusters do not exist, 0 where the
 // kernel may not have that much shared memory. Asked once per kernel, device and smem (0,
 // kSmemCtaMax, or kSmemCtaBigMax / kDyRegSliceMax: the dy-register kernel asks for that alone);
-// the kernel's allowance only grows, so a smaller size asked
-// later never takes back a larger one.
+// the kernel's allowance only grows, so a smaller size asked later never takes back a larger one.
 template <auto kernel> int cluster_limit(int device, int threads, int smem) {
     static int known[64][3];   // the limit + 1; 0 until asked
     static int allowed[64];    // dynamic shared memory the kernel has been allowed
