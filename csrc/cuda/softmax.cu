@@ -760,8 +760,9 @@ softmax_bwd_rows_block(int64_t n, int64_t seg, int cluster_k, const T *__restric
 //
 // Thread 0 of each CTA starts bulk copies (cp.async.bulk, the TMA engine) of its slices into shared
 // memory, counted on mbarriers (a lone CTA per row cuts its copy into 4 pieces, one barrier each,
-// and its first pass starts on the first piece), and asks L2 for the slices of the CTA one SM
-// count ahead (prefetch_next_cta); the passes then read shared memory, so global memory is read
+// and its first pass starts on the first piece), and, forward or where a CTA holds more than
+// kSmemCtaMax, asks L2 for the slices of the CTA one SM count ahead (prefetch_next_cta); the
+// passes then read shared memory, so global memory is read
 // once and a whole slice per CTA is in flight whatever the registers (the register kernels above
 // hold 32-64 bytes per thread and re-read a second chunk from L2). Two shapes:
 //  - kWarpRows: a CTA of kWarpRows warps takes kWarpRows short rows, a warp each (warp shuffles
@@ -772,6 +773,24 @@ softmax_bwd_rows_block(int64_t n, int64_t seg, int cluster_k, const T *__restric
 // Forward: the exact max first (a packed max / min of the raw values and one multiply per pack),
 // then the sum of exp relative to it (no online rescaling), then the write pass; fp32 and bf16 keep
 // each exp in place of its x (kKeepExp), fp16 takes its ex2.approx again.
+
+// Slice sizes of the shared-memory kernels, in bytes of all the tensors a CTA holds. Rows up to
+// kSmemWarpRowMax take a warp each; longer ones take K CTAs, K the smallest power of two that
+// brings a CTA to kSmemCtaMax (six CTAs an SM), capped by the cluster limit. Measured on an H200:
+// warps for rows of 8 KB beat 256-thread CTAs (bf16 16384 x 4096 forward 81% of copy against 51%,
+// causal 2048-wide rows 79% against 28%) and lose to them at 16 KB (79-83% against 88-90%).
+// 32 KB CTAs beat 64 KB ones (benchmark runs, two a build): bf16 (256, 262144) forward 88.6-89.0
+// -> 93.7-94.3, fp32 (4096, 16384) / (1024, 65536) forwards 95 -> 97-98, bf16 (4096, 16384)
+// backward 95.7-96.3 -> 97.5-98.3, bf16 (1024, 65536) backward 94.6-95.2 -> 96.7-97.7; others
+// level. 16 KB ones lost up to 7 points (fp32 (1024, 65536) forward 97 -> 91; bf16 (1024, 65536)
+// backward 97 -> 89.6; fp32 (16384, 4096) backward, split in two, 100 -> 95). Rows that a full
+// cluster of kSmemCtaMax CTAs cannot hold take CTAs of up to kSmemCtaBigMax (two an SM), against
+// the register block kernel (H200, % of copy): forward fp32 (300, 300000) 56 -> 90, (256, 400000)
+// 57 -> 83, bf16 (300, 600000) 60 -> 92; backward fp32 (256, 140000) 72 -> 90 and bf16 (300,
+// 300000) 73 -> 92 (those two against dy in registers, below: 2-4 points either way at 100 KB).
+constexpr int64_t kSmemWarpRowMax = 8 * 1024;
+constexpr int64_t kSmemCtaMax = 32 * 1024;
+constexpr int64_t kSmemCtaBigMax = 112 * 1024;
 
 // Threads of a row CTA: 256 forward (128 lost 3 points on bf16 1024 x 65536), 128 backward (H200,
 // backward with 2-CTA clusters: fp32 4096 x 16384 90% of copy against 83% with 256; a 256-thread
@@ -870,7 +889,12 @@ template <typename T, bool kWarps, bool kDiv = false> __device__ __forceinline__
 // 64 KB CTAs half the distance gained less, 1.5x lost up to 5 points and 3x up to 27 (L2
 // thrashing); with 32 KB ones 2x lost clustered rows up to 19 points; the
 // warp-per-row kernels (causal 2048-wide rows 80.7 -> 75.2) and the register warp kernels (up to
-// 26 points) lost with it, so only CTA-per-row slices take it.
+// 26 points) lost with it, so only CTA-per-row slices take it. Backward CTAs of up to kSmemCtaMax
+// (x and dy together) lose with it since those CTAs are 32 KB (H200, benchmark runs, two a build:
+// without it bf16 (4096, 16384) 97.4-97.8 -> 100.6-100.7% of copy, (16384, 4096) 99.1-99.5 ->
+// 101.2-101.4, (1024, 65536) 96.8-97.1 -> 100.3-100.5, fp32 (1024, 65536) 98.6 -> 100.8-100.9,
+// fp32 (4096, 16384) 100.0 -> 100.9-101.0, others level), and keep it above that (without it bf16
+// (256, 262144), 64 KB CTAs, lost 92.6-92.8 -> 90.8-91.1).
 template <typename T, bool kCausal, bool kDiv = false, typename Copies>
 __device__ __forceinline__ void prefetch_next_cta(int64_t rows, int64_t n, int64_t seg, int cluster_k,
                                                   int64_t causal_sq, Copies copies) {
@@ -896,7 +920,7 @@ __device__ __forceinline__ void prefetch_next_cta(int64_t rows, int64_t n, int64
 template <typename T, bool kCausal, bool kWarps, bool kDiv = false, typename Copies>
 __device__ __forceinline__ void start_copies(uint64_t *bar, Pieces pieces, unsigned char *smem, int64_t rows,
                                              int64_t n, int64_t seg, int cluster_k, int64_t causal_sq,
-                                             Copies copies) {
+                                             bool prefetch, Copies copies) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     if (threadIdx.x != 0) return;
     for (int i = 0; i < (kWarps ? kWarpRows : 1); i++) {
@@ -915,7 +939,7 @@ __device__ __forceinline__ void start_copies(uint64_t *bar, Pieces pieces, unsig
             });
         }
     }
-    if constexpr (!kWarps) prefetch_next_cta<T, kCausal, kDiv>(rows, n, seg, cluster_k, causal_sq, copies);
+    if (!kWarps && prefetch) prefetch_next_cta<T, kCausal, kDiv>(rows, n, seg, cluster_k, causal_sq, copies);
 #endif
 }
 
@@ -962,7 +986,7 @@ softmax_fwd_rows_smem(int64_t n, int64_t seg, int cluster_k, int64_t rows, const
     const int w = kWarps ? threadIdx.x / 32 : 0;
     const int lane = kWarps ? threadIdx.x % 32 : threadIdx.x, lanes = kWarps ? 32 : kSmemThreads<false>;
     const int64_t slice_bytes_max = seg * (int64_t)sizeof(T);
-    start_copies<T, kCausal, kWarps>(bar, pieces, smem_raw, rows, n, seg, cluster_k, causal_sq,
+    start_copies<T, kCausal, kWarps>(bar, pieces, smem_raw, rows, n, seg, cluster_k, causal_sq, true,
                                      [&](int i, const Slice &s, auto copy) {
                                          copy(i * slice_bytes_max, x + s.row * n + s.begin, slice_bytes<T>(s.keys, s.len));
                                      });
@@ -1058,8 +1082,10 @@ softmax_bwd_rows_smem(int64_t n, int64_t seg, int cluster_k, int64_t rows, const
     // bytes of x and dy for a slice (log_softmax sums dy over masked keys too)
     auto x_bytes = [](const Slice &s) { return slice_bytes<T>(s.keys, s.len); };
     auto dy_bytes = [](const Slice &s) { return slice_bytes<T>(kLog ? s.len : s.keys, s.len); };
-    start_copies<T, kCausal, kWarps, true>(bar, pieces, smem_raw, rows, n, seg, cluster_k, causal_sq,
-                                     [&](int i, const Slice &s, auto copy) {
+    // the L2 prefetch only where a CTA holds more than kSmemCtaMax (see prefetch_next_cta)
+    const bool prefetch = kDyRegs || 2 * slice > kSmemCtaMax;
+    start_copies<T, kCausal, kWarps, true>(bar, pieces, smem_raw, rows, n, seg, cluster_k, causal_sq, prefetch,
+                                           [&](int i, const Slice &s, auto copy) {
                                          copy(i * slice, x + s.row * n + s.begin, x_bytes(s));
                                          if (!kDyRegs) copy(dy_base + i * slice, dy + s.row * n + s.begin, dy_bytes(s));
                                      });
@@ -1240,24 +1266,6 @@ softmax_bwd_cols(const T *__restrict__ dy, const T *__restrict__ x, const float 
 }
 
 // ---- host side ---------------------------------------------------------------------------------
-
-// Slice sizes of the shared-memory kernels, in bytes of all the tensors a CTA holds. Rows up to
-// kSmemWarpRowMax take a warp each; longer ones take K CTAs, K the smallest power of two that
-// brings a CTA to kSmemCtaMax (six CTAs an SM), capped by the cluster limit. Measured on an H200:
-// warps for rows of 8 KB beat 256-thread CTAs (bf16 16384 x 4096 forward 81% of copy against 51%,
-// causal 2048-wide rows 79% against 28%) and lose to them at 16 KB (79-83% against 88-90%).
-// 32 KB CTAs beat 64 KB ones (benchmark runs, two a build): bf16 (256, 262144) forward 88.6-89.0
-// -> 93.7-94.3, fp32 (4096, 16384) / (1024, 65536) forwards 95 -> 97-98, bf16 (4096, 16384)
-// backward 95.7-96.3 -> 97.5-98.3, bf16 (1024, 65536) backward 94.6-95.2 -> 96.7-97.7; others
-// level. 16 KB ones lost up to 7 points (fp32 (1024, 65536) forward 97 -> 91; bf16 (1024, 65536)
-// backward 97 -> 89.6; fp32 (16384, 4096) backward, split in two, 100 -> 95). Rows that a full
-// cluster of kSmemCtaMax CTAs cannot hold take CTAs of up to kSmemCtaBigMax (two an SM), against
-// the register block kernel (H200, % of copy): forward fp32 (300, 300000) 56 -> 90, (256, 400000)
-// 57 -> 83, bf16 (300, 600000) 60 -> 92; backward fp32 (256, 140000) 72 -> 90 and bf16 (300,
-// 300000) 73 -> 92 (those two against dy in registers, below: 2-4 points either way at 100 KB).
-constexpr int64_t kSmemWarpRowMax = 8 * 1024;
-constexpr int64_t kSmemCtaMax = 32 * 1024;
-constexpr int64_t kSmemCtaBigMax = 112 * 1024;
 
 // The largest cluster (16, else 8) that `kernel`, with `threads` threads and `smem` bytes of dynamic
 // shared memory, can be resident with on `device`: 1 where clusters do not exist, 0 where the
