@@ -889,12 +889,12 @@ template <typename T, bool kWarps, bool kDiv = false> __device__ __forceinline__
 // 64 KB CTAs half the distance gained less, 1.5x lost up to 5 points and 3x up to 27 (L2
 // thrashing); with 32 KB ones 2x lost clustered rows up to 19 points; the
 // warp-per-row kernels (causal 2048-wide rows 80.7 -> 75.2) and the register warp kernels (up to
-// 26 points) lost with it, so only CTA-per-row slices take it. Backward CTAs of up to kSmemCtaMax
-// (x and dy together) lose with it since those CTAs are 32 KB (H200, benchmark runs, two a build:
-// without it bf16 (4096, 16384) 97.4-97.8 -> 100.6-100.7% of copy, (16384, 4096) 99.1-99.5 ->
-// 101.2-101.4, (1024, 65536) 96.8-97.1 -> 100.3-100.5, fp32 (1024, 65536) 98.6 -> 100.8-100.9,
-// fp32 (4096, 16384) 100.0 -> 100.9-101.0, others level), and keep it above that (without it bf16
-// (256, 262144), 64 KB CTAs, lost 92.6-92.8 -> 90.8-91.1).
+// 26 points) lost with it, so only CTA-per-row slices take it. With 32 KB CTAs, backward ones of up
+// to kSmemCtaMax (x and dy together) do better without it (H200, benchmark runs, two a build: bf16
+// (4096, 16384) 97.4-97.7 -> 100.5-100.6% of copy, (16384, 4096) 99.2-99.6 -> 100.9-101.2,
+// (1024, 65536) 97.0-97.2 -> 100.4, fp32 (1024, 65536) 98.5-98.6 -> 100.8-101.0, (4096, 16384)
+// 99.9-100.0 -> 100.8-101.0, others level); larger ones keep it (without it bf16 (256, 262144),
+// 64 KB CTAs, 92.6-92.8 -> 90.8-91.1), and so do the forward's (without it -1.5 to -2.5 points).
 template <typename T, bool kCausal, bool kDiv = false, typename Copies>
 __device__ __forceinline__ void prefetch_next_cta(int64_t rows, int64_t n, int64_t seg, int cluster_k,
                                                   int64_t causal_sq, Copies copies) {
@@ -1086,9 +1086,9 @@ softmax_bwd_rows_smem(int64_t n, int64_t seg, int cluster_k, int64_t rows, const
     const bool prefetch = kDyRegs || 2 * slice > kSmemCtaMax;
     start_copies<T, kCausal, kWarps, true>(bar, pieces, smem_raw, rows, n, seg, cluster_k, causal_sq, prefetch,
                                            [&](int i, const Slice &s, auto copy) {
-                                         copy(i * slice, x + s.row * n + s.begin, x_bytes(s));
-                                         if (!kDyRegs) copy(dy_base + i * slice, dy + s.row * n + s.begin, dy_bytes(s));
-                                     });
+                                               copy(i * slice, x + s.row * n + s.begin, x_bytes(s));
+                                               if (!kDyRegs) copy(dy_base + i * slice, dy + s.row * n + s.begin, dy_bytes(s));
+                                           });
     const Slice sl = slice_of<kCausal, kWarps, true>(w, rows, n, seg, cluster_k, causal_sq);
     const int x_packs = (int)(x_bytes(sl) / 16), dy_packs = (int)(dy_bytes(sl) / 16);
     const int outs = (int)(sl.len > 0 ? sl.len / VEC : 0);
