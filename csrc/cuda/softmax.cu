@@ -1082,8 +1082,9 @@ softmax_bwd_rows_smem(int64_t n, int64_t seg, int cluster_k, int64_t rows, const
     // bytes of x and dy for a slice (log_softmax sums dy over masked keys too)
     auto x_bytes = [](const Slice &s) { return slice_bytes<T>(s.keys, s.len); };
     auto dy_bytes = [](const Slice &s) { return slice_bytes<T>(kLog ? s.len : s.keys, s.len); };
-    // the L2 prefetch only where a CTA holds more than kSmemCtaMax (see prefetch_next_cta)
-    const bool prefetch = kDyRegs || 2 * slice > kSmemCtaMax;
+    // the L2 prefetch only where a CTA's x and dy come to more than kSmemCtaMax (see
+    // prefetch_next_cta); the dy-register kernel's always do
+    const bool prefetch = 2 * slice > kSmemCtaMax;
     start_copies<T, kCausal, kWarps, true>(bar, pieces, smem_raw, rows, n, seg, cluster_k, causal_sq, prefetch,
                                            [&](int i, const Slice &s, auto copy) {
                                                copy(i * slice, x + s.row * n + s.begin, x_bytes(s));
