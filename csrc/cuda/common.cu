@@ -30,6 +30,16 @@ int sm_count(int device) {
     return attribute_once(counts, device, cudaDevAttrMultiProcessorCount, 132);
 }
 
+int smem_per_sm(int device) {
+    static int bytes[64];
+    return attribute_once(bytes, device, cudaDevAttrMaxSharedMemoryPerMultiprocessor, 0);
+}
+
+int smem_reserved_per_cta(int device) {
+    static int bytes[64];
+    return attribute_once(bytes, device, cudaDevAttrReservedSharedMemoryPerBlock, 1024);
+}
+
 int compute_major(int device) {
     static int majors[64];
     return attribute_once(majors, device, cudaDevAttrComputeCapabilityMajor, 0);

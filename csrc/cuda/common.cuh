@@ -99,6 +99,11 @@ struct DeviceGuard {
 // Multiprocessor count of `device`, read once per device.
 int sm_count(int device);
 
+// Shared memory of one SM (0 if it cannot be read), and the bytes the system reserves in it for
+// every resident CTA, read once per device.
+int smem_per_sm(int device);
+int smem_reserved_per_cta(int device);
+
 // Compute capability major of `device` (0 if it cannot be read), read once per device.
 int compute_major(int device);
 

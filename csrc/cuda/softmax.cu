@@ -132,12 +132,12 @@ template <typename T, int VEC> __device__ __forceinline__ Raw<T, VEC> load_or_ze
     return r;
 }
 
-// The register kernels convert element by element: fk::pack_f32 here cut the bf16 warp backward
-// of 1000-wide rows from 80 to 64 registers and cost it about 4 points of copy at (3000, 1000)
-// (H200: 70.0-70.5 -> 65.8-66.5), where the shared-memory kernels gained with it.
+// Converted a 32-bit word at a time (fk::pack_f32): element by element, the zero-filled bf16 loads
+// were moved a 16-bit half at a time (two PRMT an element: the bf16 warp backward of 1000-wide rows
+// took 664 instructions a lane, now 584, and 80 registers, now 64).
 template <typename T, int VEC> __device__ __forceinline__ float raw_at(const Raw<T, VEC> &r, int k) {
     if constexpr (VEC == 1) return fk::to_f32(r);
-    else return fk::to_f32(r.v[k]);
+    else return fk::pack_f32<T>(r, k);
 }
 
 template <typename T, int VEC> __device__ __forceinline__ void store_vec(T *p, const float *v) {
@@ -239,7 +239,9 @@ __device__ __forceinline__ float row_sum(const RowSum<T> &sum, Reduce reduce) {
 // element to fp64 (F2F.F64 issues at 16 per clock per SM: it cost 13% on the fp32 backward).
 // 16-bit outputs fold scale and 1 / z into one factor per row (c) and take y' (c g - c a): an FFMA
 // and a multiply an element where (y' c)(g - a) took three instructions, and roundings of fp32 that
-// their own rounding dwarfs (c a's is ulp(c a), the size of torch's own rounding of a).
+// their own rounding dwarfs (c a's is ulp(c a), the size of torch's own rounding of a). fp32
+// softmax takes y' c ((g - a_hi) - a_lo): c = scale / z rounds once a row where scale * (...) rounded
+// once an element (the same for scale 1, where c is 1 / z), one multiply an element fewer.
 template <typename T> struct BwdRow {
     static constexpr bool kSplit = std::is_same_v<T, float>;  // 16-bit: a_lo is 0
     float inv_z, a_hi, a_lo, scale, c, ca;
@@ -253,8 +255,9 @@ template <typename T> struct BwdRow {
     }
     template <bool kLog> __device__ __forceinline__ float dx(float y_unnorm, float g) const {
         if (!kSplit) return kLog ? fmaf(-y_unnorm, c, scale * g) : y_unnorm * fmaf(c, g, -ca);
+        if (!kLog) return y_unnorm * c * ((g - a_hi) - a_lo);
         const float y = y_unnorm * inv_z;
-        return scale * (kLog ? fmaf(-y, a_hi, g) - y * a_lo : y * ((g - a_hi) - a_lo));
+        return scale * (fmaf(-y, a_hi, g) - y * a_lo);
     }
 };
 
@@ -1401,13 +1404,45 @@ fk_status with_warp_shape(int64_t n, F &&launch) {
     }
 }
 
+// A grid of the warp kernels that fits one wave runs at most k = ceil(CTAs / SMs) CTAs an SM. Under
+// programmatic dependent launch the next call's CTAs take whichever SM slots are free as this one
+// drains, so SMs that finish first take more than their share of the next grid, and a one-wave
+// kernel lasts as long as its fullest SM. Each CTA then reserves 1 / k of a 64 KB shared-memory
+// carveout (the carveout hint asks for that size; the driver picks a larger one if we ask for
+// shared memory without it, and the largest, 228 KB, leaves 28 KB of L1: fp32 backward -3). H200,
+// (3000, 1000) (750 CTAs), with the word-wise bf16 conversion above: bf16 backward 64-66 -> 74-76%
+// of copy, forward 63 -> 72-73, fp32 forward 77-78 -> 87-89, fp32 backward level.
+constexpr int kSpreadCarveout = 64 * 1024;
+
+template <auto kernel> size_t one_wave_smem(int64_t ctas, int device) {
+    static int occupancy[64];  // CTAs an SM without the cap; -1 where it cannot be had
+    if (device < 0 || device >= 64) return 0;
+    if (occupancy[device] == 0) {
+        const int sm = fk::smem_per_sm(device);
+        int v = 0;
+        if (sm <= 0 || cudaOccupancyMaxActiveBlocksPerMultiprocessor(&v, kernel, kWarpBlock, 0) != cudaSuccess ||
+            cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                 kSpreadCarveout - fk::smem_reserved_per_cta(device)) != cudaSuccess ||
+            cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
+                                 (int)(100LL * kSpreadCarveout / sm)) != cudaSuccess)
+            v = -1;
+        cudaGetLastError();
+        occupancy[device] = v > 0 ? v : -1;
+    }
+    const int sms = fk::sm_count(device);
+    const int64_t k = (ctas + sms - 1) / sms;
+    if (k == 0 || k >= occupancy[device]) return 0;  // more than one wave, or the cap would not bind
+    return (size_t)(kSpreadCarveout / k / 128 * 128 - fk::smem_reserved_per_cta(device));
+}
+
 template <auto kernel, int ROWS, typename... Args>
 fk_status launch_rows_warp(const char *op, int64_t rows, int64_t n, int group, int device, cudaStream_t stream,
                            Args... args) {
     const int64_t rows_per_cta = (int64_t)ROWS * (32 / group) * (kWarpBlock / 32);
     const int64_t ctas = (rows + rows_per_cta - 1) / rows_per_cta;
     if (ctas > 0x7fffffff) return fk_fail(FK_ERR_VALUE, "%s: %lld rows exceed the CUDA grid", op, (long long)rows);
-    return fk::Launch(dim3((unsigned)ctas), dim3(kWarpBlock), 0, stream, device)(op, kernel, rows, (int)n, group, args...);
+    return fk::Launch(dim3((unsigned)ctas), dim3(kWarpBlock), one_wave_smem<kernel>(ctas, device), stream, device)(
+        op, kernel, rows, (int)n, group, args...);
 }
 
 template <typename T, int VEC, bool kCausal, bool kLog>
