@@ -1407,32 +1407,40 @@ fk_status with_warp_shape(int64_t n, F &&launch) {
 // A grid of the warp kernels that fits one wave runs at most k = ceil(CTAs / SMs) CTAs an SM. Under
 // programmatic dependent launch the next call's CTAs take whichever SM slots are free as this one
 // drains, so SMs that finish first take more than their share of the next grid, and a one-wave
-// kernel lasts as long as its fullest SM. Each CTA then reserves 1 / k of a 64 KB shared-memory
-// carveout (the carveout hint asks for that size; the driver picks a larger one if we ask for
-// shared memory without it, and the largest, 228 KB, leaves 28 KB of L1: fp32 backward -3). H200,
-// (3000, 1000) (750 CTAs), with the word-wise bf16 conversion above: bf16 backward 64-66 -> 74-76%
-// of copy, forward 63 -> 72-73, fp32 forward 77-78 -> 87-89, fp32 backward level.
-constexpr int kSpreadCarveout = 64 * 1024;
+// kernel lasts as long as its fullest SM. Each CTA then reserves 1 / k of a 100 KB shared-memory
+// carveout, asked for with the carveout hint while the kernel runs such grids (without the hint
+// the driver picks a carveout of its own and the cap can fail; with 64 KB it failed for k = 8, 9;
+// 228 KB leaves 28 KB of L1: fp32 backward -3). H200, (3000, 1000) (750 CTAs), with the word-wise
+// bf16 conversion above: bf16 backward 64-66 -> 75-76% of copy, forward 63 -> 72-74, fp32 forward
+// 77-80 -> 87-88, fp32 backward level.
+constexpr int kSpreadCarveout = 100 * 1024;
 
 template <auto kernel> size_t one_wave_smem(int64_t ctas, int device) {
     static int occupancy[64];  // CTAs an SM without the cap; -1 where it cannot be had
+    static bool hinted[64];    // whether the carveout hint is set
     if (device < 0 || device >= 64) return 0;
     if (occupancy[device] == 0) {
-        const int sm = fk::smem_per_sm(device);
         int v = 0;
-        if (sm <= 0 || cudaOccupancyMaxActiveBlocksPerMultiprocessor(&v, kernel, kWarpBlock, 0) != cudaSuccess ||
+        if (fk::smem_per_sm(device) <= 0 ||
+            cudaOccupancyMaxActiveBlocksPerMultiprocessor(&v, kernel, kWarpBlock, 0) != cudaSuccess ||
             cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                 kSpreadCarveout - fk::smem_reserved_per_cta(device)) != cudaSuccess ||
-            cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
-                                 (int)(100LL * kSpreadCarveout / sm)) != cudaSuccess)
+                                 kSpreadCarveout - fk::smem_reserved_per_cta(device)) != cudaSuccess)
             v = -1;
         cudaGetLastError();
         occupancy[device] = v > 0 ? v : -1;
     }
     const int sms = fk::sm_count(device);
     const int64_t k = (ctas + sms - 1) / sms;
-    if (k == 0 || k >= occupancy[device]) return 0;  // more than one wave, or the cap would not bind
-    return (size_t)(kSpreadCarveout / k / 128 * 128 - fk::smem_reserved_per_cta(device));
+    const bool spread = k > 0 && k < occupancy[device];  // one wave, where the cap binds
+    if (spread != hinted[device]) {
+        const int percent = spread ? (int)(100LL * kSpreadCarveout / fk::smem_per_sm(device)) : cudaSharedmemCarveoutDefault;
+        if (cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout, percent) != cudaSuccess) {
+            cudaGetLastError();
+            return 0;
+        }
+        hinted[device] = spread;
+    }
+    return spread ? (size_t)(kSpreadCarveout / k / 128 * 128 - fk::smem_reserved_per_cta(device)) : 0;
 }
 
 template <auto kernel, int ROWS, typename... Args>
