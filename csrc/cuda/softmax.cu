@@ -16,6 +16,8 @@
 // Launch: a kernel of 8 us (bf16 65536 x 128 forward) loses ~1 us to its launch and first load;
 // programmatic dependent launch (fk::Launch, grid_dependency_sync) overlaps the launch and set-up
 // with the previous kernel's tail: H200, back to back, 85-87 -> 93-94% of copy there.
+// A warp-kernel grid that fits one wave (e.g. 3000 rows of 1000) is capped at ceil(CTAs / SMs)
+// CTAs an SM (one_wave_smem), or the next call's early CTAs crowd the SMs that drain first.
 //
 // Strategies for inner == 1 (rows contiguous), by row length n:
 //   n <= 1024     the fewest lanes of a warp that hold the row at 64 bytes a lane (backward: 32 of
@@ -1411,8 +1413,8 @@ fk_status with_warp_shape(int64_t n, F &&launch) {
 // carveout, asked for with the carveout hint while the kernel runs such grids (without the hint
 // the driver picks a carveout of its own and the cap can fail; with 64 KB it failed for k = 8, 9;
 // 228 KB leaves 28 KB of L1: fp32 backward -3). H200, (3000, 1000) (750 CTAs), with the word-wise
-// bf16 conversion above: bf16 backward 64-66 -> 75-76% of copy, forward 63 -> 72-74, fp32 forward
-// 77-80 -> 87-88, fp32 backward level.
+// bf16 conversion above: bf16 backward 64-66 -> 75-76% of copy, forward 63-65 -> 71-74, fp32
+// forward 79-80 -> 85-88, fp32 backward level.
 constexpr int kSpreadCarveout = 100 * 1024;
 
 template <auto kernel> size_t one_wave_smem(int64_t ctas, int device) {
