@@ -1435,7 +1435,8 @@ template <auto kernel> size_t one_wave_smem(int64_t ctas, int device) {
     const int64_t k = (ctas + sms - 1) / sms;
     const bool spread = k > 0 && k < occupancy[device];  // one wave, where the cap binds
     if (spread != hinted[device]) {
-        const int percent = spread ? (int)(100LL * kSpreadCarveout / fk::smem_per_sm(device)) : cudaSharedmemCarveoutDefault;
+        const int percent =
+            spread ? (int)(100LL * kSpreadCarveout / fk::smem_per_sm(device)) : cudaSharedmemCarveoutDefault;
         if (cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout, percent) != cudaSuccess) {
             cudaGetLastError();
             return 0;
