@@ -55,6 +55,18 @@ template <typename T> __device__ __forceinline__ void store_pack(T *p, const Pac
     *reinterpret_cast<uint4 *>(p) = *reinterpret_cast<const uint4 *>(&v);
 }
 
+constexpr float kLog2e = 1.44269504088896340736f;
+
+// 2^t as one MUFU.EX2 (ex2.approx.ftz: ~2 ulp; results below 2^-126 flush to 0).
+__device__ __forceinline__ float ex2_ftz(float t) {
+    float r;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(t));
+    return r;
+}
+
+// e^t as one FMUL and ex2_ftz: the product's rounding adds |t| x 2^-24 relative error.
+__device__ __forceinline__ float exp_ftz(float t) { return ex2_ftz(t * kLog2e); }
+
 __host__ __device__ __forceinline__ bool aligned16(const void *p) {
     return (reinterpret_cast<uintptr_t>(p) & 15) == 0;
 }

@@ -32,15 +32,11 @@ constexpr float kSqrt1_2 = 0.70710678118654752440f;
 constexpr float kInvSqrt2Pi = 0.39894228040143267794f;
 constexpr float kSqrt2OverPi = 0.79788456080286535588f;
 constexpr float kTanhCoef = 0.044715f;
-constexpr float kLog2e = 1.44269504088896340736f;
+using fk::ex2_ftz;
+using fk::kLog2e;
 
-// 2^t and 1 / d as single MUFU instructions (no denormal fix-ups: results below 2^-126 flush to 0,
-// far below 16-bit resolution next to the values they are added to or divide).
-__device__ __forceinline__ float ex2_ftz(float t) {
-    float r;
-    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(t));
-    return r;
-}
+// 2^t (fk::ex2_ftz) and 1 / d as single MUFU instructions (no denormal fix-ups: results below
+// 2^-126 flush to 0, far below 16-bit resolution next to the values they are added to or divide).
 __device__ __forceinline__ float rcp_ftz(float d) {
     float r;
     asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(d));
@@ -48,7 +44,7 @@ __device__ __forceinline__ float rcp_ftz(float d) {
 }
 
 template <bool kFast> __device__ __forceinline__ float exp_any(float v) {
-    return kFast ? ex2_ftz(kLog2e * v) : expf(v);
+    return kFast ? fk::exp_ftz(v) : expf(v);
 }
 
 // a / b for b >= 1. 16-bit: a * rcp(b). fp32: the same quotient refined by one remainder step

@@ -40,16 +40,16 @@
 //                 its pair into every peer with st.async; see row_reduce). Looped slices take an online
 //                 max / rescaled-sum pass, then the write pass re-reads them. fp32 slices that fit
 //                 one chunk instead reduce the exact max first and keep each exp for the write pass
-//                 (one exp per element instead of two; measured when fp32 took libdevice's ~8-
-//                 instruction expf); 16-bit ones measured faster with the single reduction and a
-//                 second ex2.approx.
+//                 (one exp per element instead of two: measured faster with libdevice's expf,
+//                 within a point either way with ex2.approx, H200); 16-bit ones measured faster
+//                 with the single reduction and a second ex2.approx.
 // inner > 1: a thread per (outer, inner) column, 32 columns per warp so loads stay coalesced, 8..32
 // threads splitting n, online max / sum down n, then a write pass (x read twice).
 //
 // Numerics: fp32 arithmetic; fp32 data sums rows in fp64 (RowSum). The max is taken of x * scale
 // rounded (__fmul_rn), and exponents are fmaf(x, scale, -max): exact near the max, where the
 // output's mass is, so ex2.approx(that * log2(e)) costs ~2 ulp there, as libdevice's expf does
-// (exp_approx). y = e / sum (fp32) or e * (1 / sum) (16-bit outputs round far coarser). Masked keys
+// (exp_ftz). y = e / sum (fp32) or e * (1 / sum) (16-bit outputs round far coarser). Masked keys
 // and all -inf rows contribute nothing to the sum, so fully masked or all -inf rows give 0 *
 // (1 / 0) = NaN and rows with +inf / NaN give NaN, exactly as torch.softmax after
 // masked_fill(-inf). The row statistic saved for backward is the row max m of the scaled, masked
@@ -72,7 +72,6 @@ constexpr int kWarpBlock = 128;     // threads per CTA of the warp kernels
 constexpr int kCtaChunks = 2;       // chunks a CTA loops over before rows take a cluster
 constexpr int kBlockThreads = 512;  // most threads per CTA of the row-block kernels: 2 CTAs / SM
 constexpr int kMaxCluster = 16;
-constexpr float kLog2e = 1.4426950408889634f;
 
 // Keys of row `row` at or beyond the returned length are masked.
 __device__ __forceinline__ int64_t causal_len(int64_t row, int64_t n, int64_t causal_sq) {
@@ -80,19 +79,15 @@ __device__ __forceinline__ int64_t causal_len(int64_t row, int64_t n, int64_t ca
     return len < 0 ? 0 : (len > n ? n : len);
 }
 
-// e^t for every dtype: one FMUL and MUFU.EX2 (ex2.approx.ftz, ~2 ulp for the exponents near 0 that
-// carry the row's mass, plus the product's rounding, |t| x 2^-24 relative, where e^t is small;
-// results below 2^-126 flush to 0, irrelevant next to the max). fp32 took libdevice's expf (~8
-// instructions): in an early build, before the exponents were made exact near the max, ex2.approx
-// had left single fp32 rows at 7x torch's error. Now the fp32 margin (margin.py, fp32 draws) is
-// worst 0.554 of the 2x-torch bound against 0.477 with expf, and fp32 (3000,1000) gains about 1
-// point of copy backward and 2 forward (H200). torch.compile's Triton kernels take the same
-// ex2.approx. (The inner > 1 column kernels still take expf: not measured.)
-__device__ __forceinline__ float exp_approx(float t) {
-    float r;
-    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(t * kLog2e));
-    return r;
-}
+// e^t for every dtype is fk::exp_ftz: one FMUL and MUFU.EX2 (ex2.approx.ftz, ~2 ulp for the
+// exponents near 0 that carry the row's mass, plus the product's rounding, |t| x 2^-24 relative,
+// where e^t is small; results below 2^-126 flush to 0, irrelevant next to the max). fp32 took
+// libdevice's expf (~8 instructions): in an early build, before the exponents were made exact near
+// the max, ex2.approx had left single fp32 rows at 7x torch's error. Now the fp32 margin
+// (margin.py, fp32 draws) is worst 0.554 of the 2x-torch bound against 0.477 with expf, and fp32
+// (3000,1000) gains about 1 point of copy backward and 2 forward (H200). torch.compile's Triton
+// kernels take the same ex2.approx. (The inner > 1 column kernels still take expf: not measured.)
+using fk::exp_ftz;
 
 // exp is taken relative to the max, or to 0 while the max is -inf, so that -inf - -inf never
 // turns a partial sum into NaN before a finite value arrives.
@@ -451,7 +446,7 @@ softmax_fwd_rows_warp(int64_t rows, int n, int group_arg, const T *__restrict__ 
         for (int p = 0; p < P; p++)
 #pragma unroll
             for (int k = 0; k < VEC; k++) {
-                const float ek = exp_approx(fmaf(raw_at<T, VEC>(raw[r][p], k), scale, -ref));
+                const float ek = exp_ftz(fmaf(raw_at<T, VEC>(raw[r][p], k), scale, -ref));
                 e[p * VEC + k] = is_key(p, k) ? ek : 0.f;
                 sum.add(e[p * VEC + k]);
             }
@@ -520,7 +515,7 @@ softmax_bwd_rows_warp(int64_t rows, int n, int group_arg, const T *__restrict__ 
 #pragma unroll
             for (int k = 0; k < VEC; k++) {
                 const int i = p * VEC + k;
-                const float yk = exp_approx(fmaf(raw_at<T, VEC>(raw_x[r][p], k), scale, -exp_ref(m_saved[r])));
+                const float yk = exp_ftz(fmaf(raw_at<T, VEC>(raw_x[r][p], k), scale, -exp_ref(m_saved[r])));
                 yv[i] = in(p, k, valid[r]) ? yk : 0.f;
                 g[i] = !kCausal || in(p, k, dy_len[r]) ? raw_at<T, VEC>(raw_dy[r][p], k) : 0.f;
                 sums.add(yv[i], g[i]);
@@ -558,8 +553,8 @@ template <typename T, int VEC> __host__ __device__ constexpr int block_elems_bwd
 
 // Whether a row-block kernel whose slice fits its registers keeps each element's exp for the write
 // pass (fp32) or takes it again (16-bit: the kept values cost registers and, forward, a second
-// reduction: measured slower). Chosen when fp32 took libdevice's ~8-instruction expf; not measured
-// again since fp32 takes ex2.approx too.
+// reduction: measured slower). Chosen when fp32 took libdevice's ~8-instruction expf; with
+// ex2.approx, taking it again measured level to -0.5 (H200, session 16 of the perf log).
 template <typename T> constexpr bool kExpOnce = std::is_same_v<T, float>;
 
 // Elements left from a thread's first access, as an int in [-1, chunk].
@@ -620,7 +615,7 @@ softmax_fwd_rows_block(int64_t n, int64_t seg, int cluster_k, const T *__restric
 #pragma unroll
             for (int k = 0; k < VEC; k++) {
                 const int i = p * VEC + k;
-                e[i] = is_key(p, k, keys) ? exp_approx(fmaf(raw_at<T, VEC>(raw[p], k), scale, -exp_ref(m))) : 0.f;
+                e[i] = is_key(p, k, keys) ? exp_ftz(fmaf(raw_at<T, VEC>(raw[p], k), scale, -exp_ref(m))) : 0.f;
                 sum.add(e[i]);
             }
         s = row_sum(sum, [&](Acc2<T> v) { return row_reduce<SumSum<Acc2<T>>>(v, sum_smem, cluster_k, false); });
@@ -646,7 +641,7 @@ softmax_fwd_rows_block(int64_t n, int64_t seg, int cluster_k, const T *__restric
             for (int p = 0; p < P; p++)
 #pragma unroll
                 for (int k = 0; k < VEC; k++)
-                    if (is_key(p, k, keys)) ls += (Acc<T>)exp_approx(fmaf(raw_at<T, VEC>(raw[p], k), scale, -ref));
+                    if (is_key(p, k, keys)) ls += (Acc<T>)exp_ftz(fmaf(raw_at<T, VEC>(raw[p], k), scale, -ref));
             lm = cm;
         }
         const Acc2<T> ms = row_reduce<MaxSum<Acc2<T>>>(Acc2<T>{lm, ls}, sum_smem, cluster_k);
@@ -679,7 +674,7 @@ softmax_fwd_rows_block(int64_t n, int64_t seg, int cluster_k, const T *__restric
     } else {
         for (int64_t c = 0; c < chunks; c++) {
             if (chunks > 1) load_chunk(begin + c * chunk);
-            write_chunk(begin + c * chunk, [](int, float t) { return exp_approx(t); });
+            write_chunk(begin + c * chunk, [](int, float t) { return exp_ftz(t); });
         }
     }
 }
@@ -717,7 +712,7 @@ softmax_bwd_rows_block(int64_t n, int64_t seg, int cluster_k, const T *__restric
     };
     // y' = exp(x * scale - row_max): unnormalised, z = sum y' renormalises it
     auto y_unnorm = [&](int p, int k, int xs) {
-        return in(p, k, xs) ? exp_approx(fmaf(raw_at<T, VEC>(raw_x[p], k), scale, -exp_ref(m_saved))) : 0.f;
+        return in(p, k, xs) ? exp_ftz(fmaf(raw_at<T, VEC>(raw_x[p], k), scale, -exp_ref(m_saved))) : 0.f;
     };
 
     BwdSums<T, kLog> sums;  // (z, a): sum of y', sum of dy * y' (log: of dy)
@@ -1029,7 +1024,7 @@ softmax_fwd_rows_smem(int64_t n, int64_t seg, int cluster_k, int64_t rows, const
             float e[VEC];
 #pragma unroll
             for (int k = 0; k < VEC; k++) {
-                e[k] = is_key(p, k) ? exp_approx(fmaf(fk::pack_f32<T>(v, k), scale, -ref)) : 0.f;
+                e[k] = is_key(p, k) ? exp_ftz(fmaf(fk::pack_f32<T>(v, k), scale, -ref)) : 0.f;
                 sum.add(e[k]);
             }
             if constexpr (kExpInPlace) {
@@ -1054,7 +1049,7 @@ softmax_fwd_rows_smem(int64_t n, int64_t seg, int cluster_k, int64_t rows, const
         for (int k = 0; k < VEC; k++) {
             const bool key = copied && is_key(p, k);
             const float t = key ? fmaf(fk::pack_f32<T>(v, k), scale, -ref) : -INFINITY;
-            const float e = kExpInPlace ? (copied ? kept_exp<T>(v, k) : 0.f) : key ? exp_approx(t) : 0.f;
+            const float e = kExpInPlace ? (copied ? kept_exp<T>(v, k) : 0.f) : key ? exp_ftz(t) : 0.f;
             o.v[k] = fk::from_f32<T>(kLog ? t - log_s : normalize<T>(e, s, inv_s));
         }
         fk::store_pack(yr + p * VEC, o);
@@ -1117,7 +1112,7 @@ softmax_bwd_rows_smem(int64_t n, int64_t seg, int cluster_k, int64_t rows, const
     // y' = exp(x * scale - row_max) of element k of pack p, 0 for masked keys; g likewise
     // (without a mask x and dy cover every pack the loops visit: x_packs == dy_packs == outs)
     auto y_unnorm = [&](int p, int k, const fk::Pack<T> &v) {
-        return !kCausal || (p < x_packs && p * VEC + k < sl.keys) ? exp_approx(fmaf(fk::pack_f32<T>(v, k), scale, -ref)) : 0.f;
+        return !kCausal || (p < x_packs && p * VEC + k < sl.keys) ? exp_ftz(fmaf(fk::pack_f32<T>(v, k), scale, -ref)) : 0.f;
     };
     auto grad = [&](int p, int k, const fk::Pack<T> &g) {
         return !kCausal || (p < dy_packs && p * VEC + k < dy_keys) ? fk::pack_f32<T>(g, k) : 0.f;
