@@ -1,0 +1,150 @@
+"""A/B of builds: `python benchmarks/ab.py NAME=SO[:VAR=V,...] ... [--only TEXT ...] [--rounds R]`.
+
+Times several builds of fastkern._C (each an .so, optionally with environment variables set while
+it runs) against each other and against torch.compile in one process, on the same inputs, in
+alternating rounds, so that a difference of a point or two is not the GPU's drift between two runs.
+Cases come from `fastkern.bench` (selected by name with --only); every implementation is timed as
+the benchmark times it (CUDA graph replays, inputs rotated past L2). With --margin it also reports,
+for each build, fastkern's worst error over fresh fp32 / bf16 draws as a fraction of the tests'
+"2x torch's error" bound (1.0 = at the bound).
+"""
+import argparse
+import importlib.machinery
+import importlib.util
+import json
+import os
+import statistics
+import sys
+
+import torch
+
+import fastkern
+import fastkern.ops.softmax as softmax_op
+from fastkern import bench
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
+
+
+def load_build(path, _cache={}):
+    """fastkern._C from `path`, loaded beside the imported one (each .so has its own CUDA runtime
+    state; the kernels run on torch's stream either way)."""
+    path = os.path.abspath(path)
+    if path not in _cache:
+        loader = importlib.machinery.ExtensionFileLoader("fastkern._C", path)
+        spec = importlib.util.spec_from_file_location("fastkern._C", path, loader=loader)
+        module = importlib.util.module_from_spec(spec)
+        loader.exec_module(module)
+        _cache[path] = module
+    return _cache[path]
+
+
+class Build:
+    def __init__(self, spec):
+        name, _, rest = spec.partition("=")
+        path, _, env = rest.partition(":")
+        self.name, self.module = name, load_build(path)
+        self.env = dict(kv.split("=", 1) for kv in env.split(",") if kv)
+
+    def __enter__(self):
+        self.saved = {k: os.environ.get(k) for k in self.env}
+        os.environ.update(self.env)
+        softmax_op._C = self.module
+        return self
+
+    def __exit__(self, *exc):
+        for k, v in self.saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def time_cases(builds, only, rounds):
+    device = torch.device("cuda")
+    results = []
+    for name, nbytes, make_inputs, impls in bench.softmax_cases(device):
+        if only and not any(o in name for o in only):
+            continue
+        with builds[0]:
+            sets = bench.input_sets(make_inputs, device, nbytes)
+        times = {b.name: [] for b in builds}
+        times["compile"] = []
+        for r in range(rounds):
+            order = builds if r % 2 == 0 else builds[::-1]
+            times["compile"].append(bench.time_ms(impls["compile"], sets, device)[0])
+            for b in order:
+                with b:
+                    times[b.name].append(bench.time_ms(impls["fastkern"], sets, device)[0])
+        del sets
+        results.append({"case": name, "bytes": nbytes, "ms": times})
+    return results
+
+
+def margins(builds, draws):
+    """Worst fastkern error / (2 x torch's error + eps) per build over fresh draws."""
+    from conftest import rel_error
+
+    shapes = [(1, 31), (1, 128), (1, 1000), (8, 1000), (1, 4096), (4, 4096), (2, 16384), (64, 1000)]
+    out = {}
+    for b in builds:
+        worst = {}
+        with b:
+            for dtype in (torch.float32, torch.bfloat16):
+                eps = 1e-7 if dtype == torch.float32 else 1e-5
+                for rows, n in shapes:
+                    for _ in range(draws):
+                        x = (torch.randn(rows, n, device="cuda") * 4).to(dtype).requires_grad_()
+                        rx = x.detach().double().requires_grad_()
+                        tx = x.detach().clone().requires_grad_()
+                        y, ty, ry = fastkern.softmax(x, -1), torch.softmax(tx, -1), torch.softmax(rx, -1)
+                        g = torch.randn_like(y)
+                        (dx,) = torch.autograd.grad(y, x, g)
+                        (tdx,) = torch.autograd.grad(ty, tx, g)
+                        (rdx,) = torch.autograd.grad(ry, rx, g.double())
+                        e = eps * max(1.0, 64.0 / (rows * n))
+                        for what, ours, theirs, ref in (("fwd", y, ty, ry), ("bwd", dx, tdx, rdx)):
+                            m = rel_error(ours, ref) / (2 * rel_error(theirs, ref) + e)
+                            key = f"{str(dtype)[6:]} {what}"
+                            if m > worst.get(key, (0,))[0]:
+                                worst[key] = (round(m, 3), f"({rows},{n})")
+        out[b.name] = worst
+    return out
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("builds", nargs="+", help="NAME=PATH_TO_SO[:VAR=VALUE,...]")
+    parser.add_argument("--only", nargs="*", default=None, help="case-name substrings (any matches)")
+    parser.add_argument("--rounds", type=int, default=4)
+    parser.add_argument("--margin", type=int, default=0, help="draws per shape for the error margin")
+    parser.add_argument("--out")
+    args = parser.parse_args()
+    builds = [Build(s) for s in args.builds]
+    report = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+              "copy_gbs": round(bench.copy_bandwidth_gbs(torch.device("cuda")), 1)}
+    if args.margin:
+        report["margin"] = margins(builds, args.margin)
+    if args.only is None or args.only:
+        report["cases"] = time_cases(builds, args.only, args.rounds)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(report, f, indent=1)
+    copy = report["copy_gbs"]
+    print(f"{report['device']}  copy {copy} GB/s")
+    for name, worst in report.get("margin", {}).items():
+        print(f"margin {name:10s} " + "  ".join(f"{k} {v[0]:.3f}{v[1]}" for k, v in sorted(worst.items())))
+    names = [b.name for b in builds]
+    print(f"{'case':34s} {'compile':>14s} " + " ".join(f"{n:>20s}" for n in names))
+    for c in report.get("cases", []):
+        pct = lambda ms: 100 * c["bytes"] / ms / 1e6 / copy
+        comp = c["ms"]["compile"]
+        cells = []
+        for n in names:
+            ts = c["ms"][n]
+            ratios = [a / b for a, b in zip(comp, ts)]
+            cells.append(f"{min(map(pct, ts)):5.1f}-{max(map(pct, ts)):5.1f} {statistics.median(ratios):6.3f}x")
+        print(f"{c['case']:34s} {min(map(pct, comp)):6.1f}-{max(map(pct, comp)):5.1f} " + " ".join(f"{x:>20s}" for x in cells))
+
+
+if __name__ == "__main__":
+    main()
