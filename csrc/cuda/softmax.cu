@@ -68,7 +68,7 @@ namespace {
 namespace cg = cooperative_groups;
 
 constexpr int kWarpMaxN = 1024;     // longest row the warp kernel holds (32 lanes x 32 elements)
-constexpr int kWarpBlock = 128;     // threads per CTA of the warp kernels
+constexpr int kWarpBlock = 128;     // threads per CTA of the warp kernels (but see with_warp_block)
 constexpr int kCtaChunks = 2;       // chunks a CTA loops over before rows take a cluster
 constexpr int kBlockThreads = 512;  // most threads per CTA of the row-block kernels: 2 CTAs / SM
 constexpr int kMaxCluster = 16;
@@ -394,15 +394,15 @@ template <typename T, int C> __host__ __device__ constexpr int warp_rows() {
 
 // C elements per lane (C / VEC accesses); G lanes per row (0: `group_arg`, known at run time),
 // group * C >= n. A compile-time G folds the reductions' level tests away.
-template <typename T, int VEC, int C, int G, bool kCausal, bool kLog>
-__global__ void __launch_bounds__(kWarpBlock)
+template <typename T, int VEC, int C, int G, bool kCausal, bool kLog, int kThreads>
+__global__ void __launch_bounds__(kThreads)
 softmax_fwd_rows_warp(int64_t rows, int n, int group_arg, const T *__restrict__ x, T *__restrict__ y,
                       float *__restrict__ row_max, float scale, int64_t causal_sq) {
     fk::grid_dependency_sync();
     constexpr int ROWS = warp_rows<T, C>(), P = C / VEC;
     const int group = G ? G : group_arg;
     const int lane = threadIdx.x & 31, li = lane & (group - 1);
-    const int64_t warp = (int64_t)blockIdx.x * (kWarpBlock / 32) + (threadIdx.x >> 5);
+    const int64_t warp = (int64_t)blockIdx.x * (kThreads / 32) + (threadIdx.x >> 5);
     const int64_t first = (warp * (32 / group) + lane / group) * ROWS;
 
     Raw<T, VEC> raw[ROWS][P];
@@ -479,15 +479,15 @@ softmax_fwd_rows_warp(int64_t rows, int n, int group_arg, const T *__restrict__ 
 // and its (3000, 1000) rows went from 88-90 to 94-96% of copy (H200, same-process A/B); other
 // shapes level. (The forward, with the same change, measured level to -1.5 points, so it keeps
 // its select.)
-template <typename T, int VEC, int C, int G, bool kCausal, bool kLog>
-__global__ void __launch_bounds__(kWarpBlock, std::is_same_v<T, float> && C == 32 ? 6 : 1)
+template <typename T, int VEC, int C, int G, bool kCausal, bool kLog, int kThreads>
+__global__ void __launch_bounds__(kThreads, std::is_same_v<T, float> && C == 32 ? 6 * kWarpBlock / kThreads : 1)
 softmax_bwd_rows_warp(int64_t rows, int n, int group_arg, const T *__restrict__ dy, const T *__restrict__ x,
                       const float *__restrict__ row_max, T *__restrict__ dx, float scale, int64_t causal_sq) {
     fk::grid_dependency_sync();
     constexpr int ROWS = warp_rows<T, 2 * C>(), P = C / VEC;  // x and dy: 64 bytes between them
     const int group = G ? G : group_arg;
     const int lane = threadIdx.x & 31, li = lane & (group - 1);
-    const int64_t warp = (int64_t)blockIdx.x * (kWarpBlock / 32) + (threadIdx.x >> 5);
+    const int64_t warp = (int64_t)blockIdx.x * (kThreads / 32) + (threadIdx.x >> 5);
     const int64_t first = (warp * (32 / group) + lane / group) * ROWS;
 
     Raw<T, VEC> raw_x[ROWS][P], raw_dy[ROWS][P];
@@ -1426,23 +1426,31 @@ fk_status with_warp_shape(int64_t n, F &&launch) {
 // forward 79-80 -> 85-88, fp32 backward level.
 constexpr int kSpreadCarveout = 100 * 1024;
 
-template <auto kernel> size_t one_wave_smem(int64_t ctas, int device) {
-    static int occupancy[64];  // CTAs an SM without the cap; -1 where it cannot be had
-    static bool hinted[64];    // whether the carveout hint is set
-    if (device < 0 || device >= 64) return 0;
+// CTAs of `kernel` (kThreads threads) an SM holds without the cap, once the kernel may take the
+// cap's shared memory; -1 where that cannot be had.
+template <auto kernel, int kThreads> int warp_occupancy(int device) {
+    static int occupancy[64];
+    if (device < 0 || device >= 64) return -1;
     if (occupancy[device] == 0) {
         int v = 0;
         if (fk::smem_per_sm(device) <= 0 ||
-            cudaOccupancyMaxActiveBlocksPerMultiprocessor(&v, kernel, kWarpBlock, 0) != cudaSuccess ||
+            cudaOccupancyMaxActiveBlocksPerMultiprocessor(&v, kernel, kThreads, 0) != cudaSuccess ||
             cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                  kSpreadCarveout - fk::smem_reserved_per_cta(device)) != cudaSuccess)
             v = -1;
         cudaGetLastError();
         occupancy[device] = v > 0 ? v : -1;
     }
+    return occupancy[device];
+}
+
+template <auto kernel, int kThreads> size_t one_wave_smem(int64_t ctas, int device) {
+    static bool hinted[64];  // whether the carveout hint is set
+    const int occupancy = warp_occupancy<kernel, kThreads>(device);
+    if (occupancy < 0) return 0;
     const int sms = fk::sm_count(device);
     const int64_t k = (ctas + sms - 1) / sms;
-    const bool spread = k > 0 && k < occupancy[device];  // one wave, where the cap binds
+    const bool spread = k > 0 && k < occupancy;  // one wave, where the cap binds
     if (spread != hinted[device]) {
         const int percent =
             spread ? (int)(100LL * kSpreadCarveout / fk::smem_per_sm(device)) : cudaSharedmemCarveoutDefault;
@@ -1455,14 +1463,35 @@ template <auto kernel> size_t one_wave_smem(int64_t ctas, int device) {
     return spread ? (size_t)(kSpreadCarveout / k / 128 * 128 - fk::smem_reserved_per_cta(device)) : 0;
 }
 
-template <auto kernel, int ROWS, typename... Args>
+// CTAs of kThreads threads that rows of ROWS per lane group of `group` lanes take.
+template <int ROWS, int kThreads> int64_t warp_ctas(int64_t rows, int group) {
+    const int64_t rows_per_cta = (int64_t)ROWS * (32 / group) * (kThreads / 32);
+    return (rows + rows_per_cta - 1) / rows_per_cta;
+}
+
+template <auto kernel, int ROWS, int kThreads, typename... Args>
 fk_status launch_rows_warp(const char *op, int64_t rows, int64_t n, int group, int device, cudaStream_t stream,
                            Args... args) {
-    const int64_t rows_per_cta = (int64_t)ROWS * (32 / group) * (kWarpBlock / 32);
-    const int64_t ctas = (rows + rows_per_cta - 1) / rows_per_cta;
+    const int64_t ctas = warp_ctas<ROWS, kThreads>(rows, group);
     if (ctas > 0x7fffffff) return fk_fail(FK_ERR_VALUE, "%s: %lld rows exceed the CUDA grid", op, (long long)rows);
-    return fk::Launch(dim3((unsigned)ctas), dim3(kWarpBlock), one_wave_smem<kernel>(ctas, device), stream, device)(
-        op, kernel, rows, (int)n, group, args...);
+    return fk::Launch(dim3((unsigned)ctas), dim3(kThreads), one_wave_smem<kernel, kThreads>(ctas, device), stream,
+                      device)(op, kernel, rows, (int)n, group, args...);
+}
+
+// Calls launch(threads), threads the CTA size of a warp kernel: kWarpBlock, but one warp for fp32
+// rows of C = 32 elements a lane (a warp a row: packed rows of 513-1024 elements) on grids of more
+// than one wave of kWarpBlock CTAs (`block_kernel` is that instance). H200, same-process A/B: fp32 (32768, 1024) forward
+// 96.0-96.2 -> 96.8-97.3% of copy (0.992 -> 1.002x torch.compile), backward 100.1 -> 100.2-100.7;
+// 64-thread CTAs were level there. One-wave grids keep kWarpBlock CTAs spread by one_wave_smem:
+// one-warp CTAs took the (3000, 1000) forward from 1.17x torch.compile to 0.99x.
+template <typename T, int C, auto block_kernel, int ROWS, typename F>
+fk_status with_warp_block(int64_t rows, int group, int device, F &&launch) {
+    if constexpr (std::is_same_v<T, float> && C == 32) {
+        const int occupancy = warp_occupancy<block_kernel, kWarpBlock>(device);
+        if (occupancy > 0 && warp_ctas<ROWS, kWarpBlock>(rows, group) > (int64_t)occupancy * fk::sm_count(device))
+            return launch(std::integral_constant<int, 32>());
+    }
+    return launch(std::integral_constant<int, kWarpBlock>());
 }
 
 template <typename T, int VEC, bool kCausal, bool kLog>
@@ -1470,8 +1499,13 @@ fk_status launch_fwd_rows(const T *x, T *y, float *row_max, int64_t rows, int64_
                           int64_t causal_sq, int device, cudaStream_t stream, const char *op) {
     if (n <= kWarpMaxN)
         return with_warp_shape<T, VEC, 64>(n, [&](auto c, auto g, int group) {
-            return launch_rows_warp<softmax_fwd_rows_warp<T, VEC, c(), g(), kCausal, kLog>, warp_rows<T, c()>()>(
-                op, rows, n, group, device, stream, x, y, row_max, scale, causal_sq);
+            constexpr int C = decltype(c)::value, G = decltype(g)::value, ROWS = warp_rows<T, C>();
+            return with_warp_block<T, C, softmax_fwd_rows_warp<T, VEC, C, G, kCausal, kLog, kWarpBlock>, ROWS>(
+                rows, group, device, [&](auto threads) {
+                    constexpr int kThreads = decltype(threads)::value;
+                    return launch_rows_warp<softmax_fwd_rows_warp<T, VEC, C, G, kCausal, kLog, kThreads>, ROWS, kThreads>(
+                        op, rows, n, group, device, stream, x, y, row_max, scale, causal_sq);
+                });
         });
     fk_status status = FK_OK;
     if (VEC > 1 && launch_rows_smem<softmax_fwd_rows_smem<T, kCausal, kLog, true>,
@@ -1488,8 +1522,13 @@ fk_status launch_bwd_rows(const T *dy, const T *x, const float *row_max, T *dx, 
                           const char *op) {
     if (n <= kWarpMaxN)
         return with_warp_shape<T, VEC, 32>(n, [&](auto c, auto g, int group) {
-            return launch_rows_warp<softmax_bwd_rows_warp<T, VEC, c(), g(), kCausal, kLog>, warp_rows<T, 2 * c()>()>(
-                op, rows, n, group, device, stream, dy, x, row_max, dx, scale, causal_sq);
+            constexpr int C = decltype(c)::value, G = decltype(g)::value, ROWS = warp_rows<T, 2 * C>();
+            return with_warp_block<T, C, softmax_bwd_rows_warp<T, VEC, C, G, kCausal, kLog, kWarpBlock>, ROWS>(
+                rows, group, device, [&](auto threads) {
+                    constexpr int kThreads = decltype(threads)::value;
+                    return launch_rows_warp<softmax_bwd_rows_warp<T, VEC, C, G, kCausal, kLog, kThreads>, ROWS, kThreads>(
+                        op, rows, n, group, device, stream, dy, x, row_max, dx, scale, causal_sq);
+                });
         });
     fk_status status = FK_OK;
     if (VEC > 1 && launch_rows_smem<softmax_bwd_rows_smem<T, kCausal, kLog, true>,
