@@ -244,6 +244,17 @@ def test_cuda_graph_capture_and_replay():
 
 
 @needs_cuda
+@pytest.mark.parametrize("log", [False, True], ids=["softmax", "log"])
+@pytest.mark.parametrize("n", [1000, 1021])
+def test_fp32_rows_over_one_wave_cuda(n, log, poison):
+    """fp32 rows of 513-1024 elements take one-warp CTAs once their grid outgrows one wave of
+    128-thread CTAs (at most 16 an SM): enough rows for that on any GPU, an odd count so the last
+    CTA is partial, packed (1000) and scalar (1021) rows, forward and backward."""
+    rows = 16 * 4 * torch.cuda.get_device_properties(0).multi_processor_count + 3
+    check(torch.randn(rows, n, device="cuda") * 4, -1, log)
+
+
+@needs_cuda
 @pytest.mark.parametrize("shape", [(8192, 128), (512, 2048), (8, 65536), (256, 4097)], ids=str)
 def test_chained_calls_read_their_predecessors_output_cuda(shape):
     """Calls alternating between rows (dim -1: warp, shared-memory or register-block kernels) and

@@ -24,7 +24,8 @@
 //   n <= 1024     the fewest lanes of a warp that hold the row at 64 bytes a lane (backward: 32 of
 //                 each of x and dy), e.g. 8 lanes for 128 fp32; row in registers, read once, and
 //                 no branch around an access (zero-filled loads, selects). Scalar rows: 1..4 rows
-//                 per lane group.
+//                 per lane group. 128-thread CTAs; one-warp CTAs for fp32 rows of 32 elements a
+//                 lane on grids of more than one wave (with_warp_block).
 //   longer, sm_90, rows a multiple of 16 bytes: the row slice is bulk-copied (TMA) into shared
 //                 memory and read from there (a warp per row up to 8 KB of row data, else one CTA or
 //                 a cluster of 32 KB CTAs per row, up to 112 KB when 32 KB ones cannot hold it; see
@@ -1480,10 +1481,10 @@ fk_status launch_rows_warp(const char *op, int64_t rows, int64_t n, int group, i
 
 // Calls launch(threads), threads the CTA size of a warp kernel: kWarpBlock, but one warp for fp32
 // rows of C = 32 elements a lane (a warp a row: packed rows of 513-1024 elements) on grids of more
-// than one wave of kWarpBlock CTAs (`block_kernel` is that instance). H200, same-process A/B: fp32 (32768, 1024) forward
-// 96.0-96.2 -> 96.8-97.3% of copy (0.992 -> 1.002x torch.compile), backward 100.1 -> 100.2-100.7;
-// 64-thread CTAs were level there. One-wave grids keep kWarpBlock CTAs spread by one_wave_smem:
-// one-warp CTAs took the (3000, 1000) forward from 1.17x torch.compile to 0.99x.
+// than one wave of kWarpBlock CTAs (`block_kernel` is that instance). H200, same-process A/B: fp32
+// (32768, 1024) forward 96.0-96.2 -> 96.8-97.3% of copy (0.992 -> 1.002x torch.compile), backward
+// 100.1 -> 100.2-100.7; 64-thread CTAs were level there. One-wave grids keep kWarpBlock CTAs spread
+// by one_wave_smem: one-warp CTAs took the (3000, 1000) forward from 1.17x torch.compile to 0.99x.
 template <typename T, int C, auto block_kernel, int ROWS, typename F>
 fk_status with_warp_block(int64_t rows, int group, int device, F &&launch) {
     if constexpr (std::is_same_v<T, float> && C == 32) {
