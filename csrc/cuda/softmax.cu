@@ -6,12 +6,12 @@
 // lane-instructions per clock: ~30 per element). The budget per element here is ~12: unpack, the
 // scaled max, then exp as FFMA + FMUL + MUFU.EX2 (ex2.approx.ftz, ~2 ulp) once for the sum and once
 // for the output, an add, a multiply by 1 / sum and half a pack. fp32 moves half the elements per
-// byte but spends ~22 (the fp64 sums ~5; SASS of the 1024-wide backward: 712 instructions a lane
-// for 32 elements, 904 with libdevice's expf). ncu on an H200, before these cuts: 62-88% issue-
-// active (9 of 12 kernels at 76-88%) at 39-77 instructions an fp32 element and 22-39 a 16-bit one,
-// so instructions per element are the budget to watch, not just bytes. Masks cost nothing on rows
-// without one (kCausal is a template parameter), and out-of-row checks are per 16-byte access, not
-// per element.
+// byte but spends ~21 (the fp64 sums ~5; SASS of the 1024-wide backward: 688 instructions a lane
+// for 32 elements, 712 with a select an element, 904 with libdevice's expf). ncu on an H200,
+// before these cuts: 62-88% issue-active (9 of 12 kernels at 76-88%) at 39-77 instructions an fp32
+// element and 22-39 a 16-bit one, so instructions per element are the budget to watch, not just
+// bytes. Masks cost nothing on rows without one (kCausal is a template parameter), and out-of-row
+// checks are per 16-byte access, not per element.
 // Little's law: 4.2 TB/s x ~1 us latency = ~32 KB in flight per SM; every thread issues all loads of
 // its slice (64 bytes) before it uses the first, so an SM has ~64 KB in flight.
 // Launch: a kernel of 8 us (bf16 65536 x 128 forward) loses ~1 us to its launch and first load;
