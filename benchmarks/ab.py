@@ -81,8 +81,8 @@ def time_cases(builds, only, rounds):
 
 
 def margins(builds, draws):
-    """Worst fastkern error / (2 x torch's error + eps) per build over fresh draws."""
-    from conftest import rel_error
+    """Worst fastkern error / the tests' bound (conftest.torch_error_bound) per build over fresh draws."""
+    from conftest import torch_error_bound
 
     shapes = [(1, 31), (1, 128), (1, 1000), (8, 1000), (1, 4096), (4, 4096), (2, 16384), (64, 1000)]
     out = {}
@@ -90,7 +90,6 @@ def margins(builds, draws):
         worst = {}
         with b:
             for dtype in (torch.float32, torch.bfloat16):
-                eps = 1e-7 if dtype == torch.float32 else 1e-5
                 for rows, n in shapes:
                     for _ in range(draws):
                         x = (torch.randn(rows, n, device="cuda") * 4).to(dtype).requires_grad_()
@@ -101,9 +100,9 @@ def margins(builds, draws):
                         (dx,) = torch.autograd.grad(y, x, g)
                         (tdx,) = torch.autograd.grad(ty, tx, g)
                         (rdx,) = torch.autograd.grad(ry, rx, g.double())
-                        e = eps * max(1.0, 64.0 / (rows * n))
                         for what, ours, theirs, ref in (("fwd", y, ty, ry), ("bwd", dx, tdx, rdx)):
-                            m = rel_error(ours, ref) / (2 * rel_error(theirs, ref) + e)
+                            error, _, bound = torch_error_bound(ours, theirs, ref)
+                            m = error / bound
                             key = f"{str(dtype)[6:]} {what}"
                             if m > worst.get(key, (0,))[0]:
                                 worst[key] = (round(m, 3), f"({rows},{n})")
