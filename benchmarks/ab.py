@@ -116,8 +116,12 @@ def main():
     parser.add_argument("--only", nargs="*", default=None, help="case-name substrings (any matches)")
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--margin", type=int, default=0, help="draws per shape for the error margin")
+    parser.add_argument("--shapes", nargs="*", default=None,
+                        help="ROWSxN shapes instead of the benchmark's (e.g. 32768x2048)")
     parser.add_argument("--out")
     args = parser.parse_args()
+    if args.shapes:
+        bench.SOFTMAX_SHAPES = [tuple(int(v) for v in s.split("x")) for s in args.shapes]
     builds = [Build(s) for s in args.builds]
     report = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
               "copy_gbs": round(bench.copy_bandwidth_gbs(torch.device("cuda")), 1)}

@@ -7,14 +7,16 @@ import fastkern
 from conftest import (DEVICE_DTYPES, DEVICES, assert_within_torch_error, chain_matches_synchronized, misaligned,
                       needs_cuda)
 
-# 16-byte multiples over 1024 (2048 ... 524288) take the GPU's shared-memory kernels (a warp per
-# row up to 8 KB of row data, 1000 rows: many rows per CTA; then one CTA of up to 32 KB per row,
-# e.g. 8192 fp32 forward and 16-bit backward, or a cluster of them, e.g. 16384 for those two and
-# 8192 fp32 backward; 300000 fp32 and 16-bit backward: 75 KB CTAs; backward of 262144 fp32 and
-# 524288 16-bit: dy in registers); the others the register kernels, where 64 ... 512 take the
-# compile-time lane counts (4, 8, 16 lanes a row) and 32 / 1000 the run-time and 32-lane ones
-LENGTHS = [1, 2, 31, 32, 33, 64, 127, 128, 256, 512, 1000, 1024, 2048, 4096, 4097, 8192, 16384, 65536,
-           65536 + 7, 262144, 300000, 524288]
+# 16-byte multiples over 1024 (1100 fp32, 2048 ... 524288) take the GPU's shared-memory kernels
+# forward (a warp per row up to 8 KB of row data, 1000 rows: many rows per CTA; then one CTA of up
+# to 32 KB per row, e.g. 8192 fp32, or a cluster of them, e.g. 16384; 300000: 75 KB CTAs); backward,
+# rows of up to 8192 take one CTA a row in registers (8 elements a thread up to 4096, else 16;
+# 3000 and 6000 leave threads partly out of the row), longer ones the shared-memory kernels
+# (16384: clusters; 300000 fp32 and 16-bit: 75 KB CTAs; 262144 fp32 and 524288 16-bit: dy in
+# registers); the others the register kernels, where 64 ... 512 take the compile-time lane counts
+# (4, 8, 16 lanes a row) and 32 / 1000 the run-time and 32-lane ones
+LENGTHS = [1, 2, 31, 32, 33, 64, 127, 128, 256, 512, 1000, 1024, 1100, 2048, 3000, 4096, 4097, 6000, 8192,
+           16384, 65536, 65536 + 7, 262144, 300000, 524288]
 ROW_COUNTS = [0, 1, 3, 1000]
 # every length with 0, 1 and 3 rows; 1000 rows only where it stays small
 SIZES = [(r, n) for n in LENGTHS for r in ROW_COUNTS if r < 1000 or n <= 4097]
@@ -88,7 +90,7 @@ def test_dims(device, dtype, log, dim, shape, poison):
 
 @pytest.mark.parametrize("device,dtype", DEVICE_DTYPES)
 @pytest.mark.parametrize("log", [False, True], ids=["softmax", "log"])
-@pytest.mark.parametrize("sq,sk", [(17, 17), (5, 40), (40, 5), (128, 1000), (64, 2048), (40, 16400),
+@pytest.mark.parametrize("sq,sk", [(17, 17), (5, 40), (40, 5), (128, 1000), (64, 2048), (24, 6000), (40, 16400),
                                    (3, 262144), (2, 300000)], ids=str)
 @pytest.mark.parametrize("scale", [1.0, 0.125])
 def test_scale_and_causal(device, dtype, log, sq, sk, scale, poison):

@@ -26,6 +26,9 @@
 //                 no branch around an access (zero-filled loads, selects). Scalar rows: 1..4 rows
 //                 per lane group. 128-thread CTAs; one-warp CTAs for fp32 rows of 32 elements a
 //                 lane on grids of more than one wave (with_warp_block).
+//   backward, 1025-8192, rows a multiple of 16 bytes: one CTA of up to 512 threads a row, each
+//                 thread holding 8 elements of x and of dy in registers (16 past 4096), loaded at
+//                 once (softmax_bwd_rows_packs; torch.compile's shape, with y recomputed).
 //   longer, sm_90, rows a multiple of 16 bytes: the row slice is bulk-copied (TMA) into shared
 //                 memory and read from there (a warp per row up to 8 KB of row data, else one CTA or
 //                 a cluster of 32 KB CTAs per row, up to 112 KB when 32 KB ones cannot hold it; see
@@ -284,8 +287,8 @@ template <typename Op, typename V> __device__ __forceinline__ V group_reduce(V v
 
 // Shared memory of one row-block reduction: a pair per warp, then a pair per CTA of the cluster.
 // A kernel that reduces twice uses two, so no slot is ever reused.
-template <typename V> struct RowReduceSmem {
-    V warp[kBlockThreads / 32];
+template <typename V, int kWarpSlots = kBlockThreads / 32> struct RowReduceSmem {
+    V warp[kWarpSlots];
     V cta[kMaxCluster];
     uint64_t landed;  // cluster exchange: completes when every CTA's pair has landed in cta[]
 };
@@ -366,8 +369,8 @@ __device__ __forceinline__ void kernel_start(uint64_t *bar, int count, int clust
 // counted on the peer's mbarrier) and each CTA waits only for its own K pairs to land: no cluster
 // barrier, whose release fence (MEMBAR.ALL.GPU) every thread paid. The kernel's first exchange
 // (`first`) waits on the arrive made in kernel_start, so no pair lands on an unready barrier.
-template <typename Op, typename V>
-__device__ __forceinline__ V row_reduce(V v, RowReduceSmem<V> &smem, int cluster_k, bool first = true) {
+template <typename Op, typename V, int kWarpSlots>
+__device__ __forceinline__ V row_reduce(V v, RowReduceSmem<V, kWarpSlots> &smem, int cluster_k, bool first = true) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
     v = group_reduce<Op>(v, 32);
     if (lane == 0) smem.warp[warp] = v;
@@ -839,7 +842,16 @@ constexpr int kSliceAlign = 128;
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
 
 // Copies [src, src + bytes) to shared dst, counted on `bar`; bytes is a multiple of 16.
-__device__ __forceinline__ void bulk_load(void *dst, const void *src, uint32_t bytes, uint64_t *bar) {
+// keep: under an L2 evict_last policy (see the backward's copies).
+__device__ __forceinline__ void bulk_load(void *dst, const void *src, uint32_t bytes, uint64_t *bar, bool keep = false) {
+    if (keep) {
+        uint64_t policy;
+        asm volatile("createpolicy.fractional.L2::evict_last.b64 %0, 1.0;" : "=l"(policy));
+        asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint [%0], [%1], %2, [%3], %4;"
+                     ::"r"(smem_u32(dst)), "l"(src), "r"(bytes), "r"(smem_u32(bar)), "l"(policy)
+                     : "memory");
+        return;
+    }
     asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
                  ::"r"(smem_u32(dst)), "l"(src), "r"(bytes), "r"(smem_u32(bar))
                  : "memory");
@@ -935,7 +947,7 @@ __device__ __forceinline__ void prefetch_next_cta(int64_t rows, int64_t n, int64
 template <typename T, bool kCausal, bool kWarps, bool kDiv = false, typename Copies>
 __device__ __forceinline__ void start_copies(uint64_t *bar, Pieces pieces, unsigned char *smem, int64_t rows,
                                              int64_t n, int64_t seg, int cluster_k, int64_t causal_sq,
-                                             bool prefetch, Copies copies) {
+                                             bool prefetch, Copies copies, bool keep = false) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     if (threadIdx.x != 0) return;
     for (int i = 0; i < (kWarps ? kWarpRows : 1); i++) {
@@ -950,7 +962,7 @@ __device__ __forceinline__ void start_copies(uint64_t *bar, Pieces pieces, unsig
             copies(i, sl, [&](int64_t offset, const T *src, uint32_t bytes) {
                 if (len(bytes))
                     bulk_load(smem + offset + lo(bytes), reinterpret_cast<const unsigned char *>(src) + lo(bytes),
-                              len(bytes), b);
+                              len(bytes), b, keep);
             });
         }
     }
@@ -1088,7 +1100,6 @@ softmax_bwd_rows_smem(int64_t n, int64_t seg, int cluster_k, int64_t rows, const
     __shared__ uint64_t bar[kWarps ? kWarpRows : kMaxPieces];
     __shared__ RowReduceSmem<Acc2<T>> red;
     const Pieces pieces = pieces_of<T, kWarps, true>(seg, cluster_k);
-    kernel_start(bar, kWarps ? kWarpRows : pieces.count, kWarps ? 1 : cluster_k, red);
     const int w = kWarps ? threadIdx.x / 32 : 0;
     constexpr int kLanes = kWarps ? 32 : kDyRegs ? kDyRegThreads : kSmemThreads<true>;
     const int lane = kWarps ? threadIdx.x % 32 : threadIdx.x, lanes = kLanes;
@@ -1098,13 +1109,17 @@ softmax_bwd_rows_smem(int64_t n, int64_t seg, int cluster_k, int64_t rows, const
     auto x_bytes = [](const Slice &s) { return slice_bytes<T>(s.keys, s.len); };
     auto dy_bytes = [](const Slice &s) { return slice_bytes<T>(kLog ? s.len : s.keys, s.len); };
     // the L2 prefetch only where a CTA's x and dy come to more than kSmemCtaMax (see
-    // prefetch_next_cta); the dy-register kernel's always do
+    // prefetch_next_cta); the dy-register kernel's always do. The others' copies run under an L2
+    // evict_last policy, as Triton's first pass loads: H200, same-process A/B against the default,
+    // fp32 (4096, 16384) 1.008 -> 1.015x torch.compile, bf16 0.993 -> 0.994-0.996x, others level
+    // (evict_first had cost 5-8 points).
     const bool prefetch = 2 * slice > kSmemCtaMax;
+    kernel_start(bar, kWarps ? kWarpRows : pieces.count, kWarps ? 1 : cluster_k, red);
     start_copies<T, kCausal, kWarps, true>(bar, pieces, smem_raw, rows, n, seg, cluster_k, causal_sq, prefetch,
                                            [&](int i, const Slice &s, auto copy) {
                                                copy(i * slice, x + s.row * n + s.begin, x_bytes(s));
                                                if (!kDyRegs) copy(dy_base + i * slice, dy + s.row * n + s.begin, dy_bytes(s));
-                                           });
+                                           }, !prefetch);
     const Slice sl = slice_of<kCausal, kWarps, true>(w, rows, n, seg, cluster_k, causal_sq);
     const int x_packs = (int)(x_bytes(sl) / 16), dy_packs = (int)(dy_bytes(sl) / 16);
     const int outs = (int)(sl.len > 0 ? sl.len / VEC : 0);
@@ -1188,6 +1203,95 @@ softmax_bwd_rows_smem(int64_t n, int64_t seg, int cluster_k, int64_t rows, const
         }
     }
 #endif
+}
+
+// ---- backward rows of 1025-8192 elements: one CTA a row, the row in registers ----------------
+//
+// Each thread loads kPackElems elements of x and of dy (P = kPackElems / VEC 16-byte packs of
+// each) at once, keeps its y' in registers, and the CTA (ceil(n / kPackElems) threads, up to
+// kPackThreads) reduces the row's two sums once; rows too long for 8 elements a thread take 16.
+// It replaces the shared-memory kernels' warp-per-row and 128-thread CTA-per-row shapes for these
+// rows: those put 4-8x the elements on a thread, so a CTA spent longer computing after its data
+// had landed, and more CTAs an SM were needed to keep DRAM busy. This is torch.compile's shape
+// (a CTA of up to 512 threads a row, 8 elements a thread a pass), with y recomputed. H200,
+// same-process A/B against the shared-memory kernels, x torch.compile: fp32 (16384, 4096) 0.983
+// -> 1.006-1.008x, bf16 0.979-0.981 -> 0.996-1.000x; outside the issue's shapes fp32 (131072, 1100)
+// 0.74 -> 0.99x, (65536, 1536) 0.90-0.96 -> 1.003x, bf16 (32768, 2048) 0.97 -> 1.006x, (16384, 3000)
+// 0.98 -> 1.07x. Measured against it: 8 elements a thread for fp32 rows of up to 2048 as 4 (1
+// pack: fp32 (32768, 2048) 0.94-0.95x), 16 for 16-bit rows of up to 4096 (bf16 (16384, 4096)
+// 0.992x), 1024-thread CTAs (fp32 (16384, 4096) 0.915x). fp32 loads take an L2 evict_last policy
+// (fp32 (16384, 4096) 0.997-0.999 -> 1.006-1.008x); the 16-bit ones lost 1-2% with it on every row
+// length measured, and do without.
+constexpr int kPackThreads = 512;
+constexpr int kPackElems = 8;  // elements of x (and of dy) a thread, or twice that for long rows
+constexpr int64_t kPackRowMax = 2 * kPackElems * kPackThreads;  // 8192
+// CTAs an SM the kernel is compiled for (its register cap): 16-bit 8 elements a thread 4 (32
+// registers), fp32 or 16-bit 16 elements 3 (38-40), fp32 16 elements 2 (62).
+template <typename T, int P> constexpr int kPackCtas = P * fk::Pack<T>::N == kPackElems ? (std::is_same_v<T, float> ? 3 : 4)
+                                                     : std::is_same_v<T, float> ? 2 : 3;
+
+template <typename T> __device__ __forceinline__ fk::Pack<T> load_pack_rows(const T *p) {
+    if constexpr (std::is_same_v<T, float>) {
+        fk::Pack<T> out;
+        uint4 &r = *reinterpret_cast<uint4 *>(&out);
+        asm volatile("{\n.reg .b64 pol;\ncreatepolicy.fractional.L2::evict_last.b64 pol, 1.0;\n"
+                     "ld.global.nc.L2::cache_hint.v4.u32 {%0, %1, %2, %3}, [%4], pol;\n}"
+                     : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "l"(p));
+        return out;
+    } else {
+        return fk::load_pack(p);
+    }
+}
+
+template <typename T, int P, bool kCausal, bool kLog>
+__global__ void __launch_bounds__(kPackThreads, (kPackCtas<T, P>))
+softmax_bwd_rows_packs(int64_t n, const T *__restrict__ dy, const T *__restrict__ x,
+                       const float *__restrict__ row_max, T *__restrict__ dx, float scale, int64_t causal_sq) {
+    constexpr int VEC = fk::Pack<T>::N;
+    __shared__ RowReduceSmem<Acc2<T>, kPackThreads / 32> red;
+    fk::grid_dependency_sync();
+    const int64_t row = blockIdx.x;
+    const int packs = (int)(n / VEC);
+    const int64_t keys = kCausal ? causal_len(row, n, causal_sq) : n;
+    const int64_t dy_keys = kLog ? n : keys;  // log_softmax sums dy over masked keys too
+    const T *xr = x + row * n, *dyr = dy + row * n;
+    // pack i of this thread: threadIdx.x + i * blockDim.x; element k of it is in a length-`len`
+    // prefix of the row when in(i, k, len)
+    auto in = [&](int i, int k, int64_t len) {
+        const int p = threadIdx.x + i * blockDim.x;
+        return p < packs && (!kCausal || (int64_t)p * VEC + k < len);
+    };
+    fk::Pack<T> vx[P], vg[P];
+#pragma unroll
+    for (int i = 0; i < P; i++) {
+        const int64_t at = (int64_t)(threadIdx.x + i * blockDim.x) * VEC;
+        *reinterpret_cast<uint4 *>(&vx[i]) = make_uint4(0, 0, 0, 0);
+        *reinterpret_cast<uint4 *>(&vg[i]) = make_uint4(0, 0, 0, 0);
+        if (in(i, 0, keys)) vx[i] = load_pack_rows(xr + at);
+        if (in(i, 0, dy_keys)) vg[i] = load_pack_rows(dyr + at);
+    }
+    const float ref = exp_ref(row_max[row]);
+    BwdSums<T, kLog> sums;  // (z, a): sum of y', sum of dy * y' (log: of dy)
+    float yv[P][VEC];
+#pragma unroll
+    for (int i = 0; i < P; i++)
+#pragma unroll
+        for (int k = 0; k < VEC; k++) {
+            yv[i][k] = in(i, k, keys) ? exp_ftz(fmaf(fk::pack_f32<T>(vx[i], k), scale, -ref)) : 0.f;
+            sums.add(yv[i][k], in(i, k, dy_keys) ? fk::pack_f32<T>(vg[i], k) : 0.f);
+        }
+    const Acc2<T> za = row_reduce<SumSum<Acc2<T>>>(sums.value(), red, 1);
+    const BwdRow<T> br(za.x, za.y, kLog, scale);
+    T *dxr = dx + row * n;
+#pragma unroll
+    for (int i = 0; i < P; i++) {
+        if (!in(i, 0, n)) continue;
+        fk::Pack<T> o;
+#pragma unroll
+        for (int k = 0; k < VEC; k++)
+            o.v[k] = fk::from_f32<T>(in(i, k, keys) ? br.template dx<kLog>(yv[i][k], fk::pack_f32<T>(vg[i], k)) : 0.f);
+        fk::store_pack(dxr + (int64_t)(threadIdx.x + i * blockDim.x) * VEC, o);
+    }
 }
 
 // ---- inner > 1: columns x[o, :, i] ------------------------------------------------------------
@@ -1532,6 +1636,17 @@ fk_status launch_bwd_rows(const T *dy, const T *x, const float *row_max, T *dx, 
                 });
         });
     fk_status status = FK_OK;
+    if constexpr (VEC > 1) {
+        if (n <= kPackRowMax) {
+            if (rows > 0x7fffffff) return fk_fail(FK_ERR_VALUE, "%s: %lld rows exceed the CUDA grid", op, (long long)rows);
+            const bool wide = n > kPackElems * kPackThreads;  // 16 elements a thread
+            const int threads = (int)((n + (wide ? 2 : 1) * kPackElems - 1) / ((wide ? 2 : 1) * kPackElems) + 31) / 32 * 32;
+            constexpr int P = kPackElems / VEC;
+            const fk::Launch launch(dim3((unsigned)rows), dim3(threads), 0, stream, device);
+            return wide ? launch(op, softmax_bwd_rows_packs<T, 2 * P, kCausal, kLog>, n, dy, x, row_max, dx, scale, causal_sq)
+                        : launch(op, softmax_bwd_rows_packs<T, P, kCausal, kLog>, n, dy, x, row_max, dx, scale, causal_sq);
+        }
+    }
     if (VEC > 1 && launch_rows_smem<softmax_bwd_rows_smem<T, kCausal, kLog, true>,
                                     softmax_bwd_rows_smem<T, kCausal, kLog, false>,
                                     softmax_bwd_rows_smem<T, kCausal, kLog, false, true>, T, 2>(
