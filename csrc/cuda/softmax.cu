@@ -839,16 +839,21 @@ template <typename T> __device__ __forceinline__ float kept_exp(const fk::Pack<T
 // (256, 262144) backward 78 -> 90).
 constexpr int kSliceAlign = 128;
 
+// An L2 cache policy that evicts the lines it covers last (sm_80+).
+__device__ __forceinline__ uint64_t l2_evict_last() {
+    uint64_t policy;
+    asm volatile("createpolicy.fractional.L2::evict_last.b64 %0, 1.0;" : "=l"(policy));
+    return policy;
+}
+
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
 
 // Copies [src, src + bytes) to shared dst, counted on `bar`; bytes is a multiple of 16.
 // keep: under an L2 evict_last policy (see the backward's copies).
 __device__ __forceinline__ void bulk_load(void *dst, const void *src, uint32_t bytes, uint64_t *bar, bool keep = false) {
     if (keep) {
-        uint64_t policy;
-        asm volatile("createpolicy.fractional.L2::evict_last.b64 %0, 1.0;" : "=l"(policy));
         asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint [%0], [%1], %2, [%3], %4;"
-                     ::"r"(smem_u32(dst)), "l"(src), "r"(bytes), "r"(smem_u32(bar)), "l"(policy)
+                     ::"r"(smem_u32(dst)), "l"(src), "r"(bytes), "r"(smem_u32(bar)), "l"(l2_evict_last())
                      : "memory");
         return;
     }
@@ -1215,13 +1220,13 @@ softmax_bwd_rows_smem(int64_t n, int64_t seg, int cluster_k, int64_t rows, const
 // had landed, and more CTAs an SM were needed to keep DRAM busy. This is torch.compile's shape
 // (a CTA of up to 512 threads a row, 8 elements a thread a pass), with y recomputed. H200,
 // same-process A/B against the shared-memory kernels, x torch.compile: fp32 (16384, 4096) 0.983
-// -> 1.006-1.008x, bf16 0.979-0.981 -> 0.996-1.000x; outside the issue's shapes fp32 (131072, 1100)
+// -> 1.006-1.009x, bf16 0.979-0.981 -> 0.996-1.000x; outside the issue's shapes fp32 (131072, 1100)
 // 0.74 -> 0.99x, (65536, 1536) 0.90-0.96 -> 1.003x, bf16 (32768, 2048) 0.97 -> 1.006x, (16384, 3000)
 // 0.98 -> 1.07x. Measured against it: 8 elements a thread for fp32 rows of up to 2048 as 4 (1
 // pack: fp32 (32768, 2048) 0.94-0.95x), 16 for 16-bit rows of up to 4096 (bf16 (16384, 4096)
 // 0.992x), 1024-thread CTAs (fp32 (16384, 4096) 0.915x). fp32 loads take an L2 evict_last policy
-// (fp32 (16384, 4096) 0.997-0.999 -> 1.006-1.008x); the 16-bit ones lost 1-2% with it on every row
-// length measured, and do without.
+// (fp32 (16384, 4096) 0.997-0.999 -> 1.006-1.009x); the 16-bit ones lost 0.7-2.3% with it on every
+// row length measured (2048-8192), and do without.
 constexpr int kPackThreads = 512;
 constexpr int kPackElems = 8;  // elements of x (and of dy) a thread, or twice that for long rows
 constexpr int64_t kPackRowMax = 2 * kPackElems * kPackThreads;  // 8192
@@ -1234,9 +1239,8 @@ template <typename T> __device__ __forceinline__ fk::Pack<T> load_pack_rows(cons
     if constexpr (std::is_same_v<T, float>) {
         fk::Pack<T> out;
         uint4 &r = *reinterpret_cast<uint4 *>(&out);
-        asm volatile("{\n.reg .b64 pol;\ncreatepolicy.fractional.L2::evict_last.b64 pol, 1.0;\n"
-                     "ld.global.nc.L2::cache_hint.v4.u32 {%0, %1, %2, %3}, [%4], pol;\n}"
-                     : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "l"(p));
+        asm volatile("ld.global.nc.L2::cache_hint.v4.u32 {%0, %1, %2, %3}, [%4], %5;"
+                     : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "l"(p), "l"(l2_evict_last()));
         return out;
     } else {
         return fk::load_pack(p);
@@ -1640,7 +1644,8 @@ fk_status launch_bwd_rows(const T *dy, const T *x, const float *row_max, T *dx, 
         if (n <= kPackRowMax) {
             if (rows > 0x7fffffff) return fk_fail(FK_ERR_VALUE, "%s: %lld rows exceed the CUDA grid", op, (long long)rows);
             const bool wide = n > kPackElems * kPackThreads;  // 16 elements a thread
-            const int threads = (int)((n + (wide ? 2 : 1) * kPackElems - 1) / ((wide ? 2 : 1) * kPackElems) + 31) / 32 * 32;
+            const int64_t per = (wide ? 2 : 1) * kPackElems;
+            const int threads = (int)(((n + per - 1) / per + 31) / 32 * 32);
             constexpr int P = kPackElems / VEC;
             const fk::Launch launch(dim3((unsigned)rows), dim3(threads), 0, stream, device);
             return wide ? launch(op, softmax_bwd_rows_packs<T, 2 * P, kCausal, kLog>, n, dy, x, row_max, dx, scale, causal_sq)
