@@ -14,9 +14,12 @@ from conftest import (DEVICE_DTYPES, DEVICES, assert_within_torch_error, chain_m
 # 3000 and 6000 leave threads partly out of the row), longer ones the shared-memory kernels
 # (16384: clusters; 300000 fp32 and 16-bit: 75 KB CTAs; 262144 fp32 and 524288 16-bit: dy in
 # registers); the others the register kernels, where 64 ... 512 take the compile-time lane counts
-# (4, 8, 16 lanes a row) and 32 / 1000 the run-time and 32-lane ones
-LENGTHS = [1, 2, 31, 32, 33, 64, 127, 128, 256, 512, 1000, 1024, 1100, 2048, 3000, 4096, 4097, 6000, 8192,
-           16384, 65536, 65536 + 7, 262144, 300000, 524288]
+# (4, 8, 16 lanes a row) and 32 / 1000 the run-time and 32-lane ones. Rows that are not a multiple of
+# 16 bytes (1, 2, 31, 33, 127, 197, 257, 1023, 1100 16-bit, 4097, 50257, 65543) are read as the 16-byte
+# accesses covering them, from each row's lead (1000 rows: every lead); 1023 + lead outgrows a warp
+# (the row-block kernel), 50257 takes a cluster
+LENGTHS = [1, 2, 31, 32, 33, 64, 127, 128, 197, 256, 257, 512, 1000, 1023, 1024, 1100, 2048, 3000, 4096, 4097,
+           6000, 8192, 16384, 50257, 65536, 65536 + 7, 262144, 300000, 524288]
 ROW_COUNTS = [0, 1, 3, 1000]
 # every length with 0, 1 and 3 rows; 1000 rows only where it stays small
 SIZES = [(r, n) for n in LENGTHS for r in ROW_COUNTS if r < 1000 or n <= 4097]
@@ -91,7 +94,7 @@ def test_dims(device, dtype, log, dim, shape, poison):
 @pytest.mark.parametrize("device,dtype", DEVICE_DTYPES)
 @pytest.mark.parametrize("log", [False, True], ids=["softmax", "log"])
 @pytest.mark.parametrize("sq,sk", [(17, 17), (5, 40), (40, 5), (128, 1000), (64, 2048), (24, 6000), (40, 16400),
-                                   (3, 262144), (2, 300000)], ids=str)
+                                   (30, 197), (8, 1023), (4, 20001), (3, 262144), (2, 300000)], ids=str)
 @pytest.mark.parametrize("scale", [1.0, 0.125])
 def test_scale_and_causal(device, dtype, log, sq, sk, scale, poison):
     if sk > 100000 and device == "cpu":

@@ -47,6 +47,10 @@
 //                 (one exp per element instead of two: measured faster with libdevice's expf,
 //                 within a point either way with ex2.approx, H200); 16-bit ones measured faster
 //                 with the single reduction and a second ex2.approx.
+//   ragged rows (n not a multiple of 16 bytes, tensors 16-byte aligned): the same register kernels
+//                 through the 16-byte accesses covering each row (row_lead), the row-block kernel
+//                 where the shared-memory ones would run; tensors not 16-byte aligned, and masked
+//                 ragged rows that a warp holds, the scalar path (VEC 1).
 // inner > 1: a thread per (outer, inner) column, 32 columns per warp so loads stay coalesced, 8..32
 // threads splitting n, online max / sum down n, then a write pass (x read twice).
 //
@@ -153,6 +157,49 @@ template <typename T, int VEC> __device__ __forceinline__ void store_vec(T *p, c
 #pragma unroll
         for (int k = 0; k < VEC; k++) out.v[k] = fk::from_f32<T>(v[k]);
         fk::store_pack(p, out);
+    }
+}
+
+// Stores the elements of the VEC at p (frame index j, with j < hi) that lie in [lo, hi): one
+// 16-byte store when all do. kRagged: lo and hi need not fall on access boundaries.
+template <typename T, int VEC, bool kRagged>
+__device__ __forceinline__ void store_in(T *p, const float *v, int j, int lo, int hi) {
+    if (!kRagged || VEC == 1 || (j >= lo && j + VEC <= hi)) {
+        store_vec<T, VEC>(p, v);
+    } else {
+#pragma unroll
+        for (int k = 0; k < VEC; k++)
+            if (j + k >= lo && j + k < hi) p[k] = fk::from_f32<T>(v[k]);
+    }
+}
+
+// Ragged rows: in 16-byte aligned tensors whose rows are not a multiple of 16 bytes (n % VEC != 0,
+// e.g. a 50257-word vocabulary or 197 ViT tokens), a row starting at element row * n is read as
+// the aligned accesses covering it, a frame starting `lead` elements before the row; its elements
+// are frame indices [lead, lead + n). Unmasked, the warp and in-register kernels take them in
+// their kRagged instances (unragged, below), the row-block kernels in their masked ones with
+// causal_sq 1 (every key in); masked ragged rows that a warp holds take the scalar path. The first
+// and last accesses of a row are partly another row's: read, but written element by element
+// (store_in). The tensor's last access may read up to 15 bytes past its end, within its 16-byte
+// block, so within a mapped page (torch's allocator rounds blocks up to 512 bytes). Packed rows
+// have lead 0. H200, against the scalar path, x torch.compile: bf16 (4096, 50257) forward 0.71 ->
+// 1.66x, backward 0.75 -> 1.28x; bf16 (131072, 1100) backward 0.67 -> 1.13x.
+template <int VEC> __device__ __forceinline__ int row_lead(int64_t row, int64_t n) {
+    return VEC == 1 ? 0 : (int)((row * n) & (VEC - 1));
+}
+
+// Ragged rows without a mask (kRagged): every access is taken as a whole (accesses wholly past
+// the row as zeros, as for packed rows), then in an access at frame index j that straddles an end
+// of the row [lo, hi), the values outside it are zeroed (zero(k)) before they join the row's
+// reductions: one test an access, where the masked instances test every element.
+template <int VEC> __device__ __forceinline__ bool straddles(int j, int lo, int hi) {
+    return j < hi && (j < lo || j + VEC > hi);
+}
+template <int VEC, typename Zero> __device__ __forceinline__ void unragged(int j, int lo, int hi, Zero zero) {
+    if (straddles<VEC>(j, lo, hi)) {
+#pragma unroll
+        for (int k = 0; k < VEC; k++)
+            if (j + k < lo || j + k >= hi) zero(k);
     }
 }
 
@@ -398,7 +445,7 @@ template <typename T, int C> __host__ __device__ constexpr int warp_rows() {
 
 // C elements per lane (C / VEC accesses); G lanes per row (0: `group_arg`, known at run time),
 // group * C >= n. A compile-time G folds the reductions' level tests away.
-template <typename T, int VEC, int C, int G, bool kCausal, bool kLog, int kThreads>
+template <typename T, int VEC, int C, int G, bool kCausal, bool kLog, int kThreads, bool kRagged = false>
 __global__ void __launch_bounds__(kThreads)
 softmax_fwd_rows_warp(int64_t rows, int n, int group_arg, const T *__restrict__ x, T *__restrict__ y,
                       float *__restrict__ row_max, float scale, int64_t causal_sq) {
@@ -410,15 +457,16 @@ softmax_fwd_rows_warp(int64_t rows, int n, int group_arg, const T *__restrict__ 
     const int64_t first = (warp * (32 / group) + lane / group) * ROWS;
 
     Raw<T, VEC> raw[ROWS][P];
-    int valid[ROWS];
+    int lead[ROWS], valid[ROWS];  // the row's frame (row_lead): keys are [lead, valid)
 #pragma unroll
     for (int r = 0; r < ROWS; r++) {
         const int64_t row = first + r;
-        valid[r] = row >= rows ? 0 : kCausal ? (int)causal_len(row, n, causal_sq) : n;
+        lead[r] = kRagged ? row_lead<VEC>(row, n) : 0;
+        valid[r] = row >= rows ? 0 : lead[r] + (kCausal ? (int)causal_len(row, n, causal_sq) : n);
 #pragma unroll
         for (int p = 0; p < P; p++) {
             const int col = (p * group + li) * VEC;
-            raw[r][p] = load_or_zero<T, VEC>(x + row * n + col, col < valid[r]);
+            raw[r][p] = load_or_zero<T, VEC>(x + row * n - lead[r] + col, col < valid[r]);
         }
     }
 #pragma unroll
@@ -433,7 +481,15 @@ softmax_fwd_rows_warp(int64_t rows, int n, int group_arg, const T *__restrict__ 
 #pragma unroll
         for (int p = 0; p < P; p++) {
             if constexpr (VEC > 1 && !kCausal) {
-                m = fmaxf(m, is_key(p, 0) ? pack_max_scaled<T>(raw[r][p], scale) : -INFINITY);
+                const int col = (p * group + li) * VEC;
+                float pm = is_key(p, 0) ? pack_max_scaled<T>(raw[r][p], scale) : -INFINITY;
+                if (kRagged && straddles<VEC>(col, lead[r], valid[r])) {  // the row's elements only
+                    pm = -INFINITY;
+#pragma unroll
+                    for (int k = 0; k < VEC; k++)
+                        if (col + k >= lead[r] && col + k < valid[r]) pm = fmaxf(pm, __fmul_rn(raw_at<T, VEC>(raw[r][p], k), scale));
+                }
+                m = fmaxf(m, pm);
             } else {
 #pragma unroll
                 for (int k = 0; k < VEC; k++) {
@@ -447,13 +503,16 @@ softmax_fwd_rows_warp(int64_t rows, int n, int group_arg, const T *__restrict__ 
         float e[C];  // one exp per element, kept for the output
         RowSum<T> sum;
 #pragma unroll
-        for (int p = 0; p < P; p++)
+        for (int p = 0; p < P; p++) {
 #pragma unroll
             for (int k = 0; k < VEC; k++) {
                 const float ek = exp_ftz(fmaf(raw_at<T, VEC>(raw[r][p], k), scale, -ref));
                 e[p * VEC + k] = is_key(p, k) ? ek : 0.f;
-                sum.add(e[p * VEC + k]);
             }
+            if (kRagged) unragged<VEC>((p * group + li) * VEC, lead[r], valid[r], [&](int k) { e[p * VEC + k] = 0.f; });
+#pragma unroll
+            for (int k = 0; k < VEC; k++) sum.add(e[p * VEC + k]);
+        }
         const float s = row_sum(sum, [&](Acc2<T> v) { return group_reduce<SumSum<Acc2<T>>>(v, group); });
         const float inv_s = 1.f / s, log_s = logf(s);
         if (row < rows) {
@@ -461,14 +520,14 @@ softmax_fwd_rows_warp(int64_t rows, int n, int group_arg, const T *__restrict__ 
 #pragma unroll
             for (int p = 0; p < P; p++) {
                 const int col = (p * group + li) * VEC;
-                if (col < n) {
+                if (col < lead[r] + n) {
                     float o[VEC];
 #pragma unroll
                     for (int k = 0; k < VEC; k++) {
                         if (kLog) o[k] = is_key(p, k) ? fmaf(raw_at<T, VEC>(raw[r][p], k), scale, -ref) - log_s : -INFINITY - log_s;
                         else o[k] = normalize<T>(e[p * VEC + k], s, inv_s);
                     }
-                    store_vec<T, VEC>(y + row * n + col, o);
+                    store_in<T, VEC, kRagged>(y + row * n - lead[r] + col, o, col, lead[r], lead[r] + n);
                 }
             }
         }
@@ -483,8 +542,8 @@ softmax_fwd_rows_warp(int64_t rows, int n, int group_arg, const T *__restrict__ 
 // and its (3000, 1000) rows went from 88-90 to 94-96% of copy (H200, same-process A/B); other
 // shapes level. (The forward, with the same change, measured level to -1.5 points, so it keeps
 // its select.)
-template <typename T, int VEC, int C, int G, bool kCausal, bool kLog, int kThreads>
-__global__ void __launch_bounds__(kThreads, std::is_same_v<T, float> && C == 32 ? 6 * kWarpBlock / kThreads : 1)
+template <typename T, int VEC, int C, int G, bool kCausal, bool kLog, int kThreads, bool kRagged = false>
+__global__ void __launch_bounds__(kThreads, std::is_same_v<T, float> && C == 32 && !kRagged ? 6 * kWarpBlock / kThreads : 1)
 softmax_bwd_rows_warp(int64_t rows, int n, int group_arg, const T *__restrict__ dy, const T *__restrict__ x,
                       const float *__restrict__ row_max, T *__restrict__ dx, float scale, int64_t causal_sq) {
     fk::grid_dependency_sync();
@@ -495,20 +554,21 @@ softmax_bwd_rows_warp(int64_t rows, int n, int group_arg, const T *__restrict__ 
     const int64_t first = (warp * (32 / group) + lane / group) * ROWS;
 
     Raw<T, VEC> raw_x[ROWS][P], raw_dy[ROWS][P];
-    int valid[ROWS], dy_len[ROWS];
+    int lead[ROWS], valid[ROWS], dy_len[ROWS];  // the row's frame (row_lead): keys [lead, valid)
     float m_saved[ROWS];
 #pragma unroll
     for (int r = 0; r < ROWS; r++) {
         const int64_t row = first + r;
-        valid[r] = row >= rows ? 0 : kCausal ? (int)causal_len(row, n, causal_sq) : n;
+        lead[r] = kRagged ? row_lead<VEC>(row, n) : 0;
+        valid[r] = row >= rows ? 0 : lead[r] + (kCausal ? (int)causal_len(row, n, causal_sq) : n);
         // log_softmax sums dy over masked keys too (their y is 0, not their dy)
-        dy_len[r] = row >= rows ? 0 : kLog ? n : valid[r];
+        dy_len[r] = row >= rows ? 0 : kLog ? lead[r] + n : valid[r];
         m_saved[r] = row < rows ? row_max[row] : 0.f;
 #pragma unroll
         for (int p = 0; p < P; p++) {
             const int col = (p * group + li) * VEC;
-            raw_x[r][p] = load_or_zero<T, VEC>(x + row * n + col, col < valid[r]);
-            raw_dy[r][p] = load_or_zero<T, VEC>(dy + row * n + col, col < dy_len[r]);
+            raw_x[r][p] = load_or_zero<T, VEC>(x + row * n - lead[r] + col, col < valid[r]);
+            raw_dy[r][p] = load_or_zero<T, VEC>(dy + row * n - lead[r] + col, col < dy_len[r]);
         }
     }
 #pragma unroll
@@ -530,8 +590,11 @@ softmax_bwd_rows_warp(int64_t rows, int n, int group_arg, const T *__restrict__ 
                 const float yk = exp_ftz(fmaf(raw_at<T, VEC>(raw_x[r][p], k), scale, -ref_p));
                 yv[i] = kCausal && !in(p, k, valid[r]) ? 0.f : yk;
                 g[i] = !kCausal || in(p, k, dy_len[r]) ? raw_at<T, VEC>(raw_dy[r][p], k) : 0.f;
-                sums.add(yv[i], g[i]);
             }
+            if (kRagged)
+                unragged<VEC>((p * group + li) * VEC, lead[r], valid[r], [&](int k) { yv[p * VEC + k] = g[p * VEC + k] = 0.f; });
+#pragma unroll
+            for (int k = 0; k < VEC; k++) sums.add(yv[p * VEC + k], g[p * VEC + k]);
         }
         const Acc2<T> za = group_reduce<SumSum<Acc2<T>>>(sums.value(), group);
         const BwdRow<T> br(za.x, za.y, kLog, scale);
@@ -539,14 +602,14 @@ softmax_bwd_rows_warp(int64_t rows, int n, int group_arg, const T *__restrict__ 
 #pragma unroll
             for (int p = 0; p < P; p++) {
                 const int col = (p * group + li) * VEC;
-                if (col < n) {
+                if (col < lead[r] + n) {
                     float o[VEC];
 #pragma unroll
                     for (int k = 0; k < VEC; k++) {
                         const float d = br.template dx<kLog>(yv[p * VEC + k], g[p * VEC + k]);
                         o[k] = kCausal && !in(p, k, valid[r]) ? 0.f : d;
                     }
-                    store_vec<T, VEC>(dx + row * n + col, o);
+                    store_in<T, VEC, kRagged>(dx + row * n - lead[r] + col, o, col, lead[r], lead[r] + n);
                 }
             }
         }
@@ -575,6 +638,24 @@ __device__ __forceinline__ int clamp_offset(int64_t left, int64_t chunk) {
     return (int)(left < 0 ? -1 : (left > chunk ? chunk : left));
 }
 
+// Elements of a thread's chunk that a pass takes: offsets [lo, hi) from its first access (lo is
+// above -1 only in the chunk holding a ragged row's lead).
+struct Span {
+    int lo, hi;
+    // element k of access p; without a mask (kCausal false) whole accesses are in or out (slices
+    // and n are multiples of VEC, lo is -1) and k is not looked at
+    template <bool kCausal, int VEC> __device__ __forceinline__ bool has(int p, int k) const {
+        const int j = p * 32 * VEC + (kCausal ? k : 0);
+        return (!kCausal || j >= lo) && j < hi;
+    }
+    // the elements below `stop` of the chunk whose first access (this thread's) is at `first`, in a
+    // frame whose row starts at `lead`
+    template <bool kCausal>
+    static __device__ __forceinline__ Span of(int lead, int64_t first, int64_t stop, int64_t chunk) {
+        return Span{kCausal ? clamp_offset(lead - first, chunk) : -1, clamp_offset(stop - first, chunk)};
+    }
+};
+
 template <typename T, int VEC, bool kCausal, bool kLog>
 __global__ void __launch_bounds__(kBlockThreads, 2)
 softmax_fwd_rows_block(int64_t n, int64_t seg, int cluster_k, const T *__restrict__ x, T *__restrict__ y,
@@ -585,25 +666,28 @@ softmax_fwd_rows_block(int64_t n, int64_t seg, int cluster_k, const T *__restric
     kernel_start(nullptr, 0, cluster_k, smem, sum_smem);
     const int64_t row = blockIdx.x / cluster_k;
     const int rank = blockIdx.x % cluster_k;
-    const int64_t begin = rank * seg, end = min(n, begin + seg);
-    const int64_t load_end = kCausal ? min(end, causal_len(row, n, causal_sq)) : end;
+    // slices of the row's frame (row_lead): its keys are [lead, lead + causal_len)
+    const int lead = kCausal ? row_lead<VEC>(row, n) : 0;
+    const int64_t begin = rank * seg, end = min(lead + n, begin + seg);
+    const int64_t load_end = kCausal ? min(end, lead + causal_len(row, n, causal_sq)) : end;
     const int64_t chunk = (int64_t)blockDim.x * C;
     const int64_t chunks = end > begin ? (end - begin + chunk - 1) / chunk : 1;
     // Each warp owns 32 * C consecutive elements of a chunk, so a thread's accesses sit at constant
     // offsets (p * 32 * VEC) from one pointer: no per-access 64-bit address arithmetic.
     const int64_t lane_off = (int64_t)(threadIdx.x >> 5) * 32 * C + (threadIdx.x & 31) * VEC;
-    const T *xr = x + row * n + lane_off;
-    T *yr = y + row * n + lane_off;
+    const T *xr = x + row * n - lead + lane_off;
+    T *yr = y + row * n - lead + lane_off;
     Raw<T, VEC> raw[P];
 
-    // element k of access p is a key when p * 32 * VEC + k < keys; without a mask whole accesses
-    // are in or out (the slice and n are multiples of VEC)
-    auto is_key = [](int p, int k, int keys) { return p * 32 * VEC + (kCausal ? k : 0) < keys; };
+    // this thread's elements of the chunk at `start` below `stop`, from the lead on
+    auto span = [&](int64_t start, int64_t stop) { return Span::of<kCausal>(lead, start + lane_off, stop, chunk); };
+    auto is_key = [](int p, int k, Span keys) { return keys.has<kCausal, VEC>(p, k); };
+    // an access is read when it holds a key (lo < VEC: every access overlaps [lo, chunk])
     auto load_chunk = [&](int64_t start) {
-        const int keys = clamp_offset(load_end - start - lane_off, chunk);
+        const Span keys = span(start, load_end);
 #pragma unroll
         for (int p = 0; p < P; p++)
-            if (is_key(p, 0, keys)) raw[p] = load_raw<T, VEC>(xr + start + p * 32 * VEC);
+            if (p * 32 * VEC < keys.hi) raw[p] = load_raw<T, VEC>(xr + start + p * 32 * VEC);
     };
 
     // One chunk for every CTA of the row (decided by seg, which all ranks share: the last rank's
@@ -614,7 +698,7 @@ softmax_fwd_rows_block(int64_t n, int64_t seg, int cluster_k, const T *__restric
         // The slice sits in registers: the exact row max first, then one exp per element, kept
         // for the output (a second reduction, but half the MUFU work of recomputing the exp).
         load_chunk(begin);
-        const int keys = clamp_offset(load_end - begin - lane_off, chunk);
+        const Span keys = span(begin, load_end);
         m = -INFINITY;
 #pragma unroll
         for (int p = 0; p < P; p++)
@@ -641,7 +725,7 @@ softmax_fwd_rows_block(int64_t n, int64_t seg, int cluster_k, const T *__restric
         for (int64_t c = 0; c < chunks; c++) {
             const int64_t start = begin + c * chunk;
             load_chunk(start);
-            const int keys = clamp_offset(load_end - start - lane_off, chunk);
+            const Span keys = span(start, load_end);
             float cm = lm;
 #pragma unroll
             for (int p = 0; p < P; p++)
@@ -666,11 +750,10 @@ softmax_fwd_rows_block(int64_t n, int64_t seg, int cluster_k, const T *__restric
 
     // writes the chunk at `start`; exp_of(i, t) is element i's exp(t), t = x * scale - m
     auto write_chunk = [&](int64_t start, auto exp_of) {
-        const int keys = clamp_offset(load_end - start - lane_off, chunk);
-        const int outs = clamp_offset(end - start - lane_off, chunk);
+        const Span keys = span(start, load_end), outs = span(start, end);
 #pragma unroll
         for (int p = 0; p < P; p++) {
-            if (p * 32 * VEC < outs) {
+            if (p * 32 * VEC < outs.hi) {
                 float o[VEC];
 #pragma unroll
                 for (int k = 0; k < VEC; k++) {
@@ -678,7 +761,7 @@ softmax_fwd_rows_block(int64_t n, int64_t seg, int cluster_k, const T *__restric
                     if (kLog) o[k] = is_key(p, k, keys) ? t - log_s : -INFINITY - log_s;
                     else o[k] = normalize<T>(is_key(p, k, keys) ? exp_of(p * VEC + k, t) : 0.f, s, inv_s);
                 }
-                store_vec<T, VEC>(yr + start + p * 32 * VEC, o);
+                store_in<T, VEC, kCausal>(yr + start + p * 32 * VEC, o, p * 32 * VEC, outs.lo, outs.hi);
             }
         }
     };
@@ -702,29 +785,31 @@ softmax_bwd_rows_block(int64_t n, int64_t seg, int cluster_k, const T *__restric
     kernel_start(nullptr, 0, cluster_k, smem);
     const int64_t row = blockIdx.x / cluster_k;
     const int rank = blockIdx.x % cluster_k;
-    const int64_t begin = rank * seg, end = min(n, begin + seg);
-    const int64_t x_end = kCausal ? min(end, causal_len(row, n, causal_sq)) : end;
+    // slices of the row's frame (row_lead): its keys are [lead, lead + causal_len)
+    const int lead = kCausal ? row_lead<VEC>(row, n) : 0;
+    const int64_t begin = rank * seg, end = min(lead + n, begin + seg);
+    const int64_t x_end = kCausal ? min(end, lead + causal_len(row, n, causal_sq)) : end;
     const int64_t dy_end = kLog ? end : x_end;  // log_softmax sums dy over masked keys too
     const int64_t chunk = (int64_t)blockDim.x * C;
     const int64_t chunks = end > begin ? (end - begin + chunk - 1) / chunk : 1;
     const float m_saved = row_max[row];
     const int64_t lane_off = (int64_t)(threadIdx.x >> 5) * 32 * C + (threadIdx.x & 31) * VEC;
-    const T *xr = x + row * n + lane_off, *dyr = dy + row * n + lane_off;
-    T *dxr = dx + row * n + lane_off;
+    const T *xr = x + row * n - lead + lane_off, *dyr = dy + row * n - lead + lane_off;
+    T *dxr = dx + row * n - lead + lane_off;
     Raw<T, VEC> raw_x[P], raw_dy[P];
 
-    auto in = [](int p, int k, int len) { return p * 32 * VEC + (kCausal ? k : 0) < len; };
+    auto span = [&](int64_t start, int64_t stop) { return Span::of<kCausal>(lead, start + lane_off, stop, chunk); };
+    auto in = [](int p, int k, Span s) { return s.has<kCausal, VEC>(p, k); };
     auto load_chunk = [&](int64_t start) {
-        const int xs = clamp_offset(x_end - start - lane_off, chunk);
-        const int dys = clamp_offset(dy_end - start - lane_off, chunk);
+        const Span xs = span(start, x_end), dys = span(start, dy_end);
 #pragma unroll
         for (int p = 0; p < P; p++) {
-            if (in(p, 0, xs)) raw_x[p] = load_raw<T, VEC>(xr + start + p * 32 * VEC);
-            if (in(p, 0, dys)) raw_dy[p] = load_raw<T, VEC>(dyr + start + p * 32 * VEC);
+            if (p * 32 * VEC < xs.hi) raw_x[p] = load_raw<T, VEC>(xr + start + p * 32 * VEC);
+            if (p * 32 * VEC < dys.hi) raw_dy[p] = load_raw<T, VEC>(dyr + start + p * 32 * VEC);
         }
     };
     // y' = exp(x * scale - row_max): unnormalised, z = sum y' renormalises it
-    auto y_unnorm = [&](int p, int k, int xs) {
+    auto y_unnorm = [&](int p, int k, Span xs) {
         return in(p, k, xs) ? exp_ftz(fmaf(raw_at<T, VEC>(raw_x[p], k), scale, -exp_ref(m_saved))) : 0.f;
     };
 
@@ -733,8 +818,7 @@ softmax_bwd_rows_block(int64_t n, int64_t seg, int cluster_k, const T *__restric
     for (int64_t c = 0; c < chunks; c++) {
         const int64_t start = begin + c * chunk;
         load_chunk(start);
-        const int xs = clamp_offset(x_end - start - lane_off, chunk);
-        const int dys = clamp_offset(dy_end - start - lane_off, chunk);
+        const Span xs = span(start, x_end), dys = span(start, dy_end);
 #pragma unroll
         for (int p = 0; p < P; p++)
 #pragma unroll
@@ -749,23 +833,22 @@ softmax_bwd_rows_block(int64_t n, int64_t seg, int cluster_k, const T *__restric
 
     // writes the chunk at `start` from y_of(p, k, xs), element (p, k)'s y'
     auto write_chunk = [&](int64_t start, auto y_of) {
-        const int xs = clamp_offset(x_end - start - lane_off, chunk);
-        const int outs = clamp_offset(end - start - lane_off, chunk);
+        const Span xs = span(start, x_end), outs = span(start, end);
 #pragma unroll
         for (int p = 0; p < P; p++) {
-            if (p * 32 * VEC < outs) {
+            if (p * 32 * VEC < outs.hi) {
                 float o[VEC];
 #pragma unroll
                 for (int k = 0; k < VEC; k++) {
                     const float d = br.template dx<kLog>(y_of(p, k, xs), raw_at<T, VEC>(raw_dy[p], k));
                     o[k] = in(p, k, xs) ? d : 0.f;
                 }
-                store_vec<T, VEC>(dxr + start + p * 32 * VEC, o);
+                store_in<T, VEC, kCausal>(dxr + start + p * 32 * VEC, o, p * 32 * VEC, outs.lo, outs.hi);
             }
         }
     };
     if (kExpOnce<T> && chunks == 1) {
-        write_chunk(begin, [&](int p, int k, int) { return yv[p * VEC + k]; });
+        write_chunk(begin, [&](int p, int k, Span) { return yv[p * VEC + k]; });
     } else {
         for (int64_t c = 0; c < chunks; c++) {
             if (chunks > 1) load_chunk(begin + c * chunk);
@@ -1247,7 +1330,7 @@ template <typename T> __device__ __forceinline__ fk::Pack<T> load_pack_rows(cons
     }
 }
 
-template <typename T, int P, bool kCausal, bool kLog>
+template <typename T, int P, bool kCausal, bool kLog, bool kRagged = false>
 __global__ void __launch_bounds__(kPackThreads, (kPackCtas<T, P>))
 softmax_bwd_rows_packs(int64_t n, const T *__restrict__ dy, const T *__restrict__ x,
                        const float *__restrict__ row_max, T *__restrict__ dx, float scale, int64_t causal_sq) {
@@ -1255,10 +1338,11 @@ softmax_bwd_rows_packs(int64_t n, const T *__restrict__ dy, const T *__restrict_
     __shared__ RowReduceSmem<Acc2<T>, kPackThreads / 32> red;
     fk::grid_dependency_sync();
     const int64_t row = blockIdx.x;
-    const int packs = (int)(n / VEC);
+    const int lead = kRagged ? row_lead<VEC>(row, n) : 0;  // the row's frame (kRagged: unragged)
+    const int packs = (int)(kRagged ? (lead + n + VEC - 1) / VEC : n / VEC);
     const int64_t keys = kCausal ? causal_len(row, n, causal_sq) : n;
     const int64_t dy_keys = kLog ? n : keys;  // log_softmax sums dy over masked keys too
-    const T *xr = x + row * n, *dyr = dy + row * n;
+    const T *xr = x + row * n - lead, *dyr = dy + row * n - lead;
     // pack i of this thread: threadIdx.x + i * blockDim.x; element k of it is in a length-`len`
     // prefix of the row when in(i, k, len)
     auto in = [&](int i, int k, int64_t len) {
@@ -1278,23 +1362,41 @@ softmax_bwd_rows_packs(int64_t n, const T *__restrict__ dy, const T *__restrict_
     BwdSums<T, kLog> sums;  // (z, a): sum of y', sum of dy * y' (log: of dy)
     float yv[P][VEC];
 #pragma unroll
-    for (int i = 0; i < P; i++)
+    for (int i = 0; i < P; i++) {
+        auto add = [&](int k) { sums.add(yv[i][k], in(i, k, dy_keys) ? fk::pack_f32<T>(vg[i], k) : 0.f); };
 #pragma unroll
         for (int k = 0; k < VEC; k++) {
             yv[i][k] = in(i, k, keys) ? exp_ftz(fmaf(fk::pack_f32<T>(vx[i], k), scale, -ref)) : 0.f;
-            sums.add(yv[i][k], in(i, k, dy_keys) ? fk::pack_f32<T>(vg[i], k) : 0.f);
+            if (!kRagged) add(k);
         }
+        if (kRagged) {
+            unragged<VEC>((threadIdx.x + i * blockDim.x) * VEC, lead, lead + (int)n, [&](int k) {
+                yv[i][k] = 0.f;
+                vg[i].v[k] = fk::from_f32<T>(0.f);
+            });
+#pragma unroll
+            for (int k = 0; k < VEC; k++) add(k);
+        }
+    }
     const Acc2<T> za = row_reduce<SumSum<Acc2<T>>>(sums.value(), red, 1);
     const BwdRow<T> br(za.x, za.y, kLog, scale);
-    T *dxr = dx + row * n;
+    T *dxr = dx + row * n - lead;
 #pragma unroll
     for (int i = 0; i < P; i++) {
         if (!in(i, 0, n)) continue;
-        fk::Pack<T> o;
+        float o[VEC];
 #pragma unroll
         for (int k = 0; k < VEC; k++)
-            o.v[k] = fk::from_f32<T>(in(i, k, keys) ? br.template dx<kLog>(yv[i][k], fk::pack_f32<T>(vg[i], k)) : 0.f);
-        fk::store_pack(dxr + (int64_t)(threadIdx.x + i * blockDim.x) * VEC, o);
+            o[k] = in(i, k, keys) ? br.template dx<kLog>(yv[i][k], fk::pack_f32<T>(vg[i], k)) : 0.f;
+        const int j = (threadIdx.x + i * blockDim.x) * VEC;
+        if (kRagged) {
+            store_in<T, VEC, true>(dxr + j, o, j, lead, lead + (int)n);
+        } else {  // one conversion an element, as written before kRagged (registers: see kPackCtas)
+            fk::Pack<T> out;
+#pragma unroll
+            for (int k = 0; k < VEC; k++) out.v[k] = fk::from_f32<T>(o[k]);
+            fk::store_pack(dxr + j, out);
+        }
     }
 }
 
@@ -1432,18 +1534,19 @@ int64_t pow2_ceil(int64_t v) {
 // it: K is the smallest power of two that leaves each CTA at most kCtaChunks chunks of kBlockThreads
 // threads (capped by the cluster limit), and a slice of one chunk takes only the warps it fills.
 // Measured on an H100: re-reading a second chunk from L2 costs less than a larger cluster's
-// co-scheduling and barrier, or than CTAs of 256 threads.
+// co-scheduling and barrier, or than CTAs of 256 threads. Sized for `frame` elements a row (a
+// ragged row's frame: up to n + VEC - 1).
 template <auto kernel, int VEC, int C, typename... Args>
-fk_status launch_rows_block(const char *op, int64_t rows, int64_t n, int device, cudaStream_t stream,
-                            Args... args) {
+fk_status launch_rows_block(const char *op, int64_t rows, int64_t n, int64_t frame, int device,
+                            cudaStream_t stream, Args... args) {
     const int64_t per_cta = (int64_t)kBlockThreads * C * kCtaChunks;
     int64_t k = 1;
-    if (n > per_cta) {
+    if (frame > per_cta) {
         const int64_t limit = cluster_limit<kernel>(device, kBlockThreads, 0);
-        k = pow2_ceil((n + per_cta - 1) / per_cta);
+        k = pow2_ceil((frame + per_cta - 1) / per_cta);
         if (k > limit) k = limit;
     }
-    const int64_t seg = ((n + k - 1) / k + VEC - 1) / VEC * VEC;
+    const int64_t seg = ((frame + k - 1) / k + VEC - 1) / VEC * VEC;
     const int64_t warps = ((seg + C - 1) / C + 31) / 32;
     const int threads = 32 * (int)(warps < kBlockThreads / 32 ? warps : kBlockThreads / 32);
     if (rows * k > 0x7fffffff)
@@ -1603,62 +1706,95 @@ fk_status with_warp_block(int64_t rows, int group, int device, F &&launch) {
     return launch(std::integral_constant<int, kWarpBlock>());
 }
 
+// Rows of n elements; VEC > 1 with n % VEC != 0: ragged rows (row_lead), which the register
+// kernels take, sized for their longest frame.
+template <int VEC> int64_t row_frame(int64_t n) { return n % VEC ? n + VEC - 1 : n; }
+
+// Calls go(std::integral_constant<bool, kRagged>()): true for ragged rows without a mask (row_lead).
+template <int VEC, bool kCausal, typename F> fk_status with_ragged(bool ragged, F &&go) {
+    if constexpr (VEC > 1 && !kCausal)
+        if (ragged) return go(std::true_type());
+    return go(std::false_type());
+}
+
 template <typename T, int VEC, bool kCausal, bool kLog>
 fk_status launch_fwd_rows(const T *x, T *y, float *row_max, int64_t rows, int64_t n, float scale,
                           int64_t causal_sq, int device, cudaStream_t stream, const char *op) {
-    if (n <= kWarpMaxN)
-        return with_warp_shape<T, VEC, 64>(n, [&](auto c, auto g, int group) {
+    const int64_t frame = row_frame<VEC>(n);
+    const bool ragged = frame != n;
+    if (frame <= kWarpMaxN)
+        return with_warp_shape<T, VEC, 64>(frame, [&](auto c, auto g, int group) {
             constexpr int C = decltype(c)::value, G = decltype(g)::value, ROWS = warp_rows<T, C>();
-            return with_warp_block<T, C, softmax_fwd_rows_warp<T, VEC, C, G, kCausal, kLog, kWarpBlock>, ROWS>(
-                rows, group, device, [&](auto threads) {
-                    constexpr int kThreads = decltype(threads)::value;
-                    return launch_rows_warp<softmax_fwd_rows_warp<T, VEC, C, G, kCausal, kLog, kThreads>, ROWS, kThreads>(
-                        op, rows, n, group, device, stream, x, y, row_max, scale, causal_sq);
-                });
+            return with_ragged<VEC, kCausal>(ragged, [&](auto rag) {
+                constexpr bool kRag = decltype(rag)::value;
+                return with_warp_block<T, C, softmax_fwd_rows_warp<T, VEC, C, G, kCausal, kLog, kWarpBlock, kRag>, ROWS>(
+                    rows, group, device, [&](auto threads) {
+                        constexpr int kThreads = decltype(threads)::value;
+                        return launch_rows_warp<softmax_fwd_rows_warp<T, VEC, C, G, kCausal, kLog, kThreads, kRag>, ROWS,
+                                                kThreads>(op, rows, n, group, device, stream, x, y, row_max, scale, causal_sq);
+                    });
+            });
         });
     fk_status status = FK_OK;
-    if (VEC > 1 && launch_rows_smem<softmax_fwd_rows_smem<T, kCausal, kLog, true>,
-                                    softmax_fwd_rows_smem<T, kCausal, kLog, false>, nullptr, T, 1>(
-                       status, op, rows, n, device, stream, x, y, row_max, scale, causal_sq))
+    if (VEC > 1 && !ragged &&
+        launch_rows_smem<softmax_fwd_rows_smem<T, kCausal, kLog, true>,
+                         softmax_fwd_rows_smem<T, kCausal, kLog, false>, nullptr, T, 1>(
+            status, op, rows, n, device, stream, x, y, row_max, scale, causal_sq))
         return status;
-    return launch_rows_block<softmax_fwd_rows_block<T, VEC, kCausal, kLog>, VEC, block_elems_fwd<T, VEC>()>(
-        op, rows, n, device, stream, x, y, row_max, scale, causal_sq);
+    return with_ragged<VEC, kCausal>(ragged, [&](auto rag) {
+        constexpr bool kMasked = kCausal || decltype(rag)::value;
+        return launch_rows_block<softmax_fwd_rows_block<T, VEC, kMasked, kLog>, VEC, block_elems_fwd<T, VEC>()>(
+            op, rows, n, frame, device, stream, x, y, row_max, scale, kCausal ? causal_sq : (int64_t)kMasked);
+    });
 }
 
 template <typename T, int VEC, bool kCausal, bool kLog>
 fk_status launch_bwd_rows(const T *dy, const T *x, const float *row_max, T *dx, int64_t rows, int64_t n,
                           float scale, int64_t causal_sq, int device, cudaStream_t stream,
                           const char *op) {
-    if (n <= kWarpMaxN)
-        return with_warp_shape<T, VEC, 32>(n, [&](auto c, auto g, int group) {
+    const int64_t frame = row_frame<VEC>(n);
+    const bool ragged = frame != n;
+    if (frame <= kWarpMaxN)
+        return with_warp_shape<T, VEC, 32>(frame, [&](auto c, auto g, int group) {
             constexpr int C = decltype(c)::value, G = decltype(g)::value, ROWS = warp_rows<T, 2 * C>();
-            return with_warp_block<T, C, softmax_bwd_rows_warp<T, VEC, C, G, kCausal, kLog, kWarpBlock>, ROWS>(
-                rows, group, device, [&](auto threads) {
-                    constexpr int kThreads = decltype(threads)::value;
-                    return launch_rows_warp<softmax_bwd_rows_warp<T, VEC, C, G, kCausal, kLog, kThreads>, ROWS, kThreads>(
-                        op, rows, n, group, device, stream, dy, x, row_max, dx, scale, causal_sq);
-                });
+            return with_ragged<VEC, kCausal>(ragged, [&](auto rag) {
+                constexpr bool kRag = decltype(rag)::value;
+                return with_warp_block<T, C, softmax_bwd_rows_warp<T, VEC, C, G, kCausal, kLog, kWarpBlock, kRag>, ROWS>(
+                    rows, group, device, [&](auto threads) {
+                        constexpr int kThreads = decltype(threads)::value;
+                        return launch_rows_warp<softmax_bwd_rows_warp<T, VEC, C, G, kCausal, kLog, kThreads, kRag>, ROWS,
+                                                kThreads>(op, rows, n, group, device, stream, dy, x, row_max, dx, scale,
+                                                          causal_sq);
+                    });
+            });
         });
     fk_status status = FK_OK;
     if constexpr (VEC > 1) {
-        if (n <= kPackRowMax) {
+        if (frame <= kPackRowMax && (!ragged || !kCausal)) {
             if (rows > 0x7fffffff) return fk_fail(FK_ERR_VALUE, "%s: %lld rows exceed the CUDA grid", op, (long long)rows);
-            const bool wide = n > kPackElems * kPackThreads;  // 16 elements a thread
+            const bool wide = frame > kPackElems * kPackThreads;  // 16 elements a thread
             const int64_t per = (wide ? 2 : 1) * kPackElems;
-            const int threads = (int)(((n + per - 1) / per + 31) / 32 * 32);
+            const int threads = (int)(((frame + per - 1) / per + 31) / 32 * 32);
             constexpr int P = kPackElems / VEC;
             const fk::Launch launch(dim3((unsigned)rows), dim3(threads), 0, stream, device);
-            return wide ? launch(op, softmax_bwd_rows_packs<T, 2 * P, kCausal, kLog>, n, dy, x, row_max, dx, scale, causal_sq)
-                        : launch(op, softmax_bwd_rows_packs<T, P, kCausal, kLog>, n, dy, x, row_max, dx, scale, causal_sq);
+            return with_ragged<VEC, kCausal>(ragged, [&](auto rag) {
+                constexpr bool kRag = decltype(rag)::value;
+                return wide ? launch(op, softmax_bwd_rows_packs<T, 2 * P, kCausal, kLog, kRag>, n, dy, x, row_max, dx, scale, causal_sq)
+                            : launch(op, softmax_bwd_rows_packs<T, P, kCausal, kLog, kRag>, n, dy, x, row_max, dx, scale, causal_sq);
+            });
         }
     }
-    if (VEC > 1 && launch_rows_smem<softmax_bwd_rows_smem<T, kCausal, kLog, true>,
-                                    softmax_bwd_rows_smem<T, kCausal, kLog, false>,
-                                    softmax_bwd_rows_smem<T, kCausal, kLog, false, true>, T, 2>(
-                       status, op, rows, n, device, stream, dy, x, row_max, dx, scale, causal_sq))
+    if (VEC > 1 && !ragged &&
+        launch_rows_smem<softmax_bwd_rows_smem<T, kCausal, kLog, true>,
+                         softmax_bwd_rows_smem<T, kCausal, kLog, false>,
+                         softmax_bwd_rows_smem<T, kCausal, kLog, false, true>, T, 2>(
+            status, op, rows, n, device, stream, dy, x, row_max, dx, scale, causal_sq))
         return status;
-    return launch_rows_block<softmax_bwd_rows_block<T, VEC, kCausal, kLog>, VEC, block_elems_bwd<T, VEC>()>(
-        op, rows, n, device, stream, dy, x, row_max, dx, scale, causal_sq);
+    return with_ragged<VEC, kCausal>(ragged, [&](auto rag) {
+        constexpr bool kMasked = kCausal || decltype(rag)::value;
+        return launch_rows_block<softmax_bwd_rows_block<T, VEC, kMasked, kLog>, VEC, block_elems_bwd<T, VEC>()>(
+            op, rows, n, frame, device, stream, dy, x, row_max, dx, scale, kCausal ? causal_sq : (int64_t)kMasked);
+    });
 }
 
 // Binds the mask and log flags to template parameters: `launch` is called with two
@@ -1668,6 +1804,14 @@ template <typename F> fk_status with_flags(int64_t causal_sq, int is_log, F &&la
     using No = std::false_type;
     if (causal_sq > 0) return is_log ? launch(Yes(), Yes()) : launch(Yes(), No());
     return is_log ? launch(No(), Yes()) : launch(No(), No());
+}
+
+// Whether rows of n take 16-byte accesses (VEC elements): all tensors 16-byte aligned, and a
+// ragged row (n % VEC != 0, row_lead) longer than a warp holds, or held by a warp whole with its
+// frame and without a mask (the masked warp instances take no lead; bf16 1018-1023 took the
+// row-block kernel at 0.45-0.66x the scalar warp kernel's speed, H200).
+template <int VEC> bool row_packs(int64_t n, bool aligned, int64_t causal_sq) {
+    return aligned && (n % VEC == 0 || n > kWarpMaxN || (causal_sq == 0 && row_frame<VEC>(n) <= kWarpMaxN));
 }
 
 // Columns per CTA are fixed at 32; the threads splitting n grow to 32 when there are too few
@@ -1707,9 +1851,9 @@ extern "C" fk_status fk_cuda_softmax_fwd(const void *x, void *y, float *row_max,
                 op, softmax_fwd_cols<T>, xt, yt, row_max, columns, n, inner, (float)scale, log);
         }
         constexpr int N = fk::Pack<T>::N;
-        const bool packed = fk::aligned16(x) && fk::aligned16(y) && n % N == 0;
+        const bool packs = row_packs<N>(n, fk::aligned16(x) && fk::aligned16(y), causal_sq);
         return with_flags(causal_sq, log, [&](auto causal, auto is_log) {
-            if (packed)
+            if (packs)
                 return launch_fwd_rows<T, N, causal(), is_log()>(xt, yt, row_max, outer, n, (float)scale, causal_sq, device, s, op);
             return launch_fwd_rows<T, 1, causal(), is_log()>(xt, yt, row_max, outer, n, (float)scale, causal_sq, device, s, op);
         });
@@ -1736,9 +1880,9 @@ extern "C" fk_status fk_cuda_softmax_bwd(const void *dy, const void *x, const fl
                 op, softmax_bwd_cols<T>, dyt, xt, row_max, dxt, columns, n, inner, (float)scale, log);
         }
         constexpr int N = fk::Pack<T>::N;
-        const bool packed = fk::aligned16(dy) && fk::aligned16(x) && fk::aligned16(dx) && n % N == 0;
+        const bool packs = row_packs<N>(n, fk::aligned16(dy) && fk::aligned16(x) && fk::aligned16(dx), causal_sq);
         return with_flags(causal_sq, log, [&](auto causal, auto is_log) {
-            if (packed)
+            if (packs)
                 return launch_bwd_rows<T, N, causal(), is_log()>(dyt, xt, row_max, dxt, outer, n, (float)scale, causal_sq, device, s, op);
             return launch_bwd_rows<T, 1, causal(), is_log()>(dyt, xt, row_max, dxt, outer, n, (float)scale, causal_sq, device, s, op);
         });
