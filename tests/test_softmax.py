@@ -15,11 +15,12 @@ from conftest import (DEVICE_DTYPES, DEVICES, assert_within_torch_error, chain_m
 # (16384: clusters; 300000 fp32 and 16-bit: 75 KB CTAs; 262144 fp32 and 524288 16-bit: dy in
 # registers); the others the register kernels, where 64 ... 512 take the compile-time lane counts
 # (4, 8, 16 lanes a row) and 32 / 1000 the run-time and 32-lane ones. Rows that are not a multiple of
-# 16 bytes (1, 2, 31, 33, 127, 197, 257, 1023, 1100 16-bit, 4097, 50257, 65543) are read as the 16-byte
-# accesses covering them, from each row's lead (1000 rows: every lead); 1023 + lead outgrows a warp
-# (the row-block kernel), 50257 takes a cluster
-LENGTHS = [1, 2, 31, 32, 33, 64, 127, 128, 197, 256, 257, 512, 1000, 1023, 1024, 1100, 2048, 3000, 4096, 4097,
-           6000, 8192, 16384, 50257, 65536, 65536 + 7, 262144, 300000, 524288]
+# 16 bytes (1, 2, 31, 33, 127, 197, 257, 1023, 1100 16-bit, 2001, 4097, 6001, 50257, 65543) are read as
+# the 16-byte accesses covering them, from each row's lead (1000 rows: every lead): warp kernels, then
+# one CTA a row in registers up to 8192 (6001: 16 elements a thread), then the row-block kernel (50257:
+# a cluster); 1023 + lead outgrows a warp (the scalar path)
+LENGTHS = [1, 2, 31, 32, 33, 64, 127, 128, 197, 256, 257, 512, 1000, 1023, 1024, 1100, 2001, 2048, 3000, 4096,
+           4097, 6000, 6001, 8192, 16384, 50257, 65536, 65536 + 7, 262144, 300000, 524288]
 ROW_COUNTS = [0, 1, 3, 1000]
 # every length with 0, 1 and 3 rows; 1000 rows only where it stays small
 SIZES = [(r, n) for n in LENGTHS for r in ROW_COUNTS if r < 1000 or n <= 4097]

@@ -1400,6 +1400,74 @@ softmax_bwd_rows_packs(int64_t n, const T *__restrict__ dy, const T *__restrict_
     }
 }
 
+// Forward of 16-bit ragged rows of 1025-8192 elements (row_lead), the same shape: kPackElems
+// elements of x a thread (16 past 4096) in registers, the exact row max, one exp an element kept
+// for the output, the sum, one write. (Packed rows take the shared-memory kernels, which ragged
+// rows' unaligned bulk copies cannot.) H200, against the row-block kernel (32 elements a thread
+// and a second read, masked), % of copy: bf16 (131072, 1100) 38 -> 64, (65536, 2001) 68 -> 71,
+// (32768, 4097) 58 -> 78, (16384, 6001) 67 -> 77; but fp32 2001 / 4097 / 6001 92 / 85 / 85 -> 85
+// / 69 / 67 (against the row-block kernel's 16 elements a thread and kept exps), so fp32 rows keep
+// the row-block kernel (kFwdPacks).
+template <typename T> constexpr bool kFwdPacks = !std::is_same_v<T, float>;
+template <typename T, int P, bool kLog>
+__global__ void __launch_bounds__(kPackThreads, (kPackCtas<T, P>))
+softmax_fwd_rows_packs(int64_t n, const T *__restrict__ x, T *__restrict__ y, float *__restrict__ row_max,
+                       float scale) {
+    constexpr int VEC = fk::Pack<T>::N;
+    __shared__ RowReduceSmem<float2, kPackThreads / 32> max_red;
+    __shared__ RowReduceSmem<Acc2<T>, kPackThreads / 32> sum_red;
+    fk::grid_dependency_sync();
+    const int64_t row = blockIdx.x;
+    const int lead = row_lead<VEC>(row, n), hi = lead + (int)n;
+    const int packs = (hi + VEC - 1) / VEC;
+    const T *xr = x + row * n - lead;
+    fk::Pack<T> vx[P];
+    float m = -INFINITY;
+#pragma unroll
+    for (int i = 0; i < P; i++) {
+        const int p = threadIdx.x + i * blockDim.x, j = p * VEC;
+        if (p < packs) {
+            vx[i] = fk::load_pack(xr + j);
+            float pm = pack_max_scaled<T>(vx[i], scale);
+            if (straddles<VEC>(j, lead, hi)) {  // the row's elements only
+                pm = -INFINITY;
+#pragma unroll
+                for (int k = 0; k < VEC; k++)
+                    if (j + k >= lead && j + k < hi) pm = fmaxf(pm, __fmul_rn(fk::pack_f32<T>(vx[i], k), scale));
+            }
+            m = fmaxf(m, pm);
+        }
+    }
+    m = row_reduce<MaxOnly>(make_float2(m, 0.f), max_red, 1).x;
+    const float ref = exp_ref(m);
+    float e[P][VEC];
+    RowSum<T> sum;
+#pragma unroll
+    for (int i = 0; i < P; i++) {
+        const int p = threadIdx.x + i * blockDim.x;
+#pragma unroll
+        for (int k = 0; k < VEC; k++)
+            e[i][k] = p < packs ? exp_ftz(fmaf(fk::pack_f32<T>(vx[i], k), scale, -ref)) : 0.f;
+        unragged<VEC>(p * VEC, lead, hi, [&](int k) { e[i][k] = 0.f; });
+#pragma unroll
+        for (int k = 0; k < VEC; k++) sum.add(e[i][k]);
+    }
+    const float s = row_sum(sum, [&](Acc2<T> v) { return row_reduce<SumSum<Acc2<T>>>(v, sum_red, 1, false); });
+    const float inv_s = 1.f / s, log_s = logf(s);
+    if (threadIdx.x == 0 && row_max) row_max[row] = m;
+    T *yr = y + row * n - lead;
+#pragma unroll
+    for (int i = 0; i < P; i++) {
+        const int p = threadIdx.x + i * blockDim.x;
+        if (p >= packs) continue;
+        float o[VEC];
+#pragma unroll
+        for (int k = 0; k < VEC; k++)
+            o[k] = kLog ? fmaf(fk::pack_f32<T>(vx[i], k), scale, -ref) - log_s : normalize<T>(e[i][k], s, inv_s);
+        store_in<T, VEC, true>(yr + p * VEC, o, p * VEC, lead, hi);
+    }
+}
+
 // ---- inner > 1: columns x[o, :, i] ------------------------------------------------------------
 
 constexpr int kColsX = 32;  // columns per CTA: one warp reads 32 adjacent inner elements
@@ -1597,6 +1665,19 @@ bool launch_rows_smem(fk_status &status, const char *op, int64_t rows, int64_t n
     return false;
 }
 
+// Launches an in-register row kernel (one CTA a row: kernel, kPackElems elements a thread, or
+// wide_kernel, twice that, past kPackElems * kPackThreads) for rows of `frame` elements.
+template <auto kernel, auto wide_kernel, typename... Args>
+fk_status launch_rows_packs(const char *op, int64_t rows, int64_t frame, int device, cudaStream_t stream,
+                            Args... args) {
+    if (rows > 0x7fffffff) return fk_fail(FK_ERR_VALUE, "%s: %lld rows exceed the CUDA grid", op, (long long)rows);
+    const bool wide = frame > kPackElems * kPackThreads;
+    const int64_t per = (wide ? 2 : 1) * kPackElems;
+    const int threads = (int)(((frame + per - 1) / per + 31) / 32 * 32);
+    const fk::Launch launch(dim3((unsigned)rows), dim3(threads), 0, stream, device);
+    return wide ? launch(op, wide_kernel, args...) : launch(op, kernel, args...);
+}
+
 // Lanes per row and elements per lane for the warp kernels. Packed rows: kBytes a lane per tensor
 // (forward 64, backward 32 of each of x and dy; more for rows that need it) and the fewest lanes
 // that cover the row, so a short row is reduced over few lanes (fp32 (65536, 128) forward: 8 lanes,
@@ -1735,6 +1816,12 @@ fk_status launch_fwd_rows(const T *x, T *y, float *row_max, int64_t rows, int64_
                     });
             });
         });
+    if constexpr (VEC > 1 && !kCausal && kFwdPacks<T>) {
+        constexpr int P = kPackElems / VEC;
+        if (ragged && frame <= kPackRowMax)
+            return launch_rows_packs<softmax_fwd_rows_packs<T, P, kLog>, softmax_fwd_rows_packs<T, 2 * P, kLog>>(
+                op, rows, frame, device, stream, n, x, y, row_max, scale);
+    }
     fk_status status = FK_OK;
     if (VEC > 1 && !ragged &&
         launch_rows_smem<softmax_fwd_rows_smem<T, kCausal, kLog, true>,
@@ -1771,16 +1858,12 @@ fk_status launch_bwd_rows(const T *dy, const T *x, const float *row_max, T *dx, 
     fk_status status = FK_OK;
     if constexpr (VEC > 1) {
         if (frame <= kPackRowMax && (!ragged || !kCausal)) {
-            if (rows > 0x7fffffff) return fk_fail(FK_ERR_VALUE, "%s: %lld rows exceed the CUDA grid", op, (long long)rows);
-            const bool wide = frame > kPackElems * kPackThreads;  // 16 elements a thread
-            const int64_t per = (wide ? 2 : 1) * kPackElems;
-            const int threads = (int)(((frame + per - 1) / per + 31) / 32 * 32);
             constexpr int P = kPackElems / VEC;
-            const fk::Launch launch(dim3((unsigned)rows), dim3(threads), 0, stream, device);
             return with_ragged<VEC, kCausal>(ragged, [&](auto rag) {
                 constexpr bool kRag = decltype(rag)::value;
-                return wide ? launch(op, softmax_bwd_rows_packs<T, 2 * P, kCausal, kLog, kRag>, n, dy, x, row_max, dx, scale, causal_sq)
-                            : launch(op, softmax_bwd_rows_packs<T, P, kCausal, kLog, kRag>, n, dy, x, row_max, dx, scale, causal_sq);
+                return launch_rows_packs<softmax_bwd_rows_packs<T, P, kCausal, kLog, kRag>,
+                                         softmax_bwd_rows_packs<T, 2 * P, kCausal, kLog, kRag>>(
+                    op, rows, frame, device, stream, n, dy, x, row_max, dx, scale, causal_sq);
             });
         }
     }
