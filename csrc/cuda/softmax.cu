@@ -866,7 +866,7 @@ softmax_bwd_rows_block(int64_t n, int64_t seg, int cluster_k, const T *__restric
 // passes then read shared memory, so global memory is read
 // once and a whole slice per CTA is in flight whatever the registers (the register kernels above
 // hold 32-64 bytes per thread and re-read a second chunk from L2). Two shapes:
-//  - kWarpRows: a CTA of kWarpRows warps takes kWarpRows short rows, a warp each (warp shuffles
+//  - kWarpRows (forward): a CTA of kWarpRows warps takes kWarpRows short rows, a warp each (warp shuffles
 //    only, one mbarrier per row), so a CTA has kWarpRows slices in flight;
 //  - else K CTAs of kSmemThreads per row (a cluster when K > 1; DSMEM exchange of the partials).
 // One CTA per row (or row group): a persistent grid walking rows with a two-stage pipeline
@@ -1177,7 +1177,7 @@ constexpr int kDyRegThreads = 256;
 constexpr int kDyRegPacks = 16;
 constexpr int64_t kDyRegSliceMax = kDyRegThreads * kDyRegPacks * 16;  // 64 KB
 
-template <typename T, bool kCausal, bool kLog, bool kWarps, bool kDyRegs = false>
+template <typename T, bool kCausal, bool kLog, bool kDyRegs = false>
 __global__ void __launch_bounds__(kDyRegs ? kDyRegThreads : kSmemThreads<true>, kDyRegs ? 2 : 1)
 softmax_bwd_rows_smem(int64_t n, int64_t seg, int cluster_k, int64_t rows, const T *__restrict__ dy,
                       const T *__restrict__ x, const float *__restrict__ row_max, T *__restrict__ dx,
@@ -1185,14 +1185,13 @@ softmax_bwd_rows_smem(int64_t n, int64_t seg, int cluster_k, int64_t rows, const
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     constexpr int VEC = fk::Pack<T>::N;
     extern __shared__ __align__(kSliceAlign) unsigned char smem_raw[];
-    __shared__ uint64_t bar[kWarps ? kWarpRows : kMaxPieces];
+    __shared__ uint64_t bar[kMaxPieces];
     __shared__ RowReduceSmem<Acc2<T>> red;
-    const Pieces pieces = pieces_of<T, kWarps, true>(seg, cluster_k);
-    const int w = kWarps ? threadIdx.x / 32 : 0;
-    constexpr int kLanes = kWarps ? 32 : kDyRegs ? kDyRegThreads : kSmemThreads<true>;
-    const int lane = kWarps ? threadIdx.x % 32 : threadIdx.x, lanes = kLanes;
+    const Pieces pieces = pieces_of<T, false, true>(seg, cluster_k);
+    constexpr int kLanes = kDyRegs ? kDyRegThreads : kSmemThreads<true>;
+    const int lane = threadIdx.x, lanes = kLanes;
     const int64_t slice = seg * (int64_t)sizeof(T);  // x slices, then dy slices (unless in registers)
-    const int64_t dy_base = (kWarps ? kWarpRows : 1) * slice;
+    const int64_t dy_base = slice;
     // bytes of x and dy for a slice (log_softmax sums dy over masked keys too)
     auto x_bytes = [](const Slice &s) { return slice_bytes<T>(s.keys, s.len); };
     auto dy_bytes = [](const Slice &s) { return slice_bytes<T>(kLog ? s.len : s.keys, s.len); };
@@ -1202,18 +1201,18 @@ softmax_bwd_rows_smem(int64_t n, int64_t seg, int cluster_k, int64_t rows, const
     // fp32 (4096, 16384) 1.008 -> 1.015x torch.compile, bf16 0.993 -> 0.994-0.996x, others level
     // (evict_first had cost 5-8 points).
     const bool prefetch = 2 * slice > kSmemCtaMax;
-    kernel_start(bar, kWarps ? kWarpRows : pieces.count, kWarps ? 1 : cluster_k, red);
-    start_copies<T, kCausal, kWarps, true>(bar, pieces, smem_raw, rows, n, seg, cluster_k, causal_sq, prefetch,
+    kernel_start(bar, pieces.count, cluster_k, red);
+    start_copies<T, kCausal, false, true>(bar, pieces, smem_raw, rows, n, seg, cluster_k, causal_sq, prefetch,
                                            [&](int i, const Slice &s, auto copy) {
                                                copy(i * slice, x + s.row * n + s.begin, x_bytes(s));
                                                if (!kDyRegs) copy(dy_base + i * slice, dy + s.row * n + s.begin, dy_bytes(s));
                                            }, !prefetch);
-    const Slice sl = slice_of<kCausal, kWarps, true>(w, rows, n, seg, cluster_k, causal_sq);
+    const Slice sl = slice_of<kCausal, false, true>(0, rows, n, seg, cluster_k, causal_sq);
     const int x_packs = (int)(x_bytes(sl) / 16), dy_packs = (int)(dy_bytes(sl) / 16);
     const int outs = (int)(sl.len > 0 ? sl.len / VEC : 0);
     const int64_t dy_keys = kLog ? sl.len : sl.keys;
-    fk::Pack<T> *sx = reinterpret_cast<fk::Pack<T> *>(smem_raw + w * slice);
-    const fk::Pack<T> *sdy = reinterpret_cast<const fk::Pack<T> *>(smem_raw + dy_base + w * slice);
+    fk::Pack<T> *sx = reinterpret_cast<fk::Pack<T> *>(smem_raw);
+    const fk::Pack<T> *sdy = reinterpret_cast<const fk::Pack<T> *>(smem_raw + dy_base);
     fk::Pack<T> dy_reg[kDyRegs ? kDyRegPacks : 1];  // kDyRegs: pack lane + i * kLanes in dy_reg[i]
     if constexpr (kDyRegs) {
         const T *dyr = dy + sl.row * n + sl.begin;
@@ -1257,13 +1256,13 @@ softmax_bwd_rows_smem(int64_t n, int64_t seg, int cluster_k, int64_t rows, const
             asm volatile("" : "+r"(raw.x), "+r"(raw.y), "+r"(raw.z), "+r"(raw.w));
         }
     } else {
-        over_pieces<2>(bar + w, pieces, packs, lane, lanes, [&](int p) {
+        over_pieces<2>(bar, pieces, packs, lane, lanes, [&](int p) {
             fk::Pack<T> g;
             if (!kCausal || p < dy_packs) g = sdy[p];
             sum_pack(p, g);
         });
     }
-    const Acc2<T> za = slice_reduce<kWarps, SumSum<Acc2<T>>>(sums.value(), red, cluster_k);
+    const Acc2<T> za = slice_reduce<false, SumSum<Acc2<T>>>(sums.value(), red, cluster_k);
     if (!sl.valid) return;
     const BwdRow<T> br(za.x, za.y, kLog, scale);
     T *dxr = dx + sl.row * n + sl.begin;
@@ -1625,7 +1624,8 @@ fk_status launch_rows_block(const char *op, int64_t rows, int64_t n, int64_t fra
 
 // Launches a shared-memory row kernel (kTensors slices per row: x, or x and dy) when the device
 // has the bulk copy engine, rows are 16-byte aligned and a CTA's slices fit; returns false
-// (launching nothing) otherwise.
+// (launching nothing) otherwise. warp_kernel nullptr (the backward, whose in-register kernels take
+// every row of 8192 elements or less): no kernel for rows of kSmemWarpRowMax or less.
 template <auto warp_kernel, auto cta_kernel, auto dy_reg_kernel, typename T, int kTensors, typename... Args>
 bool launch_rows_smem(fk_status &status, const char *op, int64_t rows, int64_t n, int device,
                       cudaStream_t stream, Args... args) {
@@ -1633,11 +1633,15 @@ bool launch_rows_smem(fk_status &status, const char *op, int64_t rows, int64_t n
     if (fk::compute_major(device) < 9) return false;
     const int64_t row_bytes = n * (int64_t)sizeof(T) * kTensors;
     if (row_bytes <= kSmemWarpRowMax) {  // kWarpRows rows a CTA: at most 32 KB, no opt-in needed
-        const int64_t ctas = (rows + kWarpRows - 1) / kWarpRows;
-        if (ctas > 0x7fffffff) return false;
-        status = fk::Launch(dim3((unsigned)ctas), dim3(32 * kWarpRows), (size_t)(kWarpRows * row_bytes), stream,
-                            device)(op, warp_kernel, n, n, 1, rows, args...);
-        return true;
+        if constexpr (warp_kernel == nullptr) {
+            return false;
+        } else {
+            const int64_t ctas = (rows + kWarpRows - 1) / kWarpRows;
+            if (ctas > 0x7fffffff) return false;
+            status = fk::Launch(dim3((unsigned)ctas), dim3(32 * kWarpRows), (size_t)(kWarpRows * row_bytes), stream,
+                                device)(op, warp_kernel, n, n, 1, rows, args...);
+            return true;
+        }
     }
     int64_t k = pow2_ceil((row_bytes + kSmemCtaMax - 1) / kSmemCtaMax);
     constexpr int threads = kSmemThreads<kTensors == 2>;
@@ -1868,9 +1872,8 @@ fk_status launch_bwd_rows(const T *dy, const T *x, const float *row_max, T *dx, 
         }
     }
     if (VEC > 1 && !ragged &&
-        launch_rows_smem<softmax_bwd_rows_smem<T, kCausal, kLog, true>,
-                         softmax_bwd_rows_smem<T, kCausal, kLog, false>,
-                         softmax_bwd_rows_smem<T, kCausal, kLog, false, true>, T, 2>(
+        launch_rows_smem<nullptr, softmax_bwd_rows_smem<T, kCausal, kLog>,
+                         softmax_bwd_rows_smem<T, kCausal, kLog, true>, T, 2>(
             status, op, rows, n, device, stream, dy, x, row_max, dx, scale, causal_sq))
         return status;
     return with_ragged<VEC, kCausal>(ragged, [&](auto rag) {

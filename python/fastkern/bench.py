@@ -239,6 +239,9 @@ def gelu_cases(device, quick=False):
 
 SOFTMAX_SHAPES = [(65536, 128), (32768, 1024), (16384, 4096), (4096, 16384), (1024, 65536),
                   (256, 262144), (3000, 1000)]
+# rows that are not a multiple of 16 bytes (bf16; fp32 1100 is packed): ViT's 197 tokens, 257,
+# 1100, GPT-2's 50257-word vocabulary
+SOFTMAX_RAGGED_SHAPES = [(151296, 197), (65536, 257), (131072, 1100), (4096, 50257)]
 
 
 def softmax_backward_from_output(g, y):
@@ -247,11 +250,13 @@ def softmax_backward_from_output(g, y):
 
 
 def softmax_cases(device, quick=False):
-    """Yields forward and backward cases over the issue's shapes, fp32 and bf16, and a scaled causal
-    case; each compile peer starts from a reset dynamo, so it is compiled for its own shape.
-    Backward inputs are (dy, x, fastkern's row max, torch's saved output y): each impl takes what
-    its own forward saved."""
-    shapes = SOFTMAX_SHAPES if not (quick or device.type == "cpu") else [(r // 16, n) for r, n in SOFTMAX_SHAPES]
+    """Yields forward and backward cases over the issue's shapes and ragged ones, fp32 and bf16, and
+    a scaled causal case; each compile peer starts from a reset dynamo, so it is compiled for its
+    own shape. Backward inputs are (dy, x, fastkern's row max, torch's saved output y): each impl
+    takes what its own forward saved."""
+    shapes = SOFTMAX_SHAPES + SOFTMAX_RAGGED_SHAPES
+    if quick or device.type == "cpu":
+        shapes = [(r // 16, n) for r, n in shapes]
     for dtype in (torch.float32, torch.bfloat16):
         size = torch.finfo(dtype).bits // 8
         for rows, n in shapes:
