@@ -543,7 +543,7 @@ softmax_fwd_rows_warp(int64_t rows, int n, int group_arg, const T *__restrict__ 
 // shapes level. (The forward, with the same change, measured level to -1.5 points, so it keeps
 // its select.)
 template <typename T, int VEC, int C, int G, bool kCausal, bool kLog, int kThreads, bool kRagged = false>
-__global__ void __launch_bounds__(kThreads, std::is_same_v<T, float> && C == 32 && !kRagged ? 6 * kWarpBlock / kThreads : 1)
+__global__ void __launch_bounds__(kThreads, std::is_same_v<T, float> && C == 32 ? 6 * kWarpBlock / kThreads : 1)
 softmax_bwd_rows_warp(int64_t rows, int n, int group_arg, const T *__restrict__ dy, const T *__restrict__ x,
                       const float *__restrict__ row_max, T *__restrict__ dx, float scale, int64_t causal_sq) {
     fk::grid_dependency_sync();
@@ -1795,9 +1795,10 @@ fk_status with_warp_block(int64_t rows, int group, int device, F &&launch) {
 // kernels take, sized for their longest frame.
 template <int VEC> int64_t row_frame(int64_t n) { return n % VEC ? n + VEC - 1 : n; }
 
-// Calls go(std::integral_constant<bool, kRagged>()): true for ragged rows without a mask (row_lead).
-template <int VEC, bool kCausal, typename F> fk_status with_ragged(bool ragged, F &&go) {
-    if constexpr (VEC > 1 && !kCausal)
+// Calls go(std::integral_constant<bool, kRagged>()): true for ragged rows (row_lead) where the
+// caller has kRagged instances (not kMasked).
+template <int VEC, bool kMasked, typename F> fk_status with_ragged(bool ragged, F &&go) {
+    if constexpr (VEC > 1 && !kMasked)
         if (ragged) return go(std::true_type());
     return go(std::false_type());
 }
@@ -1848,7 +1849,7 @@ fk_status launch_bwd_rows(const T *dy, const T *x, const float *row_max, T *dx, 
     if (frame <= kWarpMaxN)
         return with_warp_shape<T, VEC, 32>(frame, [&](auto c, auto g, int group) {
             constexpr int C = decltype(c)::value, G = decltype(g)::value, ROWS = warp_rows<T, 2 * C>();
-            return with_ragged<VEC, kCausal>(ragged, [&](auto rag) {
+            return with_ragged<VEC, kCausal || std::is_same_v<T, float>>(ragged, [&](auto rag) {
                 constexpr bool kRag = decltype(rag)::value;
                 return with_warp_block<T, C, softmax_bwd_rows_warp<T, VEC, C, G, kCausal, kLog, kWarpBlock, kRag>, ROWS>(
                     rows, group, device, [&](auto threads) {
@@ -1893,11 +1894,14 @@ template <typename F> fk_status with_flags(int64_t causal_sq, int is_log, F &&la
 }
 
 // Whether rows of n take 16-byte accesses (VEC elements): all tensors 16-byte aligned, and a
-// ragged row (n % VEC != 0, row_lead) longer than a warp holds, or held by a warp whole with its
-// frame and without a mask (the masked warp instances take no lead; bf16 1018-1023 took the
-// row-block kernel at 0.45-0.66x the scalar warp kernel's speed, H200).
-template <int VEC> bool row_packs(int64_t n, bool aligned, int64_t causal_sq) {
-    return aligned && (n % VEC == 0 || n > kWarpMaxN || (causal_sq == 0 && row_frame<VEC>(n) <= kWarpMaxN));
+// ragged row (n % VEC != 0, row_lead) longer than a warp holds, or one a warp holds whole with its
+// frame where `warp_ragged` (bf16 1018-1023 took the row-block kernel at 0.45-0.66x the scalar warp
+// kernel's speed, H200). Not warp_ragged: masked rows (the masked warp instances take no lead) and
+// the fp32 backward, whose kRagged warp instances lost to the scalar ones on an H200 (x torch.compile,
+// 197: 1.015 -> 0.966x, 257: 0.985 -> 0.805x; H100, 1001: 0.996 -> 1.007x), where the 16-bit ones
+// gained (bf16 197: 0.98 -> 1.05x, 257: 0.73 -> 0.79x).
+template <int VEC> bool row_packs(int64_t n, bool aligned, bool warp_ragged) {
+    return aligned && (n % VEC == 0 || n > kWarpMaxN || (warp_ragged && row_frame<VEC>(n) <= kWarpMaxN));
 }
 
 // Columns per CTA are fixed at 32; the threads splitting n grow to 32 when there are too few
@@ -1937,7 +1941,7 @@ extern "C" fk_status fk_cuda_softmax_fwd(const void *x, void *y, float *row_max,
                 op, softmax_fwd_cols<T>, xt, yt, row_max, columns, n, inner, (float)scale, log);
         }
         constexpr int N = fk::Pack<T>::N;
-        const bool packs = row_packs<N>(n, fk::aligned16(x) && fk::aligned16(y), causal_sq);
+        const bool packs = row_packs<N>(n, fk::aligned16(x) && fk::aligned16(y), causal_sq == 0);
         return with_flags(causal_sq, log, [&](auto causal, auto is_log) {
             if (packs)
                 return launch_fwd_rows<T, N, causal(), is_log()>(xt, yt, row_max, outer, n, (float)scale, causal_sq, device, s, op);
@@ -1966,7 +1970,8 @@ extern "C" fk_status fk_cuda_softmax_bwd(const void *dy, const void *x, const fl
                 op, softmax_bwd_cols<T>, dyt, xt, row_max, dxt, columns, n, inner, (float)scale, log);
         }
         constexpr int N = fk::Pack<T>::N;
-        const bool packs = row_packs<N>(n, fk::aligned16(dy) && fk::aligned16(x) && fk::aligned16(dx), causal_sq);
+        const bool packs = row_packs<N>(n, fk::aligned16(dy) && fk::aligned16(x) && fk::aligned16(dx),
+                                      causal_sq == 0 && !std::is_same_v<T, float>);
         return with_flags(causal_sq, log, [&](auto causal, auto is_log) {
             if (packs)
                 return launch_bwd_rows<T, N, causal(), is_log()>(dyt, xt, row_max, dxt, outer, n, (float)scale, causal_sq, device, s, op);
