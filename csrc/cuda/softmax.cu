@@ -26,10 +26,14 @@
 //                 no branch around an access (zero-filled loads, selects). Scalar rows: 1..4 rows
 //                 per lane group. 128-thread CTAs; one-warp CTAs for fp32 rows of 32 elements a
 //                 lane on grids of more than one wave (with_warp_block).
-//   backward, 1025-8192, rows a multiple of 16 bytes: one CTA of up to 512 threads a row, each
-//                 thread holding 8 elements of x and of dy in registers (16 past 4096), loaded at
-//                 once (softmax_bwd_rows_packs; torch.compile's shape, with y recomputed).
-//   longer, sm_90, rows a multiple of 16 bytes: the row slice is bulk-copied (TMA) into shared
+//   backward, 1025-8192: one CTA of up to 512 threads a row, each thread holding 8 elements of x
+//                 and of dy in registers (16 past 4096), loaded at once (softmax_bwd_rows_packs;
+//                 torch.compile's shape, with y recomputed).
+//   forward, fp32, 1025-8192: the row-block kernel below, one CTA a row, 16 elements a thread in
+//                 registers and each exp kept for the write pass (H100, against the shared-memory
+//                 kernels: packed 1100 / 2048 / 4096 / 8192 97.2 / 98.9 / 98.6 / 94.2 -> 100.1 /
+//                 99.9 / 99.3 / 96.5% of copy; ragged 2001 / 6001 94.7 -> 99.0).
+//   longer, sm_90, tensors 16-byte aligned: the row slice is bulk-copied (TMA) into shared
 //                 memory and read from there (a warp per row up to 8 KB of row data, else one CTA or
 //                 a cluster of 32 KB CTAs per row, up to 112 KB when 32 KB ones cannot hold it; see
 //                 "row slices in shared memory" below; a backward whose x and dy outgrow that
@@ -47,10 +51,11 @@
 //                 (one exp per element instead of two: measured faster with libdevice's expf,
 //                 within a point either way with ex2.approx, H200); 16-bit ones measured faster
 //                 with the single reduction and a second ex2.approx.
-//   ragged rows (n not a multiple of 16 bytes, tensors 16-byte aligned): the same register kernels
-//                 through the 16-byte accesses covering each row (row_lead), the row-block kernel
-//                 where the shared-memory ones would run; tensors not 16-byte aligned, and masked
-//                 ragged rows that a warp holds, the scalar path (VEC 1).
+//   ragged rows (n not a multiple of 16 bytes, tensors 16-byte aligned): the same kernels through
+//                 the 16-byte accesses covering each row (row_lead), the shared-memory ones in their
+//                 masked instances, bulk-copying each slice from its 16-byte aligned start; tensors
+//                 not 16-byte aligned, and masked ragged rows that a warp holds, the scalar path
+//                 (VEC 1).
 // inner > 1: a thread per (outer, inner) column, 32 columns per warp so loads stay coalesced, 8..32
 // threads splitting n, online max / sum down n, then a write pass (x read twice).
 //
@@ -177,30 +182,50 @@ __device__ __forceinline__ void store_in(T *p, const float *v, int j, int lo, in
 // e.g. a 50257-word vocabulary or 197 ViT tokens), a row starting at element row * n is read as
 // the aligned accesses covering it, a frame starting `lead` elements before the row; its elements
 // are frame indices [lead, lead + n). Unmasked, the warp and in-register kernels take them in
-// their kRagged instances (unragged, below), the row-block kernels in their masked ones with
-// causal_sq 1 (every key in); masked ragged rows that a warp holds take the scalar path. The first
+// their kRagged instances (unragged, below), the row-block and shared-memory kernels in their
+// masked ones with causal_sq 1 (every key in; the bulk copies start at the frame, 16-byte aligned);
+// masked ragged rows that a warp holds take the scalar path. The first
 // and last accesses of a row are partly another row's: read, but written element by element
 // (store_in). The tensor's last access may read up to 15 bytes past its end, within its 16-byte
 // block, so within a mapped page (torch's allocator rounds blocks up to 512 bytes). Packed rows
 // have lead 0. H200, against the scalar path, x torch.compile: bf16 (4096, 50257) forward 0.71 ->
-// 1.66x, backward 0.75 -> 1.28x; bf16 (131072, 1100) backward 0.67 -> 1.13x.
+// 1.66x, backward 0.75 -> 1.28x; bf16 (131072, 1100) backward 0.67 -> 1.13x. The shared-memory
+// kernels then took long rows from the row-block kernel (H100, % of copy, forward / backward):
+// bf16 (4096, 50257) 78 / 78 -> 98 / 99, (256, 250001) 75 / 73 -> 94 / 94; fp32 (4096, 50257)
+// 80 / 80 -> 98 / 99, (1024, 65543) 61 / 56 -> 97 / 100; 16-bit forwards of 1025-8192 from one CTA
+// a row in registers, bf16 (131072, 1100) 87 -> 95, (16384, 6001) 92 -> 97, but (32768, 4097) 94 -> 81.
 template <int VEC> __device__ __forceinline__ int row_lead(int64_t row, int64_t n) {
     return VEC == 1 ? 0 : (int)((row * n) & (VEC - 1));
+}
+
+// zero(k) for the elements k of the access at frame index j that lie outside [lo, hi).
+template <int VEC, typename Zero> __device__ __forceinline__ void zero_each_outside(int j, int lo, int hi, Zero zero) {
+#pragma unroll
+    for (int k = 0; k < VEC; k++)
+        if (j + k < lo || j + k >= hi) zero(k);
 }
 
 // Ragged rows without a mask (kRagged): every access is taken as a whole (accesses wholly past
 // the row as zeros, as for packed rows), then in an access at frame index j that straddles an end
 // of the row [lo, hi), the values outside it are zeroed (zero(k)) before they join the row's
-// reductions: one test an access, where the masked instances test every element.
+// reductions: one test an access, where the masked instances tested every element.
 template <int VEC> __device__ __forceinline__ bool straddles(int j, int lo, int hi) {
     return j < hi && (j < lo || j + VEC > hi);
 }
 template <int VEC, typename Zero> __device__ __forceinline__ void unragged(int j, int lo, int hi, Zero zero) {
-    if (straddles<VEC>(j, lo, hi)) {
-#pragma unroll
-        for (int k = 0; k < VEC; k++)
-            if (j + k < lo || j + k >= hi) zero(k);
-    }
+    if (straddles<VEC>(j, lo, hi)) zero_each_outside<VEC>(j, lo, hi, zero);
+}
+
+// The shared-memory kernels' masked instances (causal or ragged rows) likewise: an access at frame
+// index j that reaches outside the keys [lo, hi) (straddling an end, or wholly outside: there the
+// slice holds stale values) is zeroed outside them. Testing every element instead took a select and
+// a branch region each: bf16 backward of ragged rows at 41-54% of copy, against 78% for the
+// row-block kernel (H100).
+template <int VEC> __device__ __forceinline__ bool reaches_out(int j, int lo, int hi) {
+    return j < lo || j + VEC > hi;
+}
+template <int VEC, typename Zero> __device__ __forceinline__ void zero_outside(int j, int lo, int hi, Zero zero) {
+    if (reaches_out<VEC>(j, lo, hi)) zero_each_outside<VEC>(j, lo, hi, zero);
 }
 
 // Largest x * scale (rounded, as __fmul_rn) over a 16-byte pack: the max and min of the raw values
@@ -956,12 +981,17 @@ template <typename T> __device__ __forceinline__ uint32_t slice_bytes(int64_t le
 }
 
 // One CTA's part of the work: slice `w` of its rows (w: the warp with kWarpRows, else 0) is
-// elements [begin, begin + len) of row `row` (len <= 0: nothing), keys before `keys` (causal).
+// elements [begin, begin + len) of row `row`'s frame (len <= 0: nothing), from start(t, n) in a
+// tensor t; keys are its elements [lo, keys). Masked instances (kCausal) take ragged rows too
+// (causal_sq 1): their frame starts `lead` elements before the row (row_lead), and lo is the lead
+// in the first slice (lead < VEC <= seg); unmasked, lead and lo are 0 and the frame is the row.
 struct Slice {
     int64_t row, begin, len, keys;
+    int lo, lead;
     bool valid;
+    template <typename P> __device__ __forceinline__ P *start(P *t, int64_t n) const { return t + row * n + begin - lead; }
 };
-template <bool kCausal, bool kWarps, bool kDiv = false>
+template <typename T, bool kCausal, bool kWarps, bool kDiv = false>
 __device__ __forceinline__ Slice slice_of(int w, int64_t rows, int64_t n, int64_t seg, int cluster_k,
                                           int64_t causal_sq, int64_t block = blockIdx.x) {
     Slice sl;
@@ -973,11 +1003,19 @@ __device__ __forceinline__ Slice slice_of(int w, int64_t rows, int64_t n, int64_
     const int rank = kWarps ? 0 : kDiv ? (int)(block % cluster_k) : (int)(block & (cluster_k - 1));
     sl.row = kWarps ? block * kWarpRows + w : kDiv ? block / cluster_k : block >> (__ffs(cluster_k) - 1);
     sl.valid = sl.row < rows;
+    const int lead = kCausal ? row_lead<fk::Pack<T>::N>(sl.row, n) : 0;
     sl.begin = rank * seg;
-    const int64_t end = min(n, sl.begin + seg);
+    sl.lead = lead;
+    sl.lo = sl.begin < lead ? lead - (int)sl.begin : 0;
+    const int64_t end = min(lead + n, sl.begin + seg);
     sl.len = sl.valid ? end - sl.begin : 0;
-    sl.keys = sl.valid ? (kCausal ? min(end, causal_len(sl.row, n, causal_sq)) : end) - sl.begin : 0;
+    sl.keys = sl.valid ? (kCausal ? min(end, lead + causal_len(sl.row, n, causal_sq)) : end) - sl.begin : 0;
     return sl;
+}
+
+// Packs of a slice the write pass stores: a ragged row's last one in part (store_in).
+template <typename T, bool kCausal> __device__ __forceinline__ int out_packs(const Slice &sl) {
+    return (int)(kCausal ? slice_bytes<T>(sl.len, sl.len) / 16 : sl.len > 0 ? sl.len / fk::Pack<T>::N : 0);
 }
 
 // Copy pieces of a CTA-per-row slice: 4 when the row has one CTA, so its passes start on the
@@ -1018,7 +1056,7 @@ __device__ __forceinline__ void prefetch_next_cta(int64_t rows, int64_t n, int64
     asm("mov.u32 %0, %%nsmid;" : "=r"(sms));
     const int64_t next = (int64_t)blockIdx.x + sms;
     if (next >= gridDim.x) return;
-    copies(0, slice_of<kCausal, false, kDiv>(0, rows, n, seg, cluster_k, causal_sq, next),
+    copies(0, slice_of<T, kCausal, false, kDiv>(0, rows, n, seg, cluster_k, causal_sq, next),
            [&](int64_t, const T *src, uint32_t bytes) {
                if (bytes)
                    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(src), "r"(bytes) : "memory");
@@ -1039,7 +1077,7 @@ __device__ __forceinline__ void start_copies(uint64_t *bar, Pieces pieces, unsig
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     if (threadIdx.x != 0) return;
     for (int i = 0; i < (kWarps ? kWarpRows : 1); i++) {
-        const Slice sl = slice_of<kCausal, kWarps, kDiv>(i, rows, n, seg, cluster_k, causal_sq);
+        const Slice sl = slice_of<T, kCausal, kWarps, kDiv>(i, rows, n, seg, cluster_k, causal_sq);
         for (int c = 0; c < pieces.count; c++) {
             uint64_t *b = &bar[i * pieces.count + c];
             auto lo = [&](uint32_t bytes) { return min((uint32_t)c * pieces.bytes, bytes); };
@@ -1103,24 +1141,26 @@ softmax_fwd_rows_smem(int64_t n, int64_t seg, int cluster_k, int64_t rows, const
     const int64_t slice_bytes_max = seg * (int64_t)sizeof(T);
     start_copies<T, kCausal, kWarps>(bar, pieces, smem_raw, rows, n, seg, cluster_k, causal_sq, true,
                                      [&](int i, const Slice &s, auto copy) {
-                                         copy(i * slice_bytes_max, x + s.row * n + s.begin, slice_bytes<T>(s.keys, s.len));
+                                         copy(i * slice_bytes_max, s.start(x, n), slice_bytes<T>(s.keys, s.len));
                                      });
-    const Slice sl = slice_of<kCausal, kWarps>(w, rows, n, seg, cluster_k, causal_sq);
-    const int packs = (int)(slice_bytes<T>(sl.keys, sl.len) / 16), outs = (int)(sl.len > 0 ? sl.len / VEC : 0);
+    const Slice sl = slice_of<T, kCausal, kWarps>(w, rows, n, seg, cluster_k, causal_sq);
+    const int packs = (int)(slice_bytes<T>(sl.keys, sl.len) / 16), outs = out_packs<T, kCausal>(sl);
     fk::Pack<T> *sx = reinterpret_cast<fk::Pack<T> *>(smem_raw + w * slice_bytes_max);
-    auto is_key = [&](int p, int k) { return !kCausal || p * VEC + k < sl.keys; };
+    // masked (kCausal): packs reaching outside the keys [lo, keys) are zeroed outside them
+    // (zero_outside; packs past the copied ones hold stale values, all zeroed); others go whole
+    const int keys = (int)sl.keys;
 
     // the exact max first, then each exp once (kept in place of x for the write pass, kKeepExp;
     // fp16 takes ex2.approx again there), then the write pass
     float m = -INFINITY;
     over_pieces<4>(bar + w, pieces, packs, lane, lanes, [&](int p) {
         const fk::Pack<T> v = sx[p];
-        if constexpr (!kCausal) {
+        if (!kCausal || !reaches_out<VEC>(p * VEC, sl.lo, keys)) {
             m = fmaxf(m, pack_max_scaled<T>(v, scale));
         } else {
 #pragma unroll
             for (int k = 0; k < VEC; k++)
-                if (is_key(p, k)) m = fmaxf(m, __fmul_rn(fk::pack_f32<T>(v, k), scale));
+                if (p * VEC + k >= sl.lo && p * VEC + k < keys) m = fmaxf(m, __fmul_rn(fk::pack_f32<T>(v, k), scale));
         }
     });
     m = slice_reduce<kWarps, MaxOnly>(make_float2(m, 0.f), red, cluster_k).x;
@@ -1134,8 +1174,13 @@ softmax_fwd_rows_smem(int64_t n, int64_t seg, int cluster_k, int64_t rows, const
             float e[VEC];
 #pragma unroll
             for (int k = 0; k < VEC; k++) {
-                e[k] = is_key(p, k) ? exp_ftz(fmaf(fk::pack_f32<T>(v, k), scale, -ref)) : 0.f;
-                sum.add(e[k]);
+                e[k] = exp_ftz(fmaf(fk::pack_f32<T>(v, k), scale, -ref));
+                if constexpr (!kCausal) sum.add(e[k]);
+            }
+            if constexpr (kCausal) {
+                zero_outside<VEC>(p * VEC, sl.lo, keys, [&](int k) { e[k] = 0.f; });
+#pragma unroll
+                for (int k = 0; k < VEC; k++) sum.add(e[k]);
             }
             if constexpr (kExpInPlace) {
 #pragma unroll
@@ -1148,21 +1193,20 @@ softmax_fwd_rows_smem(int64_t n, int64_t seg, int cluster_k, int64_t rows, const
     const float ref = exp_ref(m), inv_s = 1.f / s, log_s = logf(s);
     if (!sl.valid) return;
     if (lane == 0 && sl.begin == 0 && row_max) row_max[sl.row] = m;
-    T *yr = y + sl.row * n + sl.begin;
+    T *yr = sl.start(y, n);
 #pragma unroll 4
     for (int p = lane; p < outs; p += lanes) {
-        // without a mask every output pack was copied (packs == outs)
-        const bool copied = !kCausal || p < packs;
-        fk::Pack<T> v, o;
-        if (copied) v = sx[p];
+        const fk::Pack<T> v = sx[p];
+        float o[VEC];
 #pragma unroll
         for (int k = 0; k < VEC; k++) {
-            const bool key = copied && is_key(p, k);
-            const float t = key ? fmaf(fk::pack_f32<T>(v, k), scale, -ref) : -INFINITY;
-            const float e = kExpInPlace ? (copied ? kept_exp<T>(v, k) : 0.f) : key ? exp_ftz(t) : 0.f;
-            o.v[k] = fk::from_f32<T>(kLog ? t - log_s : normalize<T>(e, s, inv_s));
+            const float t = fmaf(fk::pack_f32<T>(v, k), scale, -ref);
+            const float e = kExpInPlace ? kept_exp<T>(v, k) : exp_ftz(t);
+            o[k] = kLog ? t - log_s : normalize<T>(e, s, inv_s);
         }
-        fk::store_pack(yr + p * VEC, o);
+        if constexpr (kCausal)  // a masked key's output, as for exp 0 (NaN in an all-masked row)
+            zero_outside<VEC>(p * VEC, sl.lo, keys, [&](int k) { o[k] = kLog ? -INFINITY - log_s : normalize<T>(0.f, s, inv_s); });
+        store_in<T, VEC, kCausal>(yr + p * VEC, o, p * VEC, sl.lo, (int)sl.len);
     }
 #endif
 }
@@ -1204,45 +1248,51 @@ softmax_bwd_rows_smem(int64_t n, int64_t seg, int cluster_k, int64_t rows, const
     kernel_start(bar, pieces.count, cluster_k, red);
     start_copies<T, kCausal, false, true>(bar, pieces, smem_raw, rows, n, seg, cluster_k, causal_sq, prefetch,
                                            [&](int i, const Slice &s, auto copy) {
-                                               copy(i * slice, x + s.row * n + s.begin, x_bytes(s));
-                                               if (!kDyRegs) copy(dy_base + i * slice, dy + s.row * n + s.begin, dy_bytes(s));
+                                               copy(i * slice, s.start(x, n), x_bytes(s));
+                                               if (!kDyRegs) copy(dy_base + i * slice, s.start(dy, n), dy_bytes(s));
                                            }, !prefetch);
-    const Slice sl = slice_of<kCausal, false, true>(0, rows, n, seg, cluster_k, causal_sq);
+    const Slice sl = slice_of<T, kCausal, false, true>(0, rows, n, seg, cluster_k, causal_sq);
     const int x_packs = (int)(x_bytes(sl) / 16), dy_packs = (int)(dy_bytes(sl) / 16);
-    const int outs = (int)(sl.len > 0 ? sl.len / VEC : 0);
-    const int64_t dy_keys = kLog ? sl.len : sl.keys;
+    const int outs = out_packs<T, kCausal>(sl);
+    // masked (kCausal): packs reaching outside x's keys [lo, keys) (dy's: [lo, dy_keys), log_softmax
+    // sums dy over masked keys too) are zeroed outside them (zero_outside; packs past the copied
+    // ones hold stale values, all zeroed); the others are taken whole
+    const int keys = (int)sl.keys, dy_keys = kLog ? (int)sl.len : keys;
     fk::Pack<T> *sx = reinterpret_cast<fk::Pack<T> *>(smem_raw);
     const fk::Pack<T> *sdy = reinterpret_cast<const fk::Pack<T> *>(smem_raw + dy_base);
     fk::Pack<T> dy_reg[kDyRegs ? kDyRegPacks : 1];  // kDyRegs: pack lane + i * kLanes in dy_reg[i]
     if constexpr (kDyRegs) {
-        const T *dyr = dy + sl.row * n + sl.begin;
+        const T *dyr = sl.start(dy, n);
 #pragma unroll
         for (int i = 0; i < kDyRegPacks; i++)
             if (lane + i * kLanes < dy_packs) dy_reg[i] = fk::load_pack(dyr + (lane + i * kLanes) * VEC);
     }
     const float ref = sl.valid ? exp_ref(row_max[sl.row]) : 0.f;
-    // y' = exp(x * scale - row_max) of element k of pack p, 0 for masked keys; g likewise
-    // (without a mask x and dy cover every pack the loops visit: x_packs == dy_packs == outs)
-    auto y_unnorm = [&](int p, int k, const fk::Pack<T> &v) {
-        return !kCausal || (p < x_packs && p * VEC + k < sl.keys) ? exp_ftz(fmaf(fk::pack_f32<T>(v, k), scale, -ref)) : 0.f;
-    };
-    auto grad = [&](int p, int k, const fk::Pack<T> &g) {
-        return !kCausal || (p < dy_packs && p * VEC + k < dy_keys) ? fk::pack_f32<T>(g, k) : 0.f;
-    };
+    // y' = exp(x * scale - row_max) of element k of a pack v of x: unnormalised, z = sum y'
+    // renormalises it
+    auto y_unnorm = [&](int k, const fk::Pack<T> &v) { return exp_ftz(fmaf(fk::pack_f32<T>(v, k), scale, -ref)); };
 
     // fp32 keeps each y' in place of its x for the write pass (kExpOnce): one exp per element
     BwdSums<T, kLog> sums;  // (z, a): sum of y', sum of dy * y' (log: of dy)
     const int packs = x_packs > dy_packs ? x_packs : dy_packs;
     auto sum_pack = [&](int p, const fk::Pack<T> &g) {
-        fk::Pack<T> v;
-        if (!kCausal || p < x_packs) v = sx[p];
+        fk::Pack<T> v = sx[p];
+        float yk[VEC], gk[VEC];
 #pragma unroll
         for (int k = 0; k < VEC; k++) {
-            const float yk = y_unnorm(p, k, v);
-            if constexpr (kExpOnce<T>) keep_exp<T>(v, k, yk);
-            sums.add(yk, grad(p, k, g));
+            yk[k] = y_unnorm(k, v);
+            gk[k] = fk::pack_f32<T>(g, k);
         }
-        if (kExpOnce<T> && (!kCausal || p < x_packs)) sx[p] = v;
+        if constexpr (kCausal) {
+            zero_outside<VEC>(p * VEC, sl.lo, keys, [&](int k) { yk[k] = 0.f; });
+            zero_outside<VEC>(p * VEC, sl.lo, dy_keys, [&](int k) { gk[k] = 0.f; });
+        }
+#pragma unroll
+        for (int k = 0; k < VEC; k++) {
+            if constexpr (kExpOnce<T>) keep_exp<T>(v, k, yk[k]);
+            sums.add(yk[k], gk[k]);
+        }
+        if constexpr (kExpOnce<T>) sx[p] = v;
     };
     if constexpr (kDyRegs) {
         for (int c = 0; c < pieces.count; c++) mbar_wait(&bar[c]);
@@ -1256,26 +1306,22 @@ softmax_bwd_rows_smem(int64_t n, int64_t seg, int cluster_k, int64_t rows, const
             asm volatile("" : "+r"(raw.x), "+r"(raw.y), "+r"(raw.z), "+r"(raw.w));
         }
     } else {
-        over_pieces<2>(bar, pieces, packs, lane, lanes, [&](int p) {
-            fk::Pack<T> g;
-            if (!kCausal || p < dy_packs) g = sdy[p];
-            sum_pack(p, g);
-        });
+        over_pieces<2>(bar, pieces, packs, lane, lanes, [&](int p) { sum_pack(p, sdy[p]); });
     }
     const Acc2<T> za = slice_reduce<false, SumSum<Acc2<T>>>(sums.value(), red, cluster_k);
     if (!sl.valid) return;
     const BwdRow<T> br(za.x, za.y, kLog, scale);
-    T *dxr = dx + sl.row * n + sl.begin;
+    T *dxr = sl.start(dx, n);
     auto write_pack = [&](int p, const fk::Pack<T> &g) {
-        fk::Pack<T> v, o;
-        if (!kCausal || p < x_packs) v = sx[p];
+        const fk::Pack<T> v = sx[p];
+        float o[VEC];
 #pragma unroll
         for (int k = 0; k < VEC; k++) {
-            const bool key = !kCausal || (p < x_packs && p * VEC + k < sl.keys);
-            const float yk = kExpOnce<T> ? (key ? kept_exp<T>(v, k) : 0.f) : y_unnorm(p, k, v);
-            o.v[k] = fk::from_f32<T>(key ? br.template dx<kLog>(yk, grad(p, k, g)) : 0.f);
+            const float yk = kExpOnce<T> ? kept_exp<T>(v, k) : y_unnorm(k, v);
+            o[k] = br.template dx<kLog>(yk, fk::pack_f32<T>(g, k));
         }
-        fk::store_pack(dxr + p * VEC, o);
+        if constexpr (kCausal) zero_outside<VEC>(p * VEC, sl.lo, keys, [&](int k) { o[k] = 0.f; });
+        store_in<T, VEC, kCausal>(dxr + p * VEC, o, p * VEC, sl.lo, (int)sl.len);
     };
     if constexpr (kDyRegs) {
 #pragma unroll
@@ -1283,11 +1329,7 @@ softmax_bwd_rows_smem(int64_t n, int64_t seg, int cluster_k, int64_t rows, const
             if (lane + i * kLanes < outs) write_pack(lane + i * kLanes, dy_reg[i]);
     } else {
 #pragma unroll 2
-        for (int p = lane; p < outs; p += lanes) {
-            fk::Pack<T> g;
-            if (!kCausal || p < dy_packs) g = sdy[p];
-            write_pack(p, g);
-        }
+        for (int p = lane; p < outs; p += lanes) write_pack(p, sdy[p]);
     }
 #endif
 }
@@ -1396,74 +1438,6 @@ softmax_bwd_rows_packs(int64_t n, const T *__restrict__ dy, const T *__restrict_
             for (int k = 0; k < VEC; k++) out.v[k] = fk::from_f32<T>(o[k]);
             fk::store_pack(dxr + j, out);
         }
-    }
-}
-
-// Forward of 16-bit ragged rows of 1025-8192 elements (row_lead), the same shape: kPackElems
-// elements of x a thread (16 past 4096) in registers, the exact row max, one exp an element kept
-// for the output, the sum, one write. (Packed rows take the shared-memory kernels, which ragged
-// rows' unaligned bulk copies cannot.) H200, against the row-block kernel (32 elements a thread
-// and a second read, masked), % of copy: bf16 (131072, 1100) 38 -> 64, (65536, 2001) 68 -> 71,
-// (32768, 4097) 58 -> 78, (16384, 6001) 67 -> 77; but fp32 2001 / 4097 / 6001 92 / 85 / 85 -> 85
-// / 69 / 67 (against the row-block kernel's 16 elements a thread and kept exps), so fp32 rows keep
-// the row-block kernel (kFwdPacks).
-template <typename T> constexpr bool kFwdPacks = !std::is_same_v<T, float>;
-template <typename T, int P, bool kLog>
-__global__ void __launch_bounds__(kPackThreads, (kPackCtas<T, P>))
-softmax_fwd_rows_packs(int64_t n, const T *__restrict__ x, T *__restrict__ y, float *__restrict__ row_max,
-                       float scale) {
-    constexpr int VEC = fk::Pack<T>::N;
-    __shared__ RowReduceSmem<float2, kPackThreads / 32> max_red;
-    __shared__ RowReduceSmem<Acc2<T>, kPackThreads / 32> sum_red;
-    fk::grid_dependency_sync();
-    const int64_t row = blockIdx.x;
-    const int lead = row_lead<VEC>(row, n), hi = lead + (int)n;
-    const int packs = (hi + VEC - 1) / VEC;
-    const T *xr = x + row * n - lead;
-    fk::Pack<T> vx[P];
-    float m = -INFINITY;
-#pragma unroll
-    for (int i = 0; i < P; i++) {
-        const int p = threadIdx.x + i * blockDim.x, j = p * VEC;
-        if (p < packs) {
-            vx[i] = fk::load_pack(xr + j);
-            float pm = pack_max_scaled<T>(vx[i], scale);
-            if (straddles<VEC>(j, lead, hi)) {  // the row's elements only
-                pm = -INFINITY;
-#pragma unroll
-                for (int k = 0; k < VEC; k++)
-                    if (j + k >= lead && j + k < hi) pm = fmaxf(pm, __fmul_rn(fk::pack_f32<T>(vx[i], k), scale));
-            }
-            m = fmaxf(m, pm);
-        }
-    }
-    m = row_reduce<MaxOnly>(make_float2(m, 0.f), max_red, 1).x;
-    const float ref = exp_ref(m);
-    float e[P][VEC];
-    RowSum<T> sum;
-#pragma unroll
-    for (int i = 0; i < P; i++) {
-        const int p = threadIdx.x + i * blockDim.x;
-#pragma unroll
-        for (int k = 0; k < VEC; k++)
-            e[i][k] = p < packs ? exp_ftz(fmaf(fk::pack_f32<T>(vx[i], k), scale, -ref)) : 0.f;
-        unragged<VEC>(p * VEC, lead, hi, [&](int k) { e[i][k] = 0.f; });
-#pragma unroll
-        for (int k = 0; k < VEC; k++) sum.add(e[i][k]);
-    }
-    const float s = row_sum(sum, [&](Acc2<T> v) { return row_reduce<SumSum<Acc2<T>>>(v, sum_red, 1, false); });
-    const float inv_s = 1.f / s, log_s = logf(s);
-    if (threadIdx.x == 0 && row_max) row_max[row] = m;
-    T *yr = y + row * n - lead;
-#pragma unroll
-    for (int i = 0; i < P; i++) {
-        const int p = threadIdx.x + i * blockDim.x;
-        if (p >= packs) continue;
-        float o[VEC];
-#pragma unroll
-        for (int k = 0; k < VEC; k++)
-            o[k] = kLog ? fmaf(fk::pack_f32<T>(vx[i], k), scale, -ref) - log_s : normalize<T>(e[i][k], s, inv_s);
-        store_in<T, VEC, true>(yr + p * VEC, o, p * VEC, lead, hi);
     }
 }
 
@@ -1623,23 +1597,28 @@ fk_status launch_rows_block(const char *op, int64_t rows, int64_t n, int64_t fra
 }
 
 // Launches a shared-memory row kernel (kTensors slices per row: x, or x and dy) when the device
-// has the bulk copy engine, rows are 16-byte aligned and a CTA's slices fit; returns false
-// (launching nothing) otherwise. warp_kernel nullptr (the backward, whose in-register kernels take
+// has the bulk copy engine, tensors are 16-byte aligned and a CTA's slices fit; returns false
+// (launching nothing) otherwise. Sized for `frame` elements a row (row_frame: ragged rows, which
+// the masked instances take). warp_kernel nullptr (the backward, whose in-register kernels take
 // every row of 8192 elements or less): no kernel for rows of kSmemWarpRowMax or less.
 template <auto warp_kernel, auto cta_kernel, auto dy_reg_kernel, typename T, int kTensors, typename... Args>
-bool launch_rows_smem(fk_status &status, const char *op, int64_t rows, int64_t n, int device,
+bool launch_rows_smem(fk_status &status, const char *op, int64_t rows, int64_t n, int64_t frame, int device,
                       cudaStream_t stream, Args... args) {
     constexpr int64_t VEC = fk::Pack<T>::N;
     if (fk::compute_major(device) < 9) return false;
-    const int64_t row_bytes = n * (int64_t)sizeof(T) * kTensors;
-    if (row_bytes <= kSmemWarpRowMax) {  // kWarpRows rows a CTA: at most 32 KB, no opt-in needed
+    frame = (frame + VEC - 1) / VEC * VEC;
+    const int64_t row_bytes = frame * (int64_t)sizeof(T) * kTensors;
+    // kWarpRows rows a CTA: at most 32 KB of rows and their frames' leads, under the 48 KB that
+    // needs no opt-in (decided by the row, so that a ragged row of 8 KB takes a warp, as a packed
+    // one does)
+    if (n * (int64_t)sizeof(T) * kTensors <= kSmemWarpRowMax) {
         if constexpr (warp_kernel == nullptr) {
             return false;
         } else {
             const int64_t ctas = (rows + kWarpRows - 1) / kWarpRows;
             if (ctas > 0x7fffffff) return false;
             status = fk::Launch(dim3((unsigned)ctas), dim3(32 * kWarpRows), (size_t)(kWarpRows * row_bytes), stream,
-                                device)(op, warp_kernel, n, n, 1, rows, args...);
+                                device)(op, warp_kernel, n, frame, 1, rows, args...);
             return true;
         }
     }
@@ -1648,7 +1627,7 @@ bool launch_rows_smem(fk_status &status, const char *op, int64_t rows, int64_t n
     const int64_t limit = cluster_limit<cta_kernel>(device, threads, (int)kSmemCtaMax);
     if (limit == 0) return false;
     if (k > limit) k = limit;
-    const int64_t seg = ((n + k - 1) / k + VEC - 1) / VEC * VEC;
+    const int64_t seg = ((frame + k - 1) / k + VEC - 1) / VEC * VEC;
     const int64_t smem = seg * (int64_t)sizeof(T) * kTensors;
     if (rows * k > 0x7fffffff) return false;
     // a row a full cluster of kSmemCtaMax CTAs cannot hold: CTAs of up to kSmemCtaBigMax
@@ -1821,22 +1800,19 @@ fk_status launch_fwd_rows(const T *x, T *y, float *row_max, int64_t rows, int64_
                     });
             });
         });
-    if constexpr (VEC > 1 && !kCausal && kFwdPacks<T>) {
-        constexpr int P = kPackElems / VEC;
-        if (ragged && frame <= kPackRowMax)
-            return launch_rows_packs<softmax_fwd_rows_packs<T, P, kLog>, softmax_fwd_rows_packs<T, 2 * P, kLog>>(
-                op, rows, frame, device, stream, n, x, y, row_max, scale);
-    }
-    fk_status status = FK_OK;
-    if (VEC > 1 && !ragged &&
-        launch_rows_smem<softmax_fwd_rows_smem<T, kCausal, kLog, true>,
-                         softmax_fwd_rows_smem<T, kCausal, kLog, false>, nullptr, T, 1>(
-            status, op, rows, n, device, stream, x, y, row_max, scale, causal_sq))
-        return status;
+    const bool block_first = std::is_same_v<T, float> && frame <= kPackRowMax;  // see the strategies
     return with_ragged<VEC, kCausal>(ragged, [&](auto rag) {
         constexpr bool kMasked = kCausal || decltype(rag)::value;
+        const int64_t mask_sq = kCausal ? causal_sq : (int64_t)kMasked;
+        if constexpr (VEC > 1) {
+            fk_status status = FK_OK;
+            if (!block_first && launch_rows_smem<softmax_fwd_rows_smem<T, kMasked, kLog, true>,
+                                                 softmax_fwd_rows_smem<T, kMasked, kLog, false>, nullptr, T, 1>(
+                                    status, op, rows, n, frame, device, stream, x, y, row_max, scale, mask_sq))
+                return status;
+        }
         return launch_rows_block<softmax_fwd_rows_block<T, VEC, kMasked, kLog>, VEC, block_elems_fwd<T, VEC>()>(
-            op, rows, n, frame, device, stream, x, y, row_max, scale, kCausal ? causal_sq : (int64_t)kMasked);
+            op, rows, n, frame, device, stream, x, y, row_max, scale, mask_sq);
     });
 }
 
@@ -1860,7 +1836,6 @@ fk_status launch_bwd_rows(const T *dy, const T *x, const float *row_max, T *dx, 
                     });
             });
         });
-    fk_status status = FK_OK;
     if constexpr (VEC > 1) {
         if (frame <= kPackRowMax && (!ragged || !kCausal)) {
             constexpr int P = kPackElems / VEC;
@@ -1872,15 +1847,18 @@ fk_status launch_bwd_rows(const T *dy, const T *x, const float *row_max, T *dx, 
             });
         }
     }
-    if (VEC > 1 && !ragged &&
-        launch_rows_smem<nullptr, softmax_bwd_rows_smem<T, kCausal, kLog>,
-                         softmax_bwd_rows_smem<T, kCausal, kLog, true>, T, 2>(
-            status, op, rows, n, device, stream, dy, x, row_max, dx, scale, causal_sq))
-        return status;
     return with_ragged<VEC, kCausal>(ragged, [&](auto rag) {
         constexpr bool kMasked = kCausal || decltype(rag)::value;
+        const int64_t mask_sq = kCausal ? causal_sq : (int64_t)kMasked;
+        if constexpr (VEC > 1) {
+            fk_status status = FK_OK;
+            if (launch_rows_smem<nullptr, softmax_bwd_rows_smem<T, kMasked, kLog>,
+                                 softmax_bwd_rows_smem<T, kMasked, kLog, true>, T, 2>(
+                    status, op, rows, n, frame, device, stream, dy, x, row_max, dx, scale, mask_sq))
+                return status;
+        }
         return launch_rows_block<softmax_bwd_rows_block<T, VEC, kMasked, kLog>, VEC, block_elems_bwd<T, VEC>()>(
-            op, rows, n, frame, device, stream, dy, x, row_max, dx, scale, kCausal ? causal_sq : (int64_t)kMasked);
+            op, rows, n, frame, device, stream, dy, x, row_max, dx, scale, mask_sq);
     });
 }
 
