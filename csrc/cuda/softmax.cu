@@ -166,11 +166,23 @@ template <typename T, int VEC> __device__ __forceinline__ void store_vec(T *p, c
 }
 
 // Stores the elements of the VEC at p (frame index j, with j < hi) that lie in [lo, hi): one
-// 16-byte store when all do. kRagged: lo and hi need not fall on access boundaries.
+// 16-byte store when all do. kRagged: lo and hi need not fall on access boundaries; the whole
+// access is then stored through inline PTX, as with plain C++ stores the compiler split it into
+// 4-byte stores in every masked and ragged instance (the masked shared-memory forward: no 16-byte
+// store at all, bf16 elements in 2-byte stores).
 template <typename T, int VEC, bool kRagged>
 __device__ __forceinline__ void store_in(T *p, const float *v, int j, int lo, int hi) {
     if (!kRagged || VEC == 1 || (j >= lo && j + VEC <= hi)) {
-        store_vec<T, VEC>(p, v);
+        if constexpr (kRagged && VEC > 1) {
+            fk::Pack<T> out;
+#pragma unroll
+            for (int k = 0; k < VEC; k++) out.v[k] = fk::from_f32<T>(v[k]);
+            const uint4 w = *reinterpret_cast<const uint4 *>(&out);
+            asm volatile("st.global.v4.b32 [%0], {%1, %2, %3, %4};" ::"l"(p), "r"(w.x), "r"(w.y), "r"(w.z), "r"(w.w)
+                         : "memory");
+        } else {
+            store_vec<T, VEC>(p, v);
+        }
     } else {
 #pragma unroll
         for (int k = 0; k < VEC; k++)
