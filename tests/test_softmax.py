@@ -1,5 +1,7 @@
 """fastkern.softmax / log_softmax: values and gradients against float64, special values, dims,
 scale and causal masks, autograd, compile, graphs, bad input."""
+import fractions
+
 import pytest
 import torch
 
@@ -310,6 +312,14 @@ def test_bad_input(device):
         fastkern.softmax(x, 1.0)
     with pytest.raises(TypeError, match=r"scale must be a float, got str"):
         fastkern.softmax(x, scale="2")
+    with pytest.raises(TypeError, match=r"dim must be an int, got bool"):
+        fastkern.softmax(x, True)
+    with pytest.raises(TypeError, match=r"scale must be a float, got bool"):
+        fastkern.log_softmax(x, scale=True)
+    # other integral / real types are taken as the numbers ABCs define them
+    ref = torch.softmax(x * 2, 1)
+    torch.testing.assert_close(fastkern.softmax(x, type("Index", (int,), {})(1), scale=2), ref)
+    torch.testing.assert_close(fastkern.softmax(x, 1, scale=fractions.Fraction(2)), ref)
     with pytest.raises(ValueError, match=r"causal=True needs x with at least 2 dims \(query, key\), got 1"):
         fastkern.softmax(torch.randn(8, device=device), causal=True)
     with pytest.raises(ValueError, match=r"causal=True needs dim=-1 \(keys on the last dim\), got dim=0"):

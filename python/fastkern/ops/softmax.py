@@ -134,11 +134,11 @@ _softmax_op, _softmax_backward_op = B.register_op(
 
 
 def _call(x, dim, scale, causal, log):
-    op = _name(log)
-    if not isinstance(dim, numbers.Integral) or isinstance(dim, bool):
-        raise TypeError(f"fastkern.{op}: dim must be an int, got {type(dim).__name__}")
-    if not isinstance(scale, numbers.Real) or isinstance(scale, bool):
-        raise TypeError(f"fastkern.{op}: scale must be a float, got {type(scale).__name__}")
+    # the exact types first: an isinstance check against the numbers ABCs costs ~0.4 us a call
+    if type(dim) is not int and (not isinstance(dim, numbers.Integral) or isinstance(dim, bool)):
+        raise TypeError(f"fastkern.{_name(log)}: dim must be an int, got {type(dim).__name__}")
+    if type(scale) is not float and (not isinstance(scale, numbers.Real) or isinstance(scale, bool)):
+        raise TypeError(f"fastkern.{_name(log)}: scale must be a float, got {type(scale).__name__}")
     causal = bool(causal)
     plan = _check(x, dim, scale, causal, log)  # bad input is refused here by name, on every path
     route = B.route(x)
