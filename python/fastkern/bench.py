@@ -240,8 +240,9 @@ def gelu_cases(device, quick=False):
 SOFTMAX_SHAPES = [(65536, 128), (32768, 1024), (16384, 4096), (4096, 16384), (1024, 65536),
                   (256, 262144), (3000, 1000)]
 # rows that are not a multiple of 16 bytes (bf16; fp32 1100 is packed): ViT's 197 tokens, 257,
-# 1100, GPT-2's 50257-word vocabulary
-SOFTMAX_RAGGED_SHAPES = [(151296, 197), (65536, 257), (131072, 1100), (4096, 50257)]
+# 1100, 4097 (16-bit rows just over 8 KB: one CTA a row in the shared-memory forward), GPT-2's
+# 50257-word vocabulary
+SOFTMAX_RAGGED_SHAPES = [(151296, 197), (65536, 257), (131072, 1100), (32768, 4097), (4096, 50257)]
 
 
 def softmax_backward_from_output(g, y):
