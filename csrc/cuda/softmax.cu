@@ -1794,6 +1794,11 @@ template <int VEC, bool kMasked, typename F> fk_status with_ragged(bool ragged, 
     return go(std::false_type());
 }
 
+// The forward's warp-per-row shared-memory instance: none for fp32, whose rows of up to 8 KB take
+// the row-block kernel (block_first below).
+template <typename T, bool kMasked, bool kLog> constexpr auto kFwdWarpRows = softmax_fwd_rows_smem<T, kMasked, kLog, true>;
+template <bool kMasked, bool kLog> constexpr auto kFwdWarpRows<float, kMasked, kLog> = nullptr;
+
 template <typename T, int VEC, bool kCausal, bool kLog>
 fk_status launch_fwd_rows(const T *x, T *y, float *row_max, int64_t rows, int64_t n, float scale,
                           int64_t causal_sq, int device, cudaStream_t stream, const char *op) {
@@ -1818,7 +1823,7 @@ fk_status launch_fwd_rows(const T *x, T *y, float *row_max, int64_t rows, int64_
         const int64_t mask_sq = kCausal ? causal_sq : (int64_t)kMasked;
         if constexpr (VEC > 1) {
             fk_status status = FK_OK;
-            if (!block_first && launch_rows_smem<softmax_fwd_rows_smem<T, kMasked, kLog, true>,
+            if (!block_first && launch_rows_smem<kFwdWarpRows<T, kMasked, kLog>,
                                                  softmax_fwd_rows_smem<T, kMasked, kLog, false>, nullptr, T, 1>(
                                     status, op, rows, n, frame, device, stream, x, y, row_max, scale, mask_sq))
                 return status;
