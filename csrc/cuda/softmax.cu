@@ -154,14 +154,21 @@ template <typename T, int VEC> __device__ __forceinline__ float raw_at(const Raw
     else return fk::pack_f32<T>(r, k);
 }
 
-template <typename T, int VEC> __device__ __forceinline__ void store_vec(T *p, const float *v) {
+// kPtx: the 16-byte store through inline PTX (see store_in).
+template <typename T, int VEC, bool kPtx = false> __device__ __forceinline__ void store_vec(T *p, const float *v) {
     if constexpr (VEC == 1) {
         *p = fk::from_f32<T>(v[0]);
     } else {
         fk::Pack<T> out;
 #pragma unroll
         for (int k = 0; k < VEC; k++) out.v[k] = fk::from_f32<T>(v[k]);
-        fk::store_pack(p, out);
+        if constexpr (kPtx) {
+            const uint4 w = *reinterpret_cast<const uint4 *>(&out);
+            asm volatile("st.global.v4.b32 [%0], {%1, %2, %3, %4};" ::"l"(p), "r"(w.x), "r"(w.y), "r"(w.z), "r"(w.w)
+                         : "memory");
+        } else {
+            fk::store_pack(p, out);
+        }
     }
 }
 
@@ -173,16 +180,7 @@ template <typename T, int VEC> __device__ __forceinline__ void store_vec(T *p, c
 template <typename T, int VEC, bool kRagged>
 __device__ __forceinline__ void store_in(T *p, const float *v, int j, int lo, int hi) {
     if (!kRagged || VEC == 1 || (j >= lo && j + VEC <= hi)) {
-        if constexpr (kRagged && VEC > 1) {
-            fk::Pack<T> out;
-#pragma unroll
-            for (int k = 0; k < VEC; k++) out.v[k] = fk::from_f32<T>(v[k]);
-            const uint4 w = *reinterpret_cast<const uint4 *>(&out);
-            asm volatile("st.global.v4.b32 [%0], {%1, %2, %3, %4};" ::"l"(p), "r"(w.x), "r"(w.y), "r"(w.z), "r"(w.w)
-                         : "memory");
-        } else {
-            store_vec<T, VEC>(p, v);
-        }
+        store_vec<T, VEC, kRagged>(p, v);
     } else {
 #pragma unroll
         for (int k = 0; k < VEC; k++)
@@ -1187,7 +1185,7 @@ softmax_fwd_rows_smem(int64_t n, int64_t seg, int cluster_k, int64_t rows, const
 #pragma unroll
             for (int k = 0; k < VEC; k++) {
                 e[k] = exp_ftz(fmaf(fk::pack_f32<T>(v, k), scale, -ref));
-                if constexpr (!kCausal) sum.add(e[k]);
+                if constexpr (!kCausal) sum.add(e[k]);  // unmasked: summed as taken, as measured
             }
             if constexpr (kCausal) {
                 zero_outside<VEC>(p * VEC, sl.lo, keys, [&](int k) { e[k] = 0.f; });
