@@ -87,8 +87,14 @@ constexpr int kBlockThreads = 512;  // most threads per CTA of the row-block ker
 constexpr int kMaxCluster = 16;
 
 // Keys of row `row` at or beyond the returned length are masked.
+// causal_sq 1 (ragged rows through the masked kernels) needs no division, and one that fits 32 bits
+// takes a 32-bit one: a 64-bit `%` is a ~90-instruction routine, run three times in thread 0's
+// path to its first bulk copy by the shared-memory kernels (H100, bf16 ragged (32768, 4097)
+// forward 83 -> 87% of copy).
 __device__ __forceinline__ int64_t causal_len(int64_t row, int64_t n, int64_t causal_sq) {
-    int64_t len = row % causal_sq + 1 + n - causal_sq;
+    if (causal_sq == 1) return n;
+    const int64_t query = (row | causal_sq) >> 32 ? row % causal_sq : (uint32_t)row % (uint32_t)causal_sq;
+    const int64_t len = query + 1 + n - causal_sq;
     return len < 0 ? 0 : (len > n ? n : len);
 }
 
@@ -203,7 +209,8 @@ __device__ __forceinline__ void store_in(T *p, const float *v, int j, int lo, in
 // kernels then took long rows from the row-block kernel (H100, % of copy, forward / backward):
 // bf16 (4096, 50257) 78 / 78 -> 98 / 99, (256, 250001) 75 / 73 -> 94 / 94; fp32 (4096, 50257)
 // 80 / 80 -> 98 / 99, (1024, 65543) 61 / 56 -> 97 / 100; 16-bit forwards of 1025-8192 from one CTA
-// a row in registers, bf16 (131072, 1100) 87 -> 95, (16384, 6001) 92 -> 97, but (32768, 4097) 94 -> 81.
+// a row in registers, bf16 (131072, 1100) 87 -> 95, (16384, 6001) 92 -> 97, but (32768, 4097) 94 -> 81
+// (now 97: causal_len and kMaskedWarpPacks).
 template <int VEC> __device__ __forceinline__ int row_lead(int64_t row, int64_t n) {
     return VEC == 1 ? 0 : (int)((row * n) & (VEC - 1));
 }
@@ -933,6 +940,19 @@ constexpr int64_t kSmemCtaBigMax = 112 * 1024;
 // instance for clustered rows only gained 1.4-2.4 points in fastkern-only runs, and with kept bf16
 // y' it took bf16 1024 x 65536 from 95 to 87-88 in the benchmark's own runs).
 template <bool kBackward> constexpr int kSmemThreads = kBackward ? 128 : 256;
+// The forward's masked instances (causal or ragged rows) take their thread count at run time: a
+// warp per kMaskedWarpPacks packs of the slice (2.5 a lane), at most kSmemThreads. Their per-warp
+// cost (slice bounds, the edge packs, barriers and reductions) is ~25% above the unmasked one's,
+// and with 2 packs a lane (rows of 8-9 KB) it left them issue-bound (ncu, H100, bf16 (32768,
+// 4097): 0.91 warps issued a cycle per scheduler, 174M instructions against 139M for packed 4104
+// rows at 98% of copy). Fewer warps share that cost over more packs: same-process A/B against 8
+// warps, % of copy, H100: bf16 ragged (32768, 4097) 85-86 -> 97, (32768, 4700) 92-95 -> 97-99,
+// (1024, 65543) 97.5 -> 98; 6001 / 8185 / 50257 level. Sweeping the warps of 4097-6001-wide rows
+// (H100) found no single packs-a-lane figure best everywhere (4097: 7 warps 98, 6 warps 93, 5
+// warps 99; 5001: 7 warps 98, 5 warps 96; 4 warps lost 2-10 points), and 2.5 a lane picks 7-8
+// there. The unmasked instances keep a compile-time 256 (a run-time count cost their clustered
+// rows ~1 point).
+constexpr int kMaskedWarpPacks = 80;
 constexpr int kWarpRows = 4;  // rows (warps) per CTA of the warp-per-row shape
 // Whether the shared-memory forward keeps each exp in place of its x for the write pass: fp32 as
 // is, bf16 as fp16 (e in [0, 1] at 2^-11 relative error, far below bf16's 2^-8: H200, bf16
@@ -1147,7 +1167,7 @@ softmax_fwd_rows_smem(int64_t n, int64_t seg, int cluster_k, int64_t rows, const
     const Pieces pieces = pieces_of<T, kWarps>(seg, cluster_k);
     kernel_start(bar, kWarps ? kWarpRows : pieces.count, kWarps ? 1 : cluster_k, red, sum_red);
     const int w = kWarps ? threadIdx.x / 32 : 0;
-    const int lane = kWarps ? threadIdx.x % 32 : threadIdx.x, lanes = kWarps ? 32 : kSmemThreads<false>;
+    const int lane = kWarps ? threadIdx.x % 32 : threadIdx.x, lanes = kWarps ? 32 : kCausal ? (int)blockDim.x : kSmemThreads<false>;
     const int64_t slice_bytes_max = seg * (int64_t)sizeof(T);
     start_copies<T, kCausal, kWarps>(bar, pieces, smem_raw, rows, n, seg, cluster_k, causal_sq, true,
                                      [&](int i, const Slice &s, auto copy) {
@@ -1610,10 +1630,11 @@ fk_status launch_rows_block(const char *op, int64_t rows, int64_t n, int64_t fra
 // has the bulk copy engine, tensors are 16-byte aligned and a CTA's slices fit; returns false
 // (launching nothing) otherwise. Sized for `frame` elements a row (row_frame: ragged rows, which
 // the masked instances take). warp_kernel nullptr (the backward, whose in-register kernels take
-// every row of 8192 elements or less): no kernel for rows of kSmemWarpRowMax or less.
+// every row of 8192 elements or less): no kernel for rows of kSmemWarpRowMax or less. warp_packs >
+// 0: the CTA kernel takes a warp per warp_packs packs of its slice, up to its fixed thread count.
 template <auto warp_kernel, auto cta_kernel, auto dy_reg_kernel, typename T, int kTensors, typename... Args>
 bool launch_rows_smem(fk_status &status, const char *op, int64_t rows, int64_t n, int64_t frame, int device,
-                      cudaStream_t stream, Args... args) {
+                      cudaStream_t stream, int warp_packs, Args... args) {
     constexpr int64_t VEC = fk::Pack<T>::N;
     if (fk::compute_major(device) < 9) return false;
     frame = (frame + VEC - 1) / VEC * VEC;
@@ -1633,13 +1654,17 @@ bool launch_rows_smem(fk_status &status, const char *op, int64_t rows, int64_t n
         }
     }
     int64_t k = pow2_ceil((row_bytes + kSmemCtaMax - 1) / kSmemCtaMax);
-    constexpr int threads = kSmemThreads<kTensors == 2>;
+    int threads = kSmemThreads<kTensors == 2>;
     const int64_t limit = cluster_limit<cta_kernel>(device, threads, (int)kSmemCtaMax);
     if (limit == 0) return false;
     if (k > limit) k = limit;
     const int64_t seg = ((frame + k - 1) / k + VEC - 1) / VEC * VEC;
     const int64_t smem = seg * (int64_t)sizeof(T) * kTensors;
     if (rows * k > 0x7fffffff) return false;
+    if (warp_packs > 0) {
+        const int64_t warps = (seg * (int64_t)sizeof(T) / 16 + warp_packs - 1) / warp_packs;
+        if (warps < threads / 32) threads = 32 * (int)warps;
+    }
     // a row a full cluster of kSmemCtaMax CTAs cannot hold: CTAs of up to kSmemCtaBigMax
     if (smem <= kSmemCtaMax ||
         (smem <= kSmemCtaBigMax && cluster_limit<cta_kernel>(device, threads, (int)kSmemCtaBigMax) >= k)) {
@@ -1823,7 +1848,8 @@ fk_status launch_fwd_rows(const T *x, T *y, float *row_max, int64_t rows, int64_
             fk_status status = FK_OK;
             if (!block_first && launch_rows_smem<kFwdWarpRows<T, kMasked, kLog>,
                                                  softmax_fwd_rows_smem<T, kMasked, kLog, false>, nullptr, T, 1>(
-                                    status, op, rows, n, frame, device, stream, x, y, row_max, scale, mask_sq))
+                                    status, op, rows, n, frame, device, stream, kMasked ? kMaskedWarpPacks : 0, x,
+                                    y, row_max, scale, mask_sq))
                 return status;
         }
         return launch_rows_block<softmax_fwd_rows_block<T, VEC, kMasked, kLog>, VEC, block_elems_fwd<T, VEC>()>(
@@ -1869,7 +1895,7 @@ fk_status launch_bwd_rows(const T *dy, const T *x, const float *row_max, T *dx, 
             fk_status status = FK_OK;
             if (launch_rows_smem<nullptr, softmax_bwd_rows_smem<T, kMasked, kLog>,
                                  softmax_bwd_rows_smem<T, kMasked, kLog, true>, T, 2>(
-                    status, op, rows, n, frame, device, stream, dy, x, row_max, dx, scale, mask_sq))
+                    status, op, rows, n, frame, device, stream, 0, dy, x, row_max, dx, scale, mask_sq))
                 return status;
         }
         return launch_rows_block<softmax_bwd_rows_block<T, VEC, kMasked, kLog>, VEC, block_elems_bwd<T, VEC>()>(
