@@ -1270,11 +1270,14 @@ softmax_bwd_rows_smem(int64_t n, int64_t seg, int cluster_k, int64_t rows, const
     auto x_bytes = [](const Slice &s) { return slice_bytes<T>(s.keys, s.len); };
     auto dy_bytes = [](const Slice &s) { return slice_bytes<T>(kLog ? s.len : s.keys, s.len); };
     // the L2 prefetch only where a CTA's x and dy come to more than kSmemCtaMax (see
-    // prefetch_next_cta); the dy-register kernel's always do. The others' copies run under an L2
+    // prefetch_next_cta), and not in the dy-register kernel: at two CTAs an SM the CTA one SM count
+    // ahead is mostly running already (H100, same-process A/B without it: fp32 (256, 262144) 88.5
+    // -> 98.7% of copy, (256, 240000) 90.8 -> 97.9, bf16 (256, 524288) 88.5 -> 98.5; prefetching
+    // its dy too had cost 9-20 points). The others' copies run under an L2
     // evict_last policy, as Triton's first pass loads: H200, same-process A/B against the default,
     // fp32 (4096, 16384) 1.008 -> 1.015x torch.compile, bf16 0.993 -> 0.994-0.996x, others level
     // (evict_first had cost 5-8 points).
-    const bool prefetch = 2 * slice > kSmemCtaMax;
+    const bool prefetch = !kDyRegs && 2 * slice > kSmemCtaMax;
     kernel_start(bar, pieces.count, cluster_k, red);
     start_copies<T, kCausal, false, true>(bar, pieces, smem_raw, rows, n, seg, cluster_k, causal_sq, prefetch,
                                            [&](int i, const Slice &s, auto copy) {
