@@ -37,7 +37,8 @@
 //                 memory and read from there (a warp per row up to 8 KB of row data, else one CTA or
 //                 a cluster of 32 KB CTAs per row, up to 112 KB when 32 KB ones cannot hold it; see
 //                 "row slices in shared memory" below; a backward whose x and dy outgrow that
-//                 holds dy in registers). H200: 91-101% of copy on the issue's 4K-256K rows.
+//                 holds dy in registers, up to 128 KB of x a CTA). H200: 91-101% of copy on the
+//                 issue's 4K-256K rows.
 //   longer, other K CTAs per row (K = 1, else a thread-block cluster of up to 16 on sm_90), each
 //                 thread holding 64 bytes (backward: 32 of x and 32 of dy) raw in registers per
 //                 chunk, CTAs of up to 512 threads, and K the smallest power of two that leaves a CTA
@@ -1243,16 +1244,19 @@ softmax_fwd_rows_smem(int64_t n, int64_t seg, int cluster_k, int64_t rows, const
 
 // Backward rows whose x and dy outgrow a full cluster's shared memory (kSmemCtaBigMax per CTA) but
 // whose x alone fits in kDyRegSliceMax: x is bulk-copied into shared memory as above and dy held in
-// registers, kDyRegPacks 16-byte packs a thread, loaded once (256 threads, two CTAs an SM by
-// registers), so both are still read from DRAM once: fp32 rows of 229K-256K elements, 16-bit ones
-// of 459K-512K. Longer rows take the register block kernel, which re-reads from L2. H200, against
-// that kernel: fp32 (256, 262144) 69 -> 92% of copy; bf16 (256, 524288) 65 -> 87.
-constexpr int kDyRegThreads = 256;
+// registers, kDyRegPacks 16-byte packs a thread, loaded once, so both are still read from DRAM
+// once: 256 threads (two CTAs an SM by registers) for slices of up to 64 KB, fp32 rows of 229K-256K
+// elements, 16-bit ones of 459K-512K; 512 threads (one CTA an SM) up to 128 KB, fp32 rows of up to
+// 512K, 16-bit up to 1M. Longer rows take the register block kernel, which re-reads from L2. H200,
+// against that kernel: fp32 (256, 262144) 69 -> 92% of copy; bf16 (256, 524288) 65 -> 87. H100,
+// same-process A/B, the 512-thread instance against it: fp32 (256, 300000) 65 -> 90, (256,
+// 400000) 60 -> 89, (256, 524288) 61 -> 92, (256, 500001) 60 -> 81, (1024, 262145) 75 -> 79;
+// bf16 (256, 1000000) 59 -> 86.
 constexpr int kDyRegPacks = 16;
-constexpr int64_t kDyRegSliceMax = kDyRegThreads * kDyRegPacks * 16;  // 64 KB
+template <int kLanes> constexpr int64_t kDyRegSliceMax = kLanes * kDyRegPacks * 16;  // 64 / 128 KB
 
-template <typename T, bool kCausal, bool kLog, bool kDyRegs = false>
-__global__ void __launch_bounds__(kDyRegs ? kDyRegThreads : kSmemThreads<true>, kDyRegs ? 2 : 1)
+template <typename T, bool kCausal, bool kLog, int kDyRegLanes = 0>
+__global__ void __launch_bounds__(kDyRegLanes ? kDyRegLanes : kSmemThreads<true>, kDyRegLanes == 256 ? 2 : 1)
 softmax_bwd_rows_smem(int64_t n, int64_t seg, int cluster_k, int64_t rows, const T *__restrict__ dy,
                       const T *__restrict__ x, const float *__restrict__ row_max, T *__restrict__ dx,
                       float scale, int64_t causal_sq) {
@@ -1262,7 +1266,8 @@ softmax_bwd_rows_smem(int64_t n, int64_t seg, int cluster_k, int64_t rows, const
     __shared__ uint64_t bar[kMaxPieces];
     __shared__ RowReduceSmem<Acc2<T>> red;
     const Pieces pieces = pieces_of<T, false, true>(seg, cluster_k);
-    constexpr int kLanes = kDyRegs ? kDyRegThreads : kSmemThreads<true>;
+    constexpr bool kDyRegs = kDyRegLanes > 0;
+    constexpr int kLanes = kDyRegs ? kDyRegLanes : kSmemThreads<true>;
     const int lane = threadIdx.x, lanes = kLanes;
     const int64_t slice = seg * (int64_t)sizeof(T);  // x slices, then dy slices (unless in registers)
     const int64_t dy_base = slice;
@@ -1570,7 +1575,7 @@ softmax_bwd_cols(const T *__restrict__ dy, const T *__restrict__ x, const float 
 // The largest cluster (16, else 8) that `kernel`, with `threads` threads and `smem` bytes of dynamic
 // shared memory, can be resident with on `device`: 1 where clusters do not exist, 0 where the
 // kernel may not have that much shared memory. Asked once per kernel, device and smem (0,
-// kSmemCtaMax, or kSmemCtaBigMax / kDyRegSliceMax: the dy-register kernel asks for that alone);
+// kSmemCtaMax, or kSmemCtaBigMax / kDyRegSliceMax: the dy-register kernels ask for that alone);
 // the kernel's allowance only grows, so a smaller size asked later never takes back a larger one.
 template <auto kernel> int cluster_limit(int device, int threads, int smem) {
     static int known[64][3];   // the limit + 1; 0 until asked
@@ -1635,7 +1640,8 @@ fk_status launch_rows_block(const char *op, int64_t rows, int64_t n, int64_t fra
 // the masked instances take). warp_kernel nullptr (the backward, whose in-register kernels take
 // every row of 8192 elements or less): no kernel for rows of kSmemWarpRowMax or less. warp_packs >
 // 0: the CTA kernel takes a warp per warp_packs packs of its slice, up to its fixed thread count.
-template <auto warp_kernel, auto cta_kernel, auto dy_reg_kernel, typename T, int kTensors, typename... Args>
+template <auto warp_kernel, auto cta_kernel, auto dy_reg_kernel, auto dy_reg_wide_kernel, typename T, int kTensors,
+          typename... Args>
 bool launch_rows_smem(fk_status &status, const char *op, int64_t rows, int64_t n, int64_t frame, int device,
                       cudaStream_t stream, int warp_packs, Args... args) {
     constexpr int64_t VEC = fk::Pack<T>::N;
@@ -1675,13 +1681,17 @@ bool launch_rows_smem(fk_status &status, const char *op, int64_t rows, int64_t n
             op, cta_kernel, n, seg, (int)k, rows, args...);
         return true;
     }
-    if constexpr (kTensors == 2) {  // x in shared memory, dy in registers (kDyRegs)
+    if constexpr (kTensors == 2) {  // x in shared memory, dy in registers (kDyRegLanes)
         const int64_t x_smem = seg * (int64_t)sizeof(T);
-        if (x_smem > kDyRegSliceMax || cluster_limit<dy_reg_kernel>(device, kDyRegThreads, (int)kDyRegSliceMax) < k)
-            return false;
-        status = fk::Launch(dim3((unsigned)(rows * k)), dim3(kDyRegThreads), (size_t)x_smem, stream, device, k)(
-            op, dy_reg_kernel, n, seg, (int)k, rows, args...);
-        return true;
+        auto try_launch = [&](auto kernel, int lanes, int64_t max) {
+            if (x_smem > max || cluster_limit<decltype(kernel)::value>(device, lanes, (int)max) < k) return false;
+            status = fk::Launch(dim3((unsigned)(rows * k)), dim3(lanes), (size_t)x_smem, stream, device, k)(
+                op, decltype(kernel)::value, n, seg, (int)k, rows, args...);
+            return true;
+        };
+        return try_launch(std::integral_constant<decltype(dy_reg_kernel), dy_reg_kernel>(), 256, kDyRegSliceMax<256>) ||
+               try_launch(std::integral_constant<decltype(dy_reg_wide_kernel), dy_reg_wide_kernel>(), 512,
+                          kDyRegSliceMax<512>);
     }
     return false;
 }
@@ -1861,7 +1871,7 @@ fk_status launch_fwd_rows(const T *x, T *y, float *row_max, int64_t rows, int64_
         if constexpr (VEC > 1) {
             fk_status status = FK_OK;
             if (!block_first && launch_rows_smem<kFwdWarpRows<T, kMasked, kLog>,
-                                                 softmax_fwd_rows_smem<T, kMasked, kLog, false>, nullptr, T, 1>(
+                                                 softmax_fwd_rows_smem<T, kMasked, kLog, false>, nullptr, nullptr, T, 1>(
                                     status, op, rows, n, frame, device, stream, kMasked ? kMaskedWarpPacks : 0, x,
                                     y, row_max, scale, mask_sq))
                 return status;
@@ -1908,7 +1918,8 @@ fk_status launch_bwd_rows(const T *dy, const T *x, const float *row_max, T *dx, 
         if constexpr (VEC > 1) {
             fk_status status = FK_OK;
             if (launch_rows_smem<nullptr, softmax_bwd_rows_smem<T, kMasked, kLog>,
-                                 softmax_bwd_rows_smem<T, kMasked, kLog, true>, T, 2>(
+                                 softmax_bwd_rows_smem<T, kMasked, kLog, 256>, softmax_bwd_rows_smem<T, kMasked, kLog, 512>,
+                                 T, 2>(
                     status, op, rows, n, frame, device, stream, 0, dy, x, row_max, dx, scale, mask_sq))
                 return status;
         }
