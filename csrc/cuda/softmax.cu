@@ -1168,7 +1168,8 @@ softmax_fwd_rows_smem(int64_t n, int64_t seg, int cluster_k, int64_t rows, const
     const Pieces pieces = pieces_of<T, kWarps>(seg, cluster_k);
     kernel_start(bar, kWarps ? kWarpRows : pieces.count, kWarps ? 1 : cluster_k, red, sum_red);
     const int w = kWarps ? threadIdx.x / 32 : 0;
-    const int lane = kWarps ? threadIdx.x % 32 : threadIdx.x, lanes = kWarps ? 32 : kCausal ? (int)blockDim.x : kSmemThreads<false>;
+    const int lane = kWarps ? threadIdx.x % 32 : threadIdx.x;
+    const int lanes = kWarps ? 32 : kCausal ? (int)blockDim.x : kSmemThreads<false>;  // kMaskedWarpPacks
     const int64_t slice_bytes_max = seg * (int64_t)sizeof(T);
     start_copies<T, kCausal, kWarps>(bar, pieces, smem_raw, rows, n, seg, cluster_k, causal_sq, true,
                                      [&](int i, const Slice &s, auto copy) {
@@ -1253,10 +1254,11 @@ softmax_fwd_rows_smem(int64_t n, int64_t seg, int cluster_k, int64_t rows, const
 // 400000) 60 -> 89, (256, 524288) 61 -> 92, (256, 500001) 60 -> 81, (1024, 262145) 75 -> 79;
 // bf16 (256, 1000000) 59 -> 86.
 constexpr int kDyRegPacks = 16;
+constexpr int kDyRegThreads = 256, kDyRegWideThreads = 512;
 template <int kLanes> constexpr int64_t kDyRegSliceMax = kLanes * kDyRegPacks * 16;  // 64 / 128 KB
 
 template <typename T, bool kCausal, bool kLog, int kDyRegLanes = 0>
-__global__ void __launch_bounds__(kDyRegLanes ? kDyRegLanes : kSmemThreads<true>, kDyRegLanes == 256 ? 2 : 1)
+__global__ void __launch_bounds__(kDyRegLanes ? kDyRegLanes : kSmemThreads<true>, kDyRegLanes == kDyRegThreads ? 2 : 1)
 softmax_bwd_rows_smem(int64_t n, int64_t seg, int cluster_k, int64_t rows, const T *__restrict__ dy,
                       const T *__restrict__ x, const float *__restrict__ row_max, T *__restrict__ dx,
                       float scale, int64_t causal_sq) {
@@ -1689,9 +1691,10 @@ bool launch_rows_smem(fk_status &status, const char *op, int64_t rows, int64_t n
                 op, decltype(kernel)::value, n, seg, (int)k, rows, args...);
             return true;
         };
-        return try_launch(std::integral_constant<decltype(dy_reg_kernel), dy_reg_kernel>(), 256, kDyRegSliceMax<256>) ||
-               try_launch(std::integral_constant<decltype(dy_reg_wide_kernel), dy_reg_wide_kernel>(), 512,
-                          kDyRegSliceMax<512>);
+        return try_launch(std::integral_constant<decltype(dy_reg_kernel), dy_reg_kernel>(), kDyRegThreads,
+                          kDyRegSliceMax<kDyRegThreads>) ||
+               try_launch(std::integral_constant<decltype(dy_reg_wide_kernel), dy_reg_wide_kernel>(), kDyRegWideThreads,
+                          kDyRegSliceMax<kDyRegWideThreads>);
     }
     return false;
 }
@@ -1918,8 +1921,8 @@ fk_status launch_bwd_rows(const T *dy, const T *x, const float *row_max, T *dx, 
         if constexpr (VEC > 1) {
             fk_status status = FK_OK;
             if (launch_rows_smem<nullptr, softmax_bwd_rows_smem<T, kMasked, kLog>,
-                                 softmax_bwd_rows_smem<T, kMasked, kLog, 256>, softmax_bwd_rows_smem<T, kMasked, kLog, 512>,
-                                 T, 2>(
+                                 softmax_bwd_rows_smem<T, kMasked, kLog, kDyRegThreads>,
+                                 softmax_bwd_rows_smem<T, kMasked, kLog, kDyRegWideThreads>, T, 2>(
                     status, op, rows, n, frame, device, stream, 0, dy, x, row_max, dx, scale, mask_sq))
                 return status;
         }
