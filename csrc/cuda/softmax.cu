@@ -30,8 +30,8 @@
 //                 and of dy in registers (16 past 4096), loaded at once (softmax_bwd_rows_packs;
 //                 torch.compile's shape, with y recomputed).
 //   forward, fp32, 1025-8192: the row-block kernel below, one CTA a row, 16 elements a thread in
-//                 registers and each exp kept for the write pass (H100, against the shared-memory
-//                 kernels: packed 1100 / 2048 / 4096 / 8192 97.2 / 98.9 / 98.6 / 94.2 -> 100.1 /
+//                 registers (32 past 4096) and each exp kept for the write pass (H100, against the
+//                 shared-memory kernels: packed 1100 / 2048 / 4096 / 8192 97.2 / 98.9 / 98.6 / 94.2 -> 100.1 /
 //                 99.9 / 99.3 / 96.5% of copy; ragged 2001 / 6001 94.7 -> 99.0).
 //   longer, sm_90, tensors 16-byte aligned: the row slice is bulk-copied (TMA) into shared
 //                 memory and read from there (a warp per row up to 8 KB of row data, else one CTA or
@@ -699,11 +699,12 @@ struct Span {
     }
 };
 
-template <typename T, int VEC, bool kCausal, bool kLog>
-__global__ void __launch_bounds__(kBlockThreads, 2)
+template <typename T, int VEC, bool kCausal, bool kLog, int C = block_elems_fwd<T, VEC>()>
+__global__ void __launch_bounds__(C == block_elems_fwd<T, VEC>() ? kBlockThreads : 256,
+                                  C == block_elems_fwd<T, VEC>() ? 2 : 3)
 softmax_fwd_rows_block(int64_t n, int64_t seg, int cluster_k, const T *__restrict__ x, T *__restrict__ y,
                        float *__restrict__ row_max, float scale, int64_t causal_sq) {
-    constexpr int C = block_elems_fwd<T, VEC>(), P = C / VEC;
+    constexpr int P = C / VEC;
     __shared__ RowReduceSmem<float2> smem;       // the in-register path's max
     __shared__ RowReduceSmem<Acc2<T>> sum_smem;  // its sum; the looped path's (max, sum) pairs
     kernel_start(nullptr, 0, cluster_k, smem, sum_smem);
@@ -1879,6 +1880,15 @@ fk_status launch_fwd_rows(const T *x, T *y, float *row_max, int64_t rows, int64_
                                     y, row_max, scale, mask_sq))
                 return status;
         }
+        // fp32 rows of 4097-8192: 32 elements a thread in 256-thread CTAs (80 registers, three CTAs
+        // an SM) instead of 16 in 512 (56 registers, two): ncu put the 8192-wide forward's stalls
+        // on global loads, with stretches where both CTAs of an SM were past their loads (H100,
+        // same-process A/B: (16384, 8192) 97.9 -> 99.5% of copy, 0.977 -> 0.993x torch.compile;
+        // ragged 8185 97.0 -> 98.9; 4097-6000 level; rows of 4096 keep 16: 256 threads, 4 CTAs)
+        if constexpr (std::is_same_v<T, float> && VEC > 1)
+            if (block_first && frame > 4096)
+                return launch_rows_block<softmax_fwd_rows_block<T, VEC, kMasked, kLog, 32>, VEC, 32>(
+                    op, rows, n, frame, device, stream, x, y, row_max, scale, mask_sq);
         return launch_rows_block<softmax_fwd_rows_block<T, VEC, kMasked, kLog>, VEC, block_elems_fwd<T, VEC>()>(
             op, rows, n, frame, device, stream, x, y, row_max, scale, mask_sq);
     });
