@@ -699,6 +699,10 @@ struct Span {
     }
 };
 
+// fp32 forwards of rows past kWideFwdMin (up to kPackRowMax) take kWideFwdElems elements a thread
+// in CTAs of up to 256 threads, three an SM (see launch_fwd_rows).
+constexpr int kWideFwdElems = 32;
+constexpr int64_t kWideFwdMin = 4096;
 template <typename T, int VEC, bool kCausal, bool kLog, int C = block_elems_fwd<T, VEC>()>
 __global__ void __launch_bounds__(C == block_elems_fwd<T, VEC>() ? kBlockThreads : 256,
                                   C == block_elems_fwd<T, VEC>() ? 2 : 3)
@@ -1886,9 +1890,10 @@ fk_status launch_fwd_rows(const T *x, T *y, float *row_max, int64_t rows, int64_
         // same-process A/B: (16384, 8192) 97.9 -> 99.5% of copy, 0.977 -> 0.993x torch.compile;
         // ragged 8185 97.0 -> 98.9; 4097-6000 level; rows of 4096 keep 16: 256 threads, 4 CTAs)
         if constexpr (std::is_same_v<T, float> && VEC > 1)
-            if (block_first && frame > 4096)
-                return launch_rows_block<softmax_fwd_rows_block<T, VEC, kMasked, kLog, 32>, VEC, 32>(
-                    op, rows, n, frame, device, stream, x, y, row_max, scale, mask_sq);
+            if (block_first && frame > kWideFwdMin)
+                return launch_rows_block<softmax_fwd_rows_block<T, VEC, kMasked, kLog, kWideFwdElems>, VEC,
+                                         kWideFwdElems>(op, rows, n, frame, device, stream, x, y, row_max, scale,
+                                                        mask_sq);
         return launch_rows_block<softmax_fwd_rows_block<T, VEC, kMasked, kLog>, VEC, block_elems_fwd<T, VEC>()>(
             op, rows, n, frame, device, stream, x, y, row_max, scale, mask_sq);
     });
