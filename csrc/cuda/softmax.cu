@@ -699,6 +699,21 @@ struct Span {
     }
 };
 
+// Stores a row-block thread's chunk (P accesses of VEC elements, 32 * VEC apart, from `out`): element
+// (p, k) is value(p, k); accesses from outs.hi on hold none of the row's outputs.
+template <typename T, int VEC, int P, bool kCausal, typename Value>
+__device__ __forceinline__ void store_chunk(T *out, Span outs, Value value) {
+#pragma unroll
+    for (int p = 0; p < P; p++) {
+        if (p * 32 * VEC < outs.hi) {
+            float o[VEC];
+#pragma unroll
+            for (int k = 0; k < VEC; k++) o[k] = value(p, k);
+            store_in<T, VEC, kCausal>(out + p * 32 * VEC, o, p * 32 * VEC, outs.lo, outs.hi);
+        }
+    }
+}
+
 // fp32 forwards of rows past kWideFwdMin (up to kPackRowMax) take kWideFwdElems elements a thread
 // in CTAs of up to 256 threads, three an SM (see launch_fwd_rows).
 constexpr int kWideFwdElems = 32;
@@ -799,19 +814,11 @@ softmax_fwd_rows_block(int64_t n, int64_t seg, int cluster_k, const T *__restric
     // writes the chunk at `start`; exp_of(i, t) is element i's exp(t), t = x * scale - m
     auto write_chunk = [&](int64_t start, auto exp_of) {
         const Span keys = span(start, load_end), outs = span(start, end);
-#pragma unroll
-        for (int p = 0; p < P; p++) {
-            if (p * 32 * VEC < outs.hi) {
-                float o[VEC];
-#pragma unroll
-                for (int k = 0; k < VEC; k++) {
-                    const float t = fmaf(raw_at<T, VEC>(raw[p], k), scale, -ref);
-                    if (kLog) o[k] = is_key(p, k, keys) ? t - log_s : -INFINITY - log_s;
-                    else o[k] = normalize<T>(is_key(p, k, keys) ? exp_of(p * VEC + k, t) : 0.f, s, inv_s);
-                }
-                store_in<T, VEC, kCausal>(yr + start + p * 32 * VEC, o, p * 32 * VEC, outs.lo, outs.hi);
-            }
-        }
+        store_chunk<T, VEC, P, kCausal>(yr + start, outs, [&](int p, int k) {
+            const float t = fmaf(raw_at<T, VEC>(raw[p], k), scale, -ref);
+            if (kLog) return is_key(p, k, keys) ? t - log_s : -INFINITY - log_s;
+            return normalize<T>(is_key(p, k, keys) ? exp_of(p * VEC + k, t) : 0.f, s, inv_s);
+        });
     };
     if (in_registers) {
         write_chunk(begin, [&](int i, float) { return e[i]; });
@@ -882,18 +889,10 @@ softmax_bwd_rows_block(int64_t n, int64_t seg, int cluster_k, const T *__restric
     // writes the chunk at `start` from y_of(p, k, xs), element (p, k)'s y'
     auto write_chunk = [&](int64_t start, auto y_of) {
         const Span xs = span(start, x_end), outs = span(start, end);
-#pragma unroll
-        for (int p = 0; p < P; p++) {
-            if (p * 32 * VEC < outs.hi) {
-                float o[VEC];
-#pragma unroll
-                for (int k = 0; k < VEC; k++) {
-                    const float d = br.template dx<kLog>(y_of(p, k, xs), raw_at<T, VEC>(raw_dy[p], k));
-                    o[k] = in(p, k, xs) ? d : 0.f;
-                }
-                store_in<T, VEC, kCausal>(dxr + start + p * 32 * VEC, o, p * 32 * VEC, outs.lo, outs.hi);
-            }
-        }
+        store_chunk<T, VEC, P, kCausal>(dxr + start, outs, [&](int p, int k) {
+            const float d = br.template dx<kLog>(y_of(p, k, xs), raw_at<T, VEC>(raw_dy[p], k));
+            return in(p, k, xs) ? d : 0.f;
+        });
     };
     if (kExpOnce<T> && chunks == 1) {
         write_chunk(begin, [&](int p, int k, Span) { return yv[p * VEC + k]; });
