@@ -138,6 +138,30 @@ template <typename T> __device__ __forceinline__ float normalize(float e, float 
 template <typename T, int VEC>
 using Raw = typename std::conditional<VEC == 1, T, fk::Pack<T>>::type;
 
+// An L2 cache policy that evicts the lines it covers last (sm_80+).
+__device__ __forceinline__ uint64_t l2_evict_last() {
+    uint64_t policy;
+    asm volatile("createpolicy.fractional.L2::evict_last.b64 %0, 1.0;" : "=l"(policy));
+    return policy;
+}
+
+// A pack of x (or dy) for the one-CTA-a-row register kernels: fp32 under an L2 evict_last policy,
+// as Triton's first-pass loads. Same-process A/B, x torch.compile: the pack backward (H200), fp32
+// (16384, 4096) 0.997-0.999 -> 1.006-1.009x; the row-block forward (H100), fp32 (16384, 4096) 0.995
+// -> 1.000x, (32768, 2048) 0.992 -> 0.998x, (8192, 8192) 0.994 -> 1.001x. 16-bit loads lost 0.7-2.3%
+// with it in the pack backward (every row length measured, 2048-8192) and do without.
+template <typename T> __device__ __forceinline__ fk::Pack<T> load_pack_kept(const T *p) {
+    if constexpr (std::is_same_v<T, float>) {
+        fk::Pack<T> out;
+        uint4 &r = *reinterpret_cast<uint4 *>(&out);
+        asm volatile("ld.global.nc.L2::cache_hint.v4.u32 {%0, %1, %2, %3}, [%4], %5;"
+                     : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "l"(p), "l"(l2_evict_last()));
+        return out;
+    } else {
+        return fk::load_pack(p);
+    }
+}
+
 template <typename T, int VEC> __device__ __forceinline__ Raw<T, VEC> load_raw(const T *p) {
     if constexpr (VEC == 1) return __ldg(p);
     else return fk::load_pack(p);
@@ -750,7 +774,10 @@ softmax_fwd_rows_block(int64_t n, int64_t seg, int cluster_k, const T *__restric
         const Span keys = span(start, load_end);
 #pragma unroll
         for (int p = 0; p < P; p++)
-            if (p * 32 * VEC < keys.hi) raw[p] = load_raw<T, VEC>(xr + start + p * 32 * VEC);
+            if (p * 32 * VEC < keys.hi) {
+                if constexpr (VEC == 1) raw[p] = load_raw<T, VEC>(xr + start + p * 32 * VEC);
+                else raw[p] = load_pack_kept(xr + start + p * 32 * VEC);
+            }
     };
 
     // One chunk for every CTA of the row (decided by seg, which all ranks share: the last rank's
@@ -981,13 +1008,6 @@ template <typename T> __device__ __forceinline__ float kept_exp(const fk::Pack<T
 // 4096) backward 100 -> 86), and 128-byte alignment against 48 lifted clustered rows 1-14 (bf16
 // (256, 262144) backward 78 -> 90).
 constexpr int kSliceAlign = 128;
-
-// An L2 cache policy that evicts the lines it covers last (sm_80+).
-__device__ __forceinline__ uint64_t l2_evict_last() {
-    uint64_t policy;
-    asm volatile("createpolicy.fractional.L2::evict_last.b64 %0, 1.0;" : "=l"(policy));
-    return policy;
-}
 
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
 
@@ -1392,9 +1412,7 @@ softmax_bwd_rows_smem(int64_t n, int64_t seg, int cluster_k, int64_t rows, const
 // 0.74 -> 0.99x, (65536, 1536) 0.90-0.96 -> 1.003x, bf16 (32768, 2048) 0.97 -> 1.006x, (16384, 3000)
 // 0.98 -> 1.07x. Measured against it: 8 elements a thread for fp32 rows of up to 2048 as 4 (1
 // pack: fp32 (32768, 2048) 0.94-0.95x), 16 for 16-bit rows of up to 4096 (bf16 (16384, 4096)
-// 0.992x), 1024-thread CTAs (fp32 (16384, 4096) 0.915x). fp32 loads take an L2 evict_last policy
-// (fp32 (16384, 4096) 0.997-0.999 -> 1.006-1.009x); the 16-bit ones lost 0.7-2.3% with it on every
-// row length measured (2048-8192), and do without.
+// 0.992x), 1024-thread CTAs (fp32 (16384, 4096) 0.915x). Loads: load_pack_kept.
 constexpr int kPackThreads = 512;
 constexpr int kPackElems = 8;  // elements of x (and of dy) a thread, or twice that for long rows
 constexpr int64_t kPackRowMax = 2 * kPackElems * kPackThreads;  // 8192
@@ -1402,18 +1420,6 @@ constexpr int64_t kPackRowMax = 2 * kPackElems * kPackThreads;  // 8192
 // registers), fp32 or 16-bit 16 elements 3 (38-40), fp32 16 elements 2 (62).
 template <typename T, int P> constexpr int kPackCtas = P * fk::Pack<T>::N == kPackElems ? (std::is_same_v<T, float> ? 3 : 4)
                                                      : std::is_same_v<T, float> ? 2 : 3;
-
-template <typename T> __device__ __forceinline__ fk::Pack<T> load_pack_rows(const T *p) {
-    if constexpr (std::is_same_v<T, float>) {
-        fk::Pack<T> out;
-        uint4 &r = *reinterpret_cast<uint4 *>(&out);
-        asm volatile("ld.global.nc.L2::cache_hint.v4.u32 {%0, %1, %2, %3}, [%4], %5;"
-                     : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "l"(p), "l"(l2_evict_last()));
-        return out;
-    } else {
-        return fk::load_pack(p);
-    }
-}
 
 template <typename T, int P, bool kCausal, bool kLog, bool kRagged = false>
 __global__ void __launch_bounds__(kPackThreads, (kPackCtas<T, P>))
@@ -1440,8 +1446,8 @@ softmax_bwd_rows_packs(int64_t n, const T *__restrict__ dy, const T *__restrict_
         const int64_t at = (int64_t)(threadIdx.x + i * blockDim.x) * VEC;
         *reinterpret_cast<uint4 *>(&vx[i]) = make_uint4(0, 0, 0, 0);
         *reinterpret_cast<uint4 *>(&vg[i]) = make_uint4(0, 0, 0, 0);
-        if (in(i, 0, keys)) vx[i] = load_pack_rows(xr + at);
-        if (in(i, 0, dy_keys)) vg[i] = load_pack_rows(dyr + at);
+        if (in(i, 0, keys)) vx[i] = load_pack_kept(xr + at);
+        if (in(i, 0, dy_keys)) vg[i] = load_pack_kept(dyr + at);
     }
     const float ref = exp_ref(row_max[row]);
     BwdSums<T, kLog> sums;  // (z, a): sum of y', sum of dy * y' (log: of dy)
