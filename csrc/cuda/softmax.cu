@@ -510,6 +510,40 @@ template <typename T, int C> __host__ __device__ constexpr int warp_rows() {
     return rows < 1 ? 1 : (rows > 4 ? 4 : rows);
 }
 
+// A warp kernel's lane group: `group` lanes (a power of two) share each of its ROWS consecutive rows
+// from `first`; this lane is lane `li` of the group, and its access p of a row's frame sits at
+// col(p). frame(): a row's lead (row_lead) and the end of its keys in the frame (0 past the last
+// row).
+template <int VEC> struct LaneGroup {
+    int group, li;
+    int64_t first;
+    template <int kThreads, int ROWS> static __device__ __forceinline__ LaneGroup of(int group) {
+        const int lane = threadIdx.x & 31;
+        const int64_t warp = (int64_t)blockIdx.x * (kThreads / 32) + (threadIdx.x >> 5);
+        return LaneGroup{group, lane & (group - 1), (warp * (32 / group) + lane / group) * ROWS};
+    }
+    __device__ __forceinline__ int col(int p) const { return (p * group + li) * VEC; }
+    template <bool kRagged, bool kCausal>
+    static __device__ __forceinline__ void frame(int64_t row, int64_t rows, int n, int64_t causal_sq, int &lead,
+                                                 int &valid) {
+        lead = kRagged ? row_lead<VEC>(row, n) : 0;
+        valid = row >= rows ? 0 : lead + (kCausal ? (int)causal_len(row, n, causal_sq) : n);
+    }
+    // stores a row's outputs; `out` is its frame's start, value(p, k) element k of access p
+    template <typename T, int P, bool kRagged, typename Value>
+    __device__ __forceinline__ void store(T *out, int lead, int n, Value value) const {
+#pragma unroll
+        for (int p = 0; p < P; p++) {
+            if (col(p) < lead + n) {
+                float o[VEC];
+#pragma unroll
+                for (int k = 0; k < VEC; k++) o[k] = value(p, k);
+                store_in<T, VEC, kRagged>(out + col(p), o, col(p), lead, lead + n);
+            }
+        }
+    }
+};
+
 // C elements per lane (C / VEC accesses); G lanes per row (0: `group_arg`, known at run time),
 // group * C >= n. A compile-time G folds the reductions' level tests away.
 template <typename T, int VEC, int C, int G, bool kCausal, bool kLog, int kThreads, bool kRagged = false>
@@ -518,37 +552,33 @@ softmax_fwd_rows_warp(int64_t rows, int n, int group_arg, const T *__restrict__ 
                       float *__restrict__ row_max, float scale, int64_t causal_sq) {
     fk::grid_dependency_sync();
     constexpr int ROWS = warp_rows<T, C>(), P = C / VEC;
-    const int group = G ? G : group_arg;
-    const int lane = threadIdx.x & 31, li = lane & (group - 1);
-    const int64_t warp = (int64_t)blockIdx.x * (kThreads / 32) + (threadIdx.x >> 5);
-    const int64_t first = (warp * (32 / group) + lane / group) * ROWS;
+    const auto lg = LaneGroup<VEC>::template of<kThreads, ROWS>(G ? G : group_arg);
 
     Raw<T, VEC> raw[ROWS][P];
     int lead[ROWS], valid[ROWS];  // the row's frame (row_lead): keys are [lead, valid)
 #pragma unroll
     for (int r = 0; r < ROWS; r++) {
-        const int64_t row = first + r;
-        lead[r] = kRagged ? row_lead<VEC>(row, n) : 0;
-        valid[r] = row >= rows ? 0 : lead[r] + (kCausal ? (int)causal_len(row, n, causal_sq) : n);
+        const int64_t row = lg.first + r;
+        LaneGroup<VEC>::template frame<kRagged, kCausal>(row, rows, n, causal_sq, lead[r], valid[r]);
 #pragma unroll
         for (int p = 0; p < P; p++) {
-            const int col = (p * group + li) * VEC;
+            const int col = lg.col(p);
             raw[r][p] = load_or_zero<T, VEC>(x + row * n - lead[r] + col, col < valid[r]);
         }
     }
 #pragma unroll
     for (int r = 0; r < ROWS; r++) {
-        const int64_t row = first + r;
+        const int64_t row = lg.first + r;
         // element k of access p is a key: without a mask whole accesses are in or out (n % VEC == 0)
         auto is_key = [&](int p, int k) {
-            const int col = (p * group + li) * VEC;
+            const int col = lg.col(p);
             return kCausal ? col + k < valid[r] : col < valid[r];
         };
         float m = -INFINITY;
 #pragma unroll
         for (int p = 0; p < P; p++) {
             if constexpr (VEC > 1 && !kCausal) {
-                const int col = (p * group + li) * VEC;
+                const int col = lg.col(p);
                 float pm = is_key(p, 0) ? pack_max_scaled<T>(raw[r][p], scale) : -INFINITY;
                 if (kRagged && straddles<VEC>(col, lead[r], valid[r])) {  // the row's elements only
                     pm = -INFINITY;
@@ -565,7 +595,7 @@ softmax_fwd_rows_warp(int64_t rows, int n, int group_arg, const T *__restrict__ 
                 }
             }
         }
-        m = group_reduce<MaxOnly>(make_float2(m, 0.f), group).x;
+        m = group_reduce<MaxOnly>(make_float2(m, 0.f), lg.group).x;
         const float ref = exp_ref(m);
         float e[C];  // one exp per element, kept for the output
         RowSum<T> sum;
@@ -576,27 +606,18 @@ softmax_fwd_rows_warp(int64_t rows, int n, int group_arg, const T *__restrict__ 
                 const float ek = exp_ftz(fmaf(raw_at<T, VEC>(raw[r][p], k), scale, -ref));
                 e[p * VEC + k] = is_key(p, k) ? ek : 0.f;
             }
-            if (kRagged) unragged<VEC>((p * group + li) * VEC, lead[r], valid[r], [&](int k) { e[p * VEC + k] = 0.f; });
+            if (kRagged) unragged<VEC>(lg.col(p), lead[r], valid[r], [&](int k) { e[p * VEC + k] = 0.f; });
 #pragma unroll
             for (int k = 0; k < VEC; k++) sum.add(e[p * VEC + k]);
         }
-        const float s = row_sum(sum, [&](Acc2<T> v) { return group_reduce<SumSum<Acc2<T>>>(v, group); });
+        const float s = row_sum(sum, [&](Acc2<T> v) { return group_reduce<SumSum<Acc2<T>>>(v, lg.group); });
         const float inv_s = 1.f / s, log_s = logf(s);
         if (row < rows) {
-            if (li == 0 && row_max) row_max[row] = m;
-#pragma unroll
-            for (int p = 0; p < P; p++) {
-                const int col = (p * group + li) * VEC;
-                if (col < lead[r] + n) {
-                    float o[VEC];
-#pragma unroll
-                    for (int k = 0; k < VEC; k++) {
-                        if (kLog) o[k] = is_key(p, k) ? fmaf(raw_at<T, VEC>(raw[r][p], k), scale, -ref) - log_s : -INFINITY - log_s;
-                        else o[k] = normalize<T>(e[p * VEC + k], s, inv_s);
-                    }
-                    store_in<T, VEC, kRagged>(y + row * n - lead[r] + col, o, col, lead[r], lead[r] + n);
-                }
-            }
+            if (lg.li == 0 && row_max) row_max[row] = m;
+            lg.template store<T, P, kRagged>(y + row * n - lead[r], lead[r], n, [&](int p, int k) {
+                if (kLog) return is_key(p, k) ? fmaf(raw_at<T, VEC>(raw[r][p], k), scale, -ref) - log_s : -INFINITY - log_s;
+                return normalize<T>(e[p * VEC + k], s, inv_s);
+            });
         }
     }
 }
@@ -615,34 +636,30 @@ softmax_bwd_rows_warp(int64_t rows, int n, int group_arg, const T *__restrict__ 
                       const float *__restrict__ row_max, T *__restrict__ dx, float scale, int64_t causal_sq) {
     fk::grid_dependency_sync();
     constexpr int ROWS = warp_rows<T, 2 * C>(), P = C / VEC;  // x and dy: 64 bytes between them
-    const int group = G ? G : group_arg;
-    const int lane = threadIdx.x & 31, li = lane & (group - 1);
-    const int64_t warp = (int64_t)blockIdx.x * (kThreads / 32) + (threadIdx.x >> 5);
-    const int64_t first = (warp * (32 / group) + lane / group) * ROWS;
+    const auto lg = LaneGroup<VEC>::template of<kThreads, ROWS>(G ? G : group_arg);
 
     Raw<T, VEC> raw_x[ROWS][P], raw_dy[ROWS][P];
     int lead[ROWS], valid[ROWS], dy_len[ROWS];  // the row's frame (row_lead): keys [lead, valid)
     float m_saved[ROWS];
 #pragma unroll
     for (int r = 0; r < ROWS; r++) {
-        const int64_t row = first + r;
-        lead[r] = kRagged ? row_lead<VEC>(row, n) : 0;
-        valid[r] = row >= rows ? 0 : lead[r] + (kCausal ? (int)causal_len(row, n, causal_sq) : n);
+        const int64_t row = lg.first + r;
+        LaneGroup<VEC>::template frame<kRagged, kCausal>(row, rows, n, causal_sq, lead[r], valid[r]);
         // log_softmax sums dy over masked keys too (their y is 0, not their dy)
         dy_len[r] = row >= rows ? 0 : kLog ? lead[r] + n : valid[r];
         m_saved[r] = row < rows ? row_max[row] : 0.f;
 #pragma unroll
         for (int p = 0; p < P; p++) {
-            const int col = (p * group + li) * VEC;
+            const int col = lg.col(p);
             raw_x[r][p] = load_or_zero<T, VEC>(x + row * n - lead[r] + col, col < valid[r]);
             raw_dy[r][p] = load_or_zero<T, VEC>(dy + row * n - lead[r] + col, col < dy_len[r]);
         }
     }
 #pragma unroll
     for (int r = 0; r < ROWS; r++) {
-        const int64_t row = first + r;
+        const int64_t row = lg.first + r;
         auto in = [&](int p, int k, int len) {
-            const int col = (p * group + li) * VEC;
+            const int col = lg.col(p);
             return kCausal ? col + k < len : col < len;
         };
         float yv[C], g[C];
@@ -659,26 +676,17 @@ softmax_bwd_rows_warp(int64_t rows, int n, int group_arg, const T *__restrict__ 
                 g[i] = !kCausal || in(p, k, dy_len[r]) ? raw_at<T, VEC>(raw_dy[r][p], k) : 0.f;
             }
             if (kRagged)
-                unragged<VEC>((p * group + li) * VEC, lead[r], valid[r], [&](int k) { yv[p * VEC + k] = g[p * VEC + k] = 0.f; });
+                unragged<VEC>(lg.col(p), lead[r], valid[r], [&](int k) { yv[p * VEC + k] = g[p * VEC + k] = 0.f; });
 #pragma unroll
             for (int k = 0; k < VEC; k++) sums.add(yv[p * VEC + k], g[p * VEC + k]);
         }
-        const Acc2<T> za = group_reduce<SumSum<Acc2<T>>>(sums.value(), group);
+        const Acc2<T> za = group_reduce<SumSum<Acc2<T>>>(sums.value(), lg.group);
         const BwdRow<T> br(za.x, za.y, kLog, scale);
         if (row < rows) {
-#pragma unroll
-            for (int p = 0; p < P; p++) {
-                const int col = (p * group + li) * VEC;
-                if (col < lead[r] + n) {
-                    float o[VEC];
-#pragma unroll
-                    for (int k = 0; k < VEC; k++) {
-                        const float d = br.template dx<kLog>(yv[p * VEC + k], g[p * VEC + k]);
-                        o[k] = kCausal && !in(p, k, valid[r]) ? 0.f : d;
-                    }
-                    store_in<T, VEC, kRagged>(dx + row * n - lead[r] + col, o, col, lead[r], lead[r] + n);
-                }
-            }
+            lg.template store<T, P, kRagged>(dx + row * n - lead[r], lead[r], n, [&](int p, int k) {
+                const float d = br.template dx<kLog>(yv[p * VEC + k], g[p * VEC + k]);
+                return kCausal && !in(p, k, valid[r]) ? 0.f : d;
+            });
         }
     }
 }
