@@ -1901,7 +1901,8 @@ fk_status launch_fwd_rows(const T *x, T *y, float *row_max, int64_t rows, int64_
         // an SM) instead of 16 in 512 (56 registers, two): ncu put the 8192-wide forward's stalls
         // on global loads, with stretches where both CTAs of an SM were past their loads (H100,
         // same-process A/B: (16384, 8192) 97.9 -> 99.5% of copy, 0.977 -> 0.993x torch.compile;
-        // ragged 8185 97.0 -> 98.9; 4097-6000 level; rows of 4096 keep 16: 256 threads, 4 CTAs)
+        // ragged 8185 97.0 -> 98.9; 4097-6000 level). Rows of 2049-4096 keep 16 (4096: 256
+        // threads, 4 CTAs an SM): 32 measured 0.5 points lower there.
         if constexpr (std::is_same_v<T, float> && VEC > 1)
             if (block_first && frame > kWideFwdMin)
                 return launch_rows_block<softmax_fwd_rows_block<T, VEC, kMasked, kLog, kWideFwdElems>, VEC,
