@@ -35,7 +35,8 @@
 //                 99.9 / 99.3 / 96.5% of copy; ragged 2001 / 6001 94.7 -> 99.0).
 //   longer, sm_90, tensors 16-byte aligned: the row slice is bulk-copied (TMA) into shared
 //                 memory and read from there (a warp per row up to 8 KB of row data, else one CTA or
-//                 a cluster of 32 KB CTAs per row, up to 112 KB when 32 KB ones cannot hold it; see
+//                 a cluster of 32 KB CTAs per row, up to 112 KB when 32 KB ones cannot hold it, and
+//                 unmasked forwards up to 224 KB, one CTA an SM, past that; see
 //                 "row slices in shared memory" below; a backward whose x and dy outgrow that
 //                 holds dy in registers, up to 128 KB of x a CTA). H200: 91-101% of copy on the
 //                 issue's 4K-256K rows.
@@ -974,6 +975,17 @@ softmax_bwd_rows_block(int64_t n, int64_t seg, int cluster_k, const T *__restric
 constexpr int64_t kSmemWarpRowMax = 8 * 1024;
 constexpr int64_t kSmemCtaMax = 32 * 1024;
 constexpr int64_t kSmemCtaBigMax = 112 * 1024;
+// Forward rows that a full cluster of kSmemCtaBigMax CTAs cannot hold (fp32 past 458752 elements,
+// 16-bit past 917504) take CTAs of up to kSmemCtaHugeMax, one an SM (with the static shared memory,
+// under the 227 KB a CTA may have), when clusters of that many fit, in the unmasked instance: fp32
+// rows of up to 917504 elements, 16-bit of up to 1835008, are then still read once. H100,
+// same-process A/B against the register block kernel, % of copy: fp32 (256, 524288) 68.3 -> 79.3,
+// (128, 600000) 65.5 -> 77.9, (128, 600004) 65.5 -> 76.8, (64, 900000) 61.7 -> 74.4, (256, 917504)
+// 66.5 -> 83.1; bf16 (128, 1048576) 68.3 -> 73.1. The masked instances (ragged rows here), whose
+// warps carry ~25% more work, lost: fp32 (256, 500001) 67.4 -> 60.5, bf16 (128, 1000003) 66.2 ->
+// 60.5; they keep the register block kernel. The L2 prefetch of the next CTAs (29 MB at one CTA an
+// SM) lost up to 15 points on these CTAs, which go without it.
+constexpr int64_t kSmemCtaHugeMax = 224 * 1024;
 
 // Threads of a row CTA: 256 forward (128 lost 3 points on bf16 1024 x 65536), 128 backward (H200,
 // backward with 2-CTA clusters: fp32 4096 x 16384 90% of copy against 83% with 256; a 256-thread
@@ -1203,7 +1215,8 @@ softmax_fwd_rows_smem(int64_t n, int64_t seg, int cluster_k, int64_t rows, const
     const int lane = kWarps ? threadIdx.x % 32 : threadIdx.x;
     const int lanes = kWarps ? 32 : kCausal ? (int)blockDim.x : kSmemThreads<false>;  // kMaskedWarpPacks
     const int64_t slice_bytes_max = seg * (int64_t)sizeof(T);
-    start_copies<T, kCausal, kWarps>(bar, pieces, smem_raw, rows, n, seg, cluster_k, causal_sq, true,
+    start_copies<T, kCausal, kWarps>(bar, pieces, smem_raw, rows, n, seg, cluster_k, causal_sq,
+                                     slice_bytes_max <= kSmemCtaBigMax,
                                      [&](int i, const Slice &s, auto copy) {
                                          copy(i * slice_bytes_max, s.start(x, n), slice_bytes<T>(s.keys, s.len));
                                      });
@@ -1595,13 +1608,14 @@ softmax_bwd_cols(const T *__restrict__ dy, const T *__restrict__ x, const float 
 // The largest cluster (16, else 8) that `kernel`, with `threads` threads and `smem` bytes of dynamic
 // shared memory, can be resident with on `device`: 1 where clusters do not exist, 0 where the
 // kernel may not have that much shared memory. Asked once per kernel, device and smem (0,
-// kSmemCtaMax, or kSmemCtaBigMax / kDyRegSliceMax: the dy-register kernels ask for that alone);
+// kSmemCtaMax, kSmemCtaBigMax, kSmemCtaHugeMax, or kDyRegSliceMax: the dy-register kernels ask for
+// that alone);
 // the kernel's allowance only grows, so a smaller size asked later never takes back a larger one.
 template <auto kernel> int cluster_limit(int device, int threads, int smem) {
-    static int known[64][3];   // the limit + 1; 0 until asked
+    static int known[64][4];   // the limit + 1; 0 until asked
     static int allowed[64];    // dynamic shared memory the kernel has been allowed
     if (fk::compute_major(device) < 9 || device < 0 || device >= 64) return 1;
-    const int which = smem == 0 ? 0 : smem <= kSmemCtaMax ? 1 : 2;
+    const int which = smem == 0 ? 0 : smem <= kSmemCtaMax ? 1 : smem <= kSmemCtaBigMax ? 2 : 3;
     if (known[device][which] == 0) {
         int limit = 0;
         if (smem <= allowed[device] ||
@@ -1660,10 +1674,11 @@ fk_status launch_rows_block(const char *op, int64_t rows, int64_t n, int64_t fra
 // the masked instances take). warp_kernel nullptr (the backward, whose in-register kernels take
 // every row of 8192 elements or less): no kernel for rows of kSmemWarpRowMax or less. warp_packs >
 // 0: the CTA kernel takes a warp per warp_packs packs of its slice, up to its fixed thread count.
+// huge: the CTA kernel may take slices of up to kSmemCtaHugeMax (the forward's unmasked instances).
 template <auto warp_kernel, auto cta_kernel, auto dy_reg_kernel, auto dy_reg_wide_kernel, typename T, int kTensors,
           typename... Args>
 bool launch_rows_smem(fk_status &status, const char *op, int64_t rows, int64_t n, int64_t frame, int device,
-                      cudaStream_t stream, int warp_packs, Args... args) {
+                      cudaStream_t stream, int warp_packs, bool huge, Args... args) {
     constexpr int64_t VEC = fk::Pack<T>::N;
     if (fk::compute_major(device) < 9) return false;
     frame = (frame + VEC - 1) / VEC * VEC;
@@ -1687,16 +1702,20 @@ bool launch_rows_smem(fk_status &status, const char *op, int64_t rows, int64_t n
     const int64_t limit = cluster_limit<cta_kernel>(device, threads, (int)kSmemCtaMax);
     if (limit == 0) return false;
     if (k > limit) k = limit;
-    const int64_t seg = ((frame + k - 1) / k + VEC - 1) / VEC * VEC;
+    // slices of whole 128-byte lines, as their shared-memory copies (kSliceAlign); H100, against
+    // 16-byte multiples: dy-register backwards fp32 (256, 500001) 81.4 -> 86.6% of copy, bf16 (256,
+    // 500001) 86.2 -> 90.5, (128, 1000003) 73.9 -> 82.4; others level
+    constexpr int64_t kLine = 128 / sizeof(T);
+    const int64_t seg = ((frame + k - 1) / k + kLine - 1) / kLine * kLine;
     const int64_t smem = seg * (int64_t)sizeof(T) * kTensors;
     if (rows * k > 0x7fffffff) return false;
     if (warp_packs > 0) {
         const int64_t warps = (seg * (int64_t)sizeof(T) / 16 + warp_packs - 1) / warp_packs;
         if (warps < threads / 32) threads = 32 * (int)warps;
     }
-    // a row a full cluster of kSmemCtaMax CTAs cannot hold: CTAs of up to kSmemCtaBigMax
-    if (smem <= kSmemCtaMax ||
-        (smem <= kSmemCtaBigMax && cluster_limit<cta_kernel>(device, threads, (int)kSmemCtaBigMax) >= k)) {
+    // a row a full cluster of kSmemCtaMax CTAs cannot hold: CTAs of up to kSmemCtaBigMax, or huge ones
+    auto fits = [&](int64_t max) { return smem <= max && cluster_limit<cta_kernel>(device, threads, (int)max) >= k; };
+    if (smem <= kSmemCtaMax || fits(kSmemCtaBigMax) || (huge && fits(kSmemCtaHugeMax))) {
         status = fk::Launch(dim3((unsigned)(rows * k)), dim3(threads), (size_t)smem, stream, device, k)(
             op, cta_kernel, n, seg, (int)k, rows, args...);
         return true;
@@ -1893,8 +1912,8 @@ fk_status launch_fwd_rows(const T *x, T *y, float *row_max, int64_t rows, int64_
             fk_status status = FK_OK;
             if (!block_first && launch_rows_smem<kFwdWarpRows<T, kMasked, kLog>,
                                                  softmax_fwd_rows_smem<T, kMasked, kLog, false>, nullptr, nullptr, T, 1>(
-                                    status, op, rows, n, frame, device, stream, kMasked ? kMaskedWarpPacks : 0, x,
-                                    y, row_max, scale, mask_sq))
+                                    status, op, rows, n, frame, device, stream, kMasked ? kMaskedWarpPacks : 0,
+                                    !kMasked, x, y, row_max, scale, mask_sq))
                 return status;
         }
         // fp32 rows of 4097-8192: 32 elements a thread in 256-thread CTAs (80 registers, three CTAs
@@ -1903,13 +1922,14 @@ fk_status launch_fwd_rows(const T *x, T *y, float *row_max, int64_t rows, int64_
         // same-process A/B: (16384, 8192) 97.9 -> 99.5% of copy, 0.977 -> 0.993x torch.compile;
         // ragged 8185 97.0 -> 98.9; 4097-6000 level). Rows of 2049-4096 keep 16 (4096: 256
         // threads, 4 CTAs an SM): 32 measured 0.5 points lower there.
+        auto block = [&](auto elems) {
+            constexpr int C = decltype(elems)::value;
+            return launch_rows_block<softmax_fwd_rows_block<T, VEC, kMasked, kLog, C>, VEC, C>(
+                op, rows, n, frame, device, stream, x, y, row_max, scale, mask_sq);
+        };
         if constexpr (std::is_same_v<T, float> && VEC > 1)
-            if (block_first && frame > kWideFwdMin)
-                return launch_rows_block<softmax_fwd_rows_block<T, VEC, kMasked, kLog, kWideFwdElems>, VEC,
-                                         kWideFwdElems>(op, rows, n, frame, device, stream, x, y, row_max, scale,
-                                                        mask_sq);
-        return launch_rows_block<softmax_fwd_rows_block<T, VEC, kMasked, kLog>, VEC, block_elems_fwd<T, VEC>()>(
-            op, rows, n, frame, device, stream, x, y, row_max, scale, mask_sq);
+            if (block_first && frame > kWideFwdMin) return block(std::integral_constant<int, kWideFwdElems>());
+        return block(std::integral_constant<int, block_elems_fwd<T, VEC>()>());
     });
 }
 
@@ -1952,7 +1972,7 @@ fk_status launch_bwd_rows(const T *dy, const T *x, const float *row_max, T *dx, 
             if (launch_rows_smem<nullptr, softmax_bwd_rows_smem<T, kMasked, kLog>,
                                  softmax_bwd_rows_smem<T, kMasked, kLog, kDyRegThreads>,
                                  softmax_bwd_rows_smem<T, kMasked, kLog, kDyRegWideThreads>, T, 2>(
-                    status, op, rows, n, frame, device, stream, 0, dy, x, row_max, dx, scale, mask_sq))
+                    status, op, rows, n, frame, device, stream, 0, false, dy, x, row_max, dx, scale, mask_sq))
                 return status;
         }
         return launch_rows_block<softmax_bwd_rows_block<T, VEC, kMasked, kLog>, VEC, block_elems_bwd<T, VEC>()>(
