@@ -48,9 +48,10 @@
 //                 of exp) pairs (backward: the two sums) per row: warp shuffles, one __syncthreads,
 //                 and for clusters one exchange through distributed shared memory (each CTA sends
 //                 its pair into every peer with st.async; see row_reduce). Looped slices take an online
-//                 max / rescaled-sum pass, then the write pass re-reads them. fp32 slices that fit
-//                 one chunk instead reduce the exact max first and keep each exp for the write pass
-//                 (one exp per element instead of two: measured faster with libdevice's expf,
+//                 max / rescaled-sum pass, then the write pass re-reads them, last chunk first (the
+//                 last is still in registers). fp32 slices that fit one chunk instead reduce the
+//                 exact max first and keep each exp for the write pass (one exp per element
+//                 instead of two: measured faster with libdevice's expf,
 //                 within a point either way with ex2.approx, H200); 16-bit ones measured faster
 //                 with the single reduction and a second ex2.approx.
 //   ragged rows (n not a multiple of 16 bytes, tensors 16-byte aligned): the same kernels through
@@ -859,8 +860,13 @@ softmax_fwd_rows_block(int64_t n, int64_t seg, int cluster_k, const T *__restric
     if (in_registers) {
         write_chunk(begin, [&](int i, float) { return e[i]; });
     } else {
-        for (int64_t c = 0; c < chunks; c++) {
-            if (chunks > 1) load_chunk(begin + c * chunk);
+        // Last chunk first: it is still in registers, and the chunks read last are the likeliest
+        // to be still in L2. H100, same-process A/B against first to last, % of copy: fp32 (128,
+        // 1048576) 66.0 -> 69.4, ragged (256, 500001) 67.1 -> 73.0, bf16 ragged (128, 1000003)
+        // 66.1 -> 71.9; the backward fp32 (128, 600000) 58.2 -> 62.3 (0.97 -> 1.04x torch.compile),
+        // (64, 900000) 56.5 -> 58.6, (128, 1048576) 59.8 -> 62.0.
+        for (int64_t c = chunks - 1; c >= 0; c--) {
+            if (c < chunks - 1) load_chunk(begin + c * chunk);
             write_chunk(begin + c * chunk, [](int, float t) { return exp_ftz(t); });
         }
     }
@@ -933,8 +939,8 @@ softmax_bwd_rows_block(int64_t n, int64_t seg, int cluster_k, const T *__restric
     if (kExpOnce<T> && chunks == 1) {
         write_chunk(begin, [&](int p, int k, Span) { return yv[p * VEC + k]; });
     } else {
-        for (int64_t c = 0; c < chunks; c++) {
-            if (chunks > 1) load_chunk(begin + c * chunk);
+        for (int64_t c = chunks - 1; c >= 0; c--) {  // last chunk first, as the forward
+            if (c < chunks - 1) load_chunk(begin + c * chunk);
             write_chunk(begin + c * chunk, y_unnorm);
         }
     }
