@@ -123,6 +123,7 @@ def main():
     if args.shapes:
         bench.SOFTMAX_SHAPES = [tuple(int(v) for v in s.split("x")) for s in args.shapes]
         bench.SOFTMAX_RAGGED_SHAPES = []
+        bench.SOFTMAX_DIM_SHAPES = []
     builds = [Build(s) for s in args.builds]
     report = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
               "copy_gbs": round(bench.copy_bandwidth_gbs(torch.device("cuda")), 1)}

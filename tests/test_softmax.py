@@ -95,7 +95,9 @@ def test_single_rows_fp32(device, log):
 @pytest.mark.parametrize("device,dtype", DEVICE_DTYPES)
 @pytest.mark.parametrize("log", [False, True], ids=["softmax", "log"])
 @pytest.mark.parametrize("dim", [0, 1, -1, 2, -3])
-@pytest.mark.parametrize("shape", [(5, 7, 9), (3, 1000, 4), (64, 3, 33)], ids=str)
+# dims 0 / 1 are the GPU's column kernels: inner 63, 9, 99, 33 one column a thread; 4000, 4 (fp32),
+# 524288 and 65536 16-byte accesses, (3, 8, 65536) with enough CTAs for 8 threads along n (fp32)
+@pytest.mark.parametrize("shape", [(5, 7, 9), (3, 1000, 4), (64, 3, 33), (3, 8, 65536)], ids=str)
 def test_dims(device, dtype, log, dim, shape, poison):
     check((torch.randn(shape, device=device) * 4).to(dtype), dim, log)
 
@@ -149,6 +151,7 @@ def test_views(device, dtype, poison):
     check((torch.randn(33, 2048, device=device) * 4).to(dtype)[:, 1::2], -1, True)
     check(misaligned((33, 1000), dtype, device) * 4, -1, False)
     check(misaligned((5, 4097), dtype, device, offset=3) * 4, -1, True)
+    check(misaligned((40, 1024), dtype, device) * 4, 0, False)  # columns of a misaligned view
 
 
 @pytest.mark.parametrize("device", DEVICES)

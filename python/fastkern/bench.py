@@ -14,6 +14,7 @@ finds its input in L2. An implementation that cannot be captured is timed eagerl
 import argparse
 import datetime
 import json
+import math
 import os
 import statistics
 import sys
@@ -243,11 +244,14 @@ SOFTMAX_SHAPES = [(65536, 128), (32768, 1024), (16384, 4096), (4096, 16384), (10
 # 1100, 4097 (16-bit rows just over 8 KB: one CTA a row in the shared-memory forward), GPT-2's
 # 50257-word vocabulary
 SOFTMAX_RAGGED_SHAPES = [(151296, 197), (65536, 257), (131072, 1100), (32768, 4097), (4096, 50257)]
+# reductions along a dim that is not the last (the column kernels): a middle dim of 1024, the
+# leading dim of a matrix, and 19 classes of a segmentation map
+SOFTMAX_DIM_SHAPES = [((64, 1024, 512), 1), ((4096, 8192), 0), ((32, 19, 256, 512), 1)]
 
 
-def softmax_backward_from_output(g, y):
+def softmax_backward_from_output(g, y, dim=-1):
     """What autograd does after torch.softmax: dx = y * (g - sum(g * y)), from the saved output."""
-    return y * (g - (g * y).sum(-1, keepdim=True))
+    return y * (g - (g * y).sum(dim, keepdim=True))
 
 
 def softmax_cases(device, quick=False):
@@ -255,31 +259,32 @@ def softmax_cases(device, quick=False):
     a scaled causal case; each compile peer starts from a reset dynamo, so it is compiled for its
     own shape. Backward inputs are (dy, x, fastkern's row max, torch's saved output y): each impl
     takes what its own forward saved."""
-    shapes = SOFTMAX_SHAPES + SOFTMAX_RAGGED_SHAPES
+    layouts = [((r, n), -1) for r, n in SOFTMAX_SHAPES + SOFTMAX_RAGGED_SHAPES] + SOFTMAX_DIM_SHAPES
     if quick or device.type == "cpu":
-        shapes = [(r // 16, n) for r, n in shapes]
+        layouts = [((shape[0] // 16,) + shape[1:], dim) for shape, dim in layouts]
     for dtype in (torch.float32, torch.bfloat16):
         size = torch.finfo(dtype).bits // 8
-        for rows, n in shapes:
-            def x_only(rows=rows, n=n, dtype=dtype):
-                return (torch.randn(rows, n, device=device, dtype=dtype) * 3,)
+        for shape, dim in layouts:
+            def x_only(shape=shape, dtype=dtype):
+                return (torch.randn(shape, device=device, dtype=dtype) * 3,)
 
-            def bwd_inputs(rows=rows, n=n, dtype=dtype):
-                x = torch.randn(rows, n, device=device, dtype=dtype) * 3
-                _, row_max = torch.ops.fastkern.softmax.default(x, -1, 1.0, False, False)
-                return torch.randn_like(x), x, row_max, torch.softmax(x, -1)
-            tag = f"{str(dtype)[6:]} ({rows},{n})"
-            yield (f"softmax fwd {tag}", 2 * rows * n * size, x_only, {
-                "fastkern": lambda x: fastkern.softmax(x, -1),
-                "torch": lambda x: torch.softmax(x, -1),
-                "compile": _compiled(lambda x: torch.softmax(x, -1)),
+            def bwd_inputs(shape=shape, dim=dim, dtype=dtype):
+                x = torch.randn(shape, device=device, dtype=dtype) * 3
+                _, row_max = torch.ops.fastkern.softmax.default(x, dim, 1.0, False, False)
+                return torch.randn_like(x), x, row_max, torch.softmax(x, dim)
+            numel = math.prod(shape)
+            tag = f"{str(dtype)[6:]} ({','.join(map(str, shape))})" + (f" dim={dim}" if dim != -1 else "")
+            yield (f"softmax fwd {tag}", 2 * numel * size, x_only, {
+                "fastkern": lambda x, dim=dim: fastkern.softmax(x, dim),
+                "torch": lambda x, dim=dim: torch.softmax(x, dim),
+                "compile": _compiled(lambda x, dim=dim: torch.softmax(x, dim)),
             })
             compiled_bwd = _compiled(softmax_backward_from_output)
-            yield (f"softmax bwd {tag}", 3 * rows * n * size, bwd_inputs, {
-                "fastkern": lambda g, x, row_max, y: torch.ops.fastkern.softmax_backward.default(
-                    g, x, row_max, -1, 1.0, False, False),
-                "torch": lambda g, x, row_max, y: torch._softmax_backward_data(g, y, -1, y.dtype),
-                "compile": lambda g, x, row_max, y: compiled_bwd(g, y),
+            yield (f"softmax bwd {tag}", 3 * numel * size, bwd_inputs, {
+                "fastkern": lambda g, x, row_max, y, dim=dim: torch.ops.fastkern.softmax_backward.default(
+                    g, x, row_max, dim, 1.0, False, False),
+                "torch": lambda g, x, row_max, y, dim=dim: torch._softmax_backward_data(g, y, dim, y.dtype),
+                "compile": lambda g, x, row_max, y, dim=dim, bwd=compiled_bwd: bwd(g, y, dim),
             })
     b, h, sq = (4, 8, 2048) if not (quick or device.type == "cpu") else (1, 2, 512)
     mask = torch.ones(sq, sq, dtype=torch.bool, device=device).triu(1)
