@@ -1533,20 +1533,6 @@ softmax_bwd_rows_packs(int64_t n, const T *__restrict__ dy, const T *__restrict_
 constexpr int kColsX = 32;  // threads per CTA along inner
 constexpr int kColsUnroll = 4;
 
-// body(j) for j = first, first + stride, ... < n: unrolled kColsUnroll times for 16-byte accesses
-// (H100: backward 32-57 -> 53-84% of copy on columns of 512-131072 with VEC 8 or 4, against one
-// column a thread); one column a thread keeps the compiler's own loop (unrolled the same way, its
-// backward lost 5-6 points).
-template <int VEC, typename Body>
-__device__ __forceinline__ void over_column(int64_t first, int64_t n, int64_t stride, Body body) {
-    if constexpr (VEC == 1) {
-        for (int64_t j = first; j < n; j += stride) body(j);
-    } else {
-#pragma unroll kColsUnroll
-        for (int64_t j = first; j < n; j += stride) body(j);
-    }
-}
-
 template <typename T, int VEC>
 __global__ void __launch_bounds__(1024)
 softmax_fwd_cols(const T *__restrict__ x, T *__restrict__ y, float *__restrict__ row_max, int64_t columns,
@@ -1608,7 +1594,8 @@ softmax_fwd_cols(const T *__restrict__ x, T *__restrict__ y, float *__restrict__
         log_s[k] = (float)log(s[k]);
         if (ty == 0 && row_max) row_max[column + k] = m[k];
     }
-    over_column<VEC>(ty, n, ny, [&](int64_t j) {
+#pragma unroll kColsUnroll
+    for (int64_t j = ty; j < n; j += ny) {
         const Raw<T, VEC> r = load_raw<T, VEC>(x + base + j * inner);
         float out[VEC];
 #pragma unroll
@@ -1617,7 +1604,7 @@ softmax_fwd_cols(const T *__restrict__ x, T *__restrict__ y, float *__restrict__
             out[k] = is_log ? (v - ref[k]) - log_s[k] : normalize<T>(expf(v - ref[k]), (float)s[k], inv_s[k]);
         }
         store_vec<T, VEC>(y + base + j * inner, out);
-    });
+    }
 }
 
 template <typename T, int VEC>
@@ -1640,7 +1627,8 @@ softmax_bwd_cols(const T *__restrict__ dy, const T *__restrict__ x, const float 
 #pragma unroll
     for (int k = 0; k < VEC; k++) z[k] = 0, a[k] = 0;
     if (active) {
-        over_column<VEC>(ty, n, ny, [&](int64_t j) {
+#pragma unroll kColsUnroll
+        for (int64_t j = ty; j < n; j += ny) {
             const Raw<T, VEC> rx = load_raw<T, VEC>(x + base + j * inner), rg = load_raw<T, VEC>(dy + base + j * inner);
 #pragma unroll
             for (int k = 0; k < VEC; k++) {
@@ -1648,7 +1636,7 @@ softmax_bwd_cols(const T *__restrict__ dy, const T *__restrict__ x, const float 
                 z[k] += yv;
                 a[k] += is_log ? (Acc<T>)g : (Acc<T>)g * yv;
             }
-        });
+        }
     }
 #pragma unroll
     for (int k = 0; k < VEC; k++) {
@@ -1664,7 +1652,8 @@ softmax_bwd_cols(const T *__restrict__ dy, const T *__restrict__ x, const float 
     BwdRow<T> br[VEC];
 #pragma unroll
     for (int k = 0; k < VEC; k++) br[k] = BwdRow<T>(z[k], a[k], is_log, scale);
-    over_column<VEC>(ty, n, ny, [&](int64_t j) {
+#pragma unroll kColsUnroll
+    for (int64_t j = ty; j < n; j += ny) {
         const Raw<T, VEC> rx = load_raw<T, VEC>(x + base + j * inner), rg = load_raw<T, VEC>(dy + base + j * inner);
         float out[VEC];
 #pragma unroll
@@ -1673,7 +1662,7 @@ softmax_bwd_cols(const T *__restrict__ dy, const T *__restrict__ x, const float 
             out[k] = is_log ? br[k].template dx<true>(yv, g) : br[k].template dx<false>(yv, g);
         }
         store_vec<T, VEC>(dx + base + j * inner, out);
-    });
+    }
 }
 
 // ---- host side ---------------------------------------------------------------------------------
