@@ -95,9 +95,10 @@ def test_single_rows_fp32(device, log):
 @pytest.mark.parametrize("device,dtype", DEVICE_DTYPES)
 @pytest.mark.parametrize("log", [False, True], ids=["softmax", "log"])
 @pytest.mark.parametrize("dim", [0, 1, -1, 2, -3])
-# dims 0 / 1 are the GPU's column kernels: inner 63, 9, 99, 33 one column a thread; 4000, 4 (fp32),
-# 524288 and 65536 16-byte accesses, (3, 8, 65536) with enough CTAs for 8 threads along n (fp32)
-@pytest.mark.parametrize("shape", [(5, 7, 9), (3, 1000, 4), (64, 3, 33), (3, 8, 65536)], ids=str)
+# dims 0 / 1 are the GPU's column kernels: the first three shapes one column a thread (inner not a
+# multiple of a pack, or too few columns for 16-byte accesses to cover half the SMs), the last two
+# 16-byte accesses, with 1-2 threads along n, and 12 along n (dim 1 of (2, 48, 16384))
+@pytest.mark.parametrize("shape", [(5, 7, 9), (3, 1000, 4), (64, 3, 33), (3, 8, 65536), (2, 48, 16384)], ids=str)
 def test_dims(device, dtype, log, dim, shape, poison):
     check((torch.randn(shape, device=device) * 4).to(dtype), dim, log)
 
