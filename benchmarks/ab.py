@@ -118,12 +118,17 @@ def main():
     parser.add_argument("--margin", type=int, default=0, help="draws per shape for the error margin")
     parser.add_argument("--shapes", nargs="*", default=None,
                         help="ROWSxN shapes instead of the benchmark's (e.g. 32768x2048)")
+    parser.add_argument("--dims", nargs="*", default=None,
+                        help="SHAPE:DIM layouts instead of the benchmark's other-dim ones (e.g. 64x1024x512:1)")
     parser.add_argument("--out")
     args = parser.parse_args()
     if args.shapes:
         bench.SOFTMAX_SHAPES = [tuple(int(v) for v in s.split("x")) for s in args.shapes]
         bench.SOFTMAX_RAGGED_SHAPES = []
         bench.SOFTMAX_DIM_SHAPES = []
+    if args.dims is not None:
+        bench.SOFTMAX_DIM_SHAPES = [(tuple(int(v) for v in shape.split("x")), int(dim))
+                                    for shape, dim in (s.split(":") for s in args.dims)]
     builds = [Build(s) for s in args.builds]
     report = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
               "copy_gbs": round(bench.copy_bandwidth_gbs(torch.device("cuda")), 1)}

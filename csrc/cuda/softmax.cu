@@ -59,9 +59,12 @@
 //                 masked instances, bulk-copying each slice from its 16-byte aligned start; tensors
 //                 not 16-byte aligned, and masked ragged rows that a warp holds, the scalar path
 //                 (VEC 1).
-// inner > 1: a thread per (outer, inner) column, or per 16-byte group of columns, 32 of them per warp
-// so loads stay coalesced, up to 8..32 threads splitting n, online max / sum down n, then a write
-// pass (x read twice).
+// inner > 1 (columns x[o, :, i]): columns of up to 1024 elements (backward 512) a CTA, or up to 16
+// CTAs of them in a cluster, take the column tile: 8 rows of 16 bytes of adjacent columns a thread,
+// in registers, so x is read once (H100, against the looped kernels: 39-69 -> 50-94% of copy
+// forward, 33-83 -> 55-95 backward). Longer columns: a thread per (outer, inner) column, or per
+// 16-byte group of columns, 32 of them per warp so loads stay coalesced, up to 8..32 threads
+// splitting n, online max / sum down n, then a write pass (x read twice).
 //
 // Numerics: fp32 arithmetic; fp32 data sums rows in fp64 (RowSum). The max is taken of x * scale
 // rounded (__fmul_rn), and exponents are fmaf(x, scale, -max): exact near the max, where the
@@ -1521,7 +1524,196 @@ softmax_bwd_rows_packs(int64_t n, const T *__restrict__ dy, const T *__restrict_
     }
 }
 
-// ---- inner > 1: columns x[o, :, i] ------------------------------------------------------------
+// ---- inner > 1, n up to 1024 a CTA: the column tile in registers -------------------------------
+//
+// A CTA of TX x TY threads takes W = TX x VEC adjacent columns (TX x 16 bytes of each row where VEC
+// is a pack: whole 128-byte lines from TX = 8 on) and, with the other CTAs of its cluster (K of
+// them, along blockIdx.x), all n rows of them: thread (tx, ty) of cluster rank q holds rows
+// q TY + ty + i K TY, i < kTileRows, all loaded before the first is used. x (and dy) are read once,
+// where the looped kernels below read them twice. The forward takes the exact column max, then
+// one exp an element (fp32 keeps it for the output, 16-bit takes it again, as the row kernels) and
+// the sum (fp64 for fp32 data, RowSum); the backward both sums in one pass. Each reduction
+// (col_tile_reduce): shuffles across the rows a warp holds, a slot per warp and column in shared
+// memory, a CTA total per column, and with a cluster the peers' totals read through distributed
+// shared memory. Per SM: 1024 threads x 8 x 16 bytes = 128 KB of x in flight (forward), 512 x 2 x
+// 8 x 16 = 128 KB of x and dy (backward).
+constexpr int kTileRows = 8;            // accesses of x (and of dy) a thread holds
+constexpr int kTileFwdThreads = 1024;   // most threads a CTA (64 registers a thread; see launch_fwd_col_tile)
+constexpr int kTileBwdThreads = 512;    // x and dy held: up to 128 registers
+
+template <typename V> __device__ __forceinline__ V shfl_xor(V v, int offset) {
+    if constexpr (std::is_same_v<V, float2> || std::is_same_v<V, double2>)
+        return V{__shfl_xor_sync(0xffffffffu, v.x, offset), __shfl_xor_sync(0xffffffffu, v.y, offset)};
+    else return __shfl_xor_sync(0xffffffffu, v, offset);
+}
+
+// Combines v[k] (column tx * VEC + k of the CTA's tile) over every thread of the cluster that
+// holds rows of that column: every thread gets the totals. `smem`: (warps + 2) x W values of V.
+template <typename V, int VEC, typename Combine>
+__device__ __forceinline__ void col_tile_reduce(V (&v)[VEC], unsigned char *smem, int cluster_k, Combine combine) {
+    const int tx = threadIdx.x, tid = threadIdx.y * blockDim.x + tx, threads = blockDim.x * blockDim.y;
+    const int w = blockDim.x * VEC, warps = threads >> 5;
+    V *slot = reinterpret_cast<V *>(smem), *cta = slot + warps * w, *total = cluster_k > 1 ? cta + w : cta;
+#pragma unroll
+    for (int k = 0; k < VEC; k++)
+        for (int offset = blockDim.x; offset < 32; offset <<= 1) v[k] = combine(v[k], shfl_xor(v[k], offset));
+    if ((tid & 31) < (int)blockDim.x)
+#pragma unroll
+        for (int k = 0; k < VEC; k++) slot[(tid >> 5) * w + tx * VEC + k] = v[k];
+    __syncthreads();
+    for (int c = tid; c < w; c += threads) {
+        V t = slot[c];
+        for (int i = 1; i < warps; i++) t = combine(t, slot[i * w + c]);
+        cta[c] = t;
+    }
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    if (cluster_k > 1) {
+        cg::cluster_group cluster = cg::this_cluster();
+        cluster.sync();  // every CTA's totals are in
+        for (int c = tid; c < w; c += threads) {
+            V t = cluster.map_shared_rank(cta, 0)[c];
+            for (int r = 1; r < cluster_k; r++) t = combine(t, cluster.map_shared_rank(cta, r)[c]);
+            total[c] = t;
+        }
+        cluster.sync();  // no peer reads this CTA's totals any more (it may exit, or reduce again)
+    } else
+#endif
+        __syncthreads();
+#pragma unroll
+    for (int k = 0; k < VEC; k++) v[k] = total[tx * VEC + k];
+}
+
+// The thread's rows of its column tile: row(i) of access i, and whether it is one of the n.
+struct TileRows {
+    int first, step, n;
+    bool active;
+    __device__ __forceinline__ TileRows(int cluster_k, int n_, bool active_)
+        : first((int)(blockIdx.x % cluster_k) * blockDim.y + threadIdx.y), step(cluster_k * blockDim.y), n(n_),
+          active(active_) {}
+    __device__ __forceinline__ bool in(int i) const { return active && first + i * step < n; }
+};
+
+// p + stride, computed where it is used: the compiler cannot keep the accesses' 64-bit offsets
+// live from the loads to the stores (16 registers for 8 accesses).
+template <typename T> __device__ __forceinline__ T *advance(T *p, int64_t stride) {
+    p += stride;
+    asm volatile("" : "+l"(p));
+    return p;
+}
+
+// The column block's base offset (o n inner + i) of the VEC columns from `column`.
+__device__ __forceinline__ int64_t column_base(int64_t column, int64_t n, int64_t inner) {
+    const int64_t o = column / inner;
+    return o * n * inner + (column - o * inner);
+}
+
+template <typename T, int VEC, bool kLog, int kThreads>
+__global__ void __launch_bounds__(kThreads, 1)
+softmax_fwd_col_tile(const T *__restrict__ x, T *__restrict__ y, float *__restrict__ row_max, int64_t columns,
+                     int n, int64_t inner, int cluster_k, float scale) {
+    extern __shared__ __align__(16) unsigned char tile_smem[];
+    fk::grid_dependency_sync();
+    const int64_t column = ((int64_t)(blockIdx.x / cluster_k) * blockDim.x + threadIdx.x) * VEC;
+    const TileRows rows(cluster_k, n, column < columns);
+    const int64_t base = rows.active ? column_base(column, n, inner) : 0, stride = rows.step * inner;
+    const T *xp = x + base + rows.first * inner;
+    Raw<T, VEC> raw[kTileRows];
+#pragma unroll
+    for (int i = 0; i < kTileRows; i++, xp = advance(xp, stride)) raw[i] = load_or_zero<T, VEC>(xp, rows.in(i));
+
+    float m[VEC];
+#pragma unroll
+    for (int k = 0; k < VEC; k++) {
+        m[k] = -INFINITY;
+#pragma unroll
+        for (int i = 0; i < kTileRows; i++)
+            if (rows.in(i)) m[k] = fmaxf(m[k], __fmul_rn(raw_at<T, VEC>(raw[i], k), scale));
+    }
+    col_tile_reduce(m, tile_smem, cluster_k, [](float a, float b) { return fmaxf(a, b); });
+    auto e_of = [&](int i, int k) { return exp_ftz(fmaf(raw_at<T, VEC>(raw[i], k), scale, -exp_ref(m[k]))); };
+    float e[kExpOnce<T> ? kTileRows * VEC : 1];
+    Acc<T> s[VEC];
+#pragma unroll
+    for (int k = 0; k < VEC; k++) {
+        RowSum<T> sum;
+#pragma unroll
+        for (int i = 0; i < kTileRows; i++) {
+            const float ek = rows.in(i) ? e_of(i, k) : 0.f;
+            if (kExpOnce<T>) e[i * VEC + k] = ek;
+            sum.add(ek);
+        }
+        s[k] = sum.value();
+    }
+    col_tile_reduce(s, tile_smem, cluster_k, [](Acc<T> a, Acc<T> b) { return a + b; });
+    if (rows.active && rows.first == 0 && row_max)
+#pragma unroll
+        for (int k = 0; k < VEC; k++) row_max[column + k] = m[k];
+    float sf[VEC], inv_s[VEC], log_s[VEC];
+#pragma unroll
+    for (int k = 0; k < VEC; k++) sf[k] = (float)s[k], inv_s[k] = 1.f / sf[k], log_s[k] = logf(sf[k]);
+    T *yp = y + base + rows.first * inner;
+#pragma unroll
+    for (int i = 0; i < kTileRows; i++, yp = advance(yp, stride)) {
+        if (!rows.in(i)) continue;
+        float out[VEC];
+#pragma unroll
+        for (int k = 0; k < VEC; k++)
+            out[k] = kLog ? fmaf(raw_at<T, VEC>(raw[i], k), scale, -exp_ref(m[k])) - log_s[k]
+                          : normalize<T>(kExpOnce<T> ? e[i * VEC + k] : e_of(i, k), sf[k], inv_s[k]);
+        store_vec<T, VEC>(yp, out);
+    }
+}
+
+template <typename T, int VEC, bool kLog>
+__global__ void __launch_bounds__(kTileBwdThreads, 1)
+softmax_bwd_col_tile(const T *__restrict__ dy, const T *__restrict__ x, const float *__restrict__ row_max,
+                     T *__restrict__ dx, int64_t columns, int n, int64_t inner, int cluster_k, float scale) {
+    extern __shared__ __align__(16) unsigned char tile_smem[];
+    fk::grid_dependency_sync();
+    const int64_t column = ((int64_t)(blockIdx.x / cluster_k) * blockDim.x + threadIdx.x) * VEC;
+    const TileRows rows(cluster_k, n, column < columns);
+    const int64_t base = rows.active ? column_base(column, n, inner) : 0, stride = rows.step * inner,
+                  offset = base + rows.first * inner;
+    Raw<T, VEC> raw_x[kTileRows], raw_dy[kTileRows];
+#pragma unroll
+    for (int i = 0; i < kTileRows; i++) {
+        raw_x[i] = load_or_zero<T, VEC>(x + offset + i * stride, rows.in(i));
+        raw_dy[i] = load_or_zero<T, VEC>(dy + offset + i * stride, rows.in(i));
+    }
+    float ref[VEC];
+#pragma unroll
+    for (int k = 0; k < VEC; k++) ref[k] = rows.active ? exp_ref(row_max[column + k]) : 0.f;
+    // y' = exp(x * scale - row_max): unnormalised, z = sum y' renormalises it
+    auto y_of = [&](int i, int k) { return rows.in(i) ? exp_ftz(fmaf(raw_at<T, VEC>(raw_x[i], k), scale, -ref[k])) : 0.f; };
+    float yv[kExpOnce<T> ? kTileRows * VEC : 1];
+    Acc2<T> za[VEC];
+#pragma unroll
+    for (int k = 0; k < VEC; k++) {
+        BwdSums<T, kLog> sums;
+#pragma unroll
+        for (int i = 0; i < kTileRows; i++) {
+            const float yk = y_of(i, k);
+            if (kExpOnce<T>) yv[i * VEC + k] = yk;
+            sums.add(yk, raw_at<T, VEC>(raw_dy[i], k));
+        }
+        za[k] = sums.value();
+    }
+    col_tile_reduce(za, tile_smem, cluster_k, [](Acc2<T> a, Acc2<T> b) { return SumSum<Acc2<T>>::combine(a, b); });
+    BwdRow<T> br[VEC];
+#pragma unroll
+    for (int k = 0; k < VEC; k++) br[k] = BwdRow<T>(za[k].x, za[k].y, kLog, scale);
+#pragma unroll
+    for (int i = 0; i < kTileRows; i++) {
+        if (!rows.in(i)) continue;
+        float out[VEC];
+#pragma unroll
+        for (int k = 0; k < VEC; k++)
+            out[k] = br[k].template dx<kLog>(kExpOnce<T> ? yv[i * VEC + k] : y_of(i, k), raw_at<T, VEC>(raw_dy[i], k));
+        store_vec<T, VEC>(dx + offset + i * stride, out);
+    }
+}
+
+// ---- inner > 1, columns longer than the tile holds: looped kernels ----------------------------
 //
 // A thread takes VEC adjacent columns (one 16-byte access a row where inner is a multiple of a pack
 // and the tensors are 16-byte aligned, else one column), a warp 32 x VEC adjacent columns, and the
@@ -1675,14 +1867,16 @@ softmax_bwd_cols(const T *__restrict__ dy, const T *__restrict__ x, const float 
 // the kernel's allowance only grows, so a smaller size asked later never takes back a larger one.
 template <auto kernel> int cluster_limit(int device, int threads, int smem) {
     static int known[64][4];   // the limit + 1; 0 until asked
-    static int allowed[64];    // dynamic shared memory the kernel has been allowed
     if (fk::compute_major(device) < 9 || device < 0 || device >= 64) return 1;
     const int which = smem == 0 ? 0 : smem <= kSmemCtaMax ? 1 : smem <= kSmemCtaBigMax ? 2 : 3;
     if (known[device][which] == 0) {
         int limit = 0;
-        if (smem <= allowed[device] ||
+        // an allowance is set only past the kernel's current one: setting a smaller one (even below
+        // the 48 KB default) would fail its launches with more (the column tile's lone CTAs take
+        // more than its clustered ones)
+        cudaFuncAttributes attributes = {};
+        if ((cudaFuncGetAttributes(&attributes, kernel) == cudaSuccess && smem <= attributes.maxDynamicSharedSizeBytes) ||
             cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem) == cudaSuccess) {
-            if (smem > allowed[device]) allowed[device] = smem;
             limit = 1;
             // without the non-portable allowance clusters stop at 8
             cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1);
@@ -2081,6 +2275,57 @@ fk_status launch_cols(int64_t columns, int64_t n, int64_t inner, bool aligned, i
     return go(std::integral_constant<int, 1>());
 }
 
+// Launches a column-tile kernel through go(grid, block, smem, K) over `columns` columns of n, VEC a
+// thread, in CTAs of up to kThreads threads whose reductions combine values of V: TX threads along
+// the columns from 32 down to the fewest that read 128 bytes of a row (or 32) while the
+// ceil(n / kTileRows) threads along n do not fit; past kThreads / TX of them, a cluster of K CTAs (a
+// power of two). False, launching nothing, where that takes a larger cluster than the device holds.
+template <auto kernel, typename T, int VEC, int kThreads, typename V, typename F>
+bool launch_col_tile(fk_status &status, int64_t columns, int64_t n, int device, F &&go) {
+    constexpr int64_t kTxMin = std::min<int64_t>(32, 128 / (VEC * sizeof(T)));
+    auto smem_of = [](int64_t tx, int64_t ty) { return (size_t)((tx * ty / 32 + 2) * tx * VEC) * sizeof(V); };
+    const int64_t row_threads = std::max<int64_t>(1, (n + kTileRows - 1) / kTileRows);
+    int64_t tx = 32;
+    while (tx > kTxMin && tx * row_threads > kThreads) tx /= 2;
+    const int64_t k = pow2_ceil((row_threads + kThreads / tx - 1) / (kThreads / tx));
+    if (k > 1 && (k > kMaxCluster || cluster_limit<kernel>(device, kThreads, (int)smem_of(kTxMin, kThreads / kTxMin)) < k))
+        return false;
+    const int64_t group = 32 / tx, ty = ((row_threads + k - 1) / k + group - 1) / group * group;
+    const int64_t ctas = (columns / VEC + tx - 1) / tx;
+    status = go(dim3((unsigned)(ctas * k)), dim3((unsigned)tx, (unsigned)ty), smem_of(tx, ty), (int)k);
+    return true;
+}
+
+// fp32 CTAs of up to 512 threads (one CTA, no cluster) take the instance built for 512: 108-117
+// registers, where the 1024-thread one spills 40-84 bytes (fp32 keeps its exps and fp64 sums).
+// H100, % of copy: fp32 (32, 19, 256, 512) dim 1 forward 78 -> 93, (64, 21, 128, 128) 76 -> 92;
+// 16-bit lost with it (bf16 78 -> 66, 71 -> 64: 128 registers, half the CTAs an SM).
+template <typename T, int VEC, bool kLog>
+bool launch_fwd_col_tile(fk_status &status, const T *x, T *y, float *row_max, int64_t columns, int64_t n,
+                         int64_t inner, float scale, int device, cudaStream_t stream, const char *op) {
+    constexpr auto kernel = softmax_fwd_col_tile<T, VEC, kLog, kTileFwdThreads>;
+    return launch_col_tile<kernel, T, VEC, kTileFwdThreads, Acc<T>>(
+        status, columns, n, device, [&](dim3 grid, dim3 block, size_t smem, int k) {
+            const fk::Launch launch(grid, block, smem, stream, device, k);
+            if constexpr (std::is_same_v<T, float>)
+                if (k == 1 && block.x * block.y <= kTileFwdThreads / 2)
+                    return launch(op, softmax_fwd_col_tile<T, VEC, kLog, kTileFwdThreads / 2>, x, y, row_max, columns,
+                                  (int)n, inner, k, scale);
+            return launch(op, kernel, x, y, row_max, columns, (int)n, inner, k, scale);
+        });
+}
+
+template <typename T, int VEC, bool kLog>
+bool launch_bwd_col_tile(fk_status &status, const T *dy, const T *x, const float *row_max, T *dx, int64_t columns,
+                         int64_t n, int64_t inner, float scale, int device, cudaStream_t stream, const char *op) {
+    constexpr auto kernel = softmax_bwd_col_tile<T, VEC, kLog>;
+    return launch_col_tile<kernel, T, VEC, kTileBwdThreads, Acc2<T>>(
+        status, columns, n, device, [&](dim3 grid, dim3 block, size_t smem, int k) {
+            return fk::Launch(grid, block, smem, stream, device, k)(op, kernel, dy, x, row_max, dx, columns, (int)n,
+                                                                     inner, k, scale);
+        });
+}
+
 fk_status check_args(const char *op, int64_t outer, int64_t n, int64_t inner, int64_t causal_sq) {
     if (outer < 0 || n < 0 || inner < 0)
         return fk_fail(FK_ERR_VALUE, "%s: sizes must be >= 0, got outer=%lld n=%lld inner=%lld", op,
@@ -2104,14 +2349,26 @@ extern "C" fk_status fk_cuda_softmax_fwd(const void *x, void *y, float *row_max,
     FK_DISPATCH_CUDA_DTYPE(dtype, op, {
         const T *xt = (const T *)x;
         T *yt = (T *)y;
-        if (inner > 1)
-            return launch_cols<T>(outer * inner, n, inner, fk::aligned16(x) && fk::aligned16(y), device,
+        constexpr int N = fk::Pack<T>::N;
+        if (inner > 1) {
+            const bool aligned = fk::aligned16(x) && fk::aligned16(y), packs = aligned && inner % N == 0;
+            fk_status status = FK_OK;
+            auto tile = [&](auto is_log) {
+                constexpr bool kLog = decltype(is_log)::value;
+                auto go = [&](auto vec) {
+                    return launch_fwd_col_tile<T, decltype(vec)::value, kLog>(status, xt, yt, row_max, outer * inner, n,
+                                                                              inner, (float)scale, device, s, op);
+                };
+                return packs ? go(std::integral_constant<int, N>()) : go(std::integral_constant<int, 1>());
+            };
+            if (log ? tile(std::true_type()) : tile(std::false_type())) return status;
+            return launch_cols<T>(outer * inner, n, inner, aligned, device,
                                   [&](auto vec, dim3 grid, dim3 block) {
                                       return fk::Launch(grid, block, 0, s, device)(
                                           op, softmax_fwd_cols<T, decltype(vec)::value>, xt, yt, row_max,
                                           outer * inner, n, inner, (float)scale, log);
                                   });
-        constexpr int N = fk::Pack<T>::N;
+        }
         const bool packs = row_packs<N>(n, fk::aligned16(x) && fk::aligned16(y), causal_sq == 0);
         return with_flags(causal_sq, log, [&](auto causal, auto is_log) {
             if (packs)
@@ -2134,15 +2391,27 @@ extern "C" fk_status fk_cuda_softmax_bwd(const void *dy, const void *x, const fl
     FK_DISPATCH_CUDA_DTYPE(dtype, op, {
         const T *dyt = (const T *)dy, *xt = (const T *)x;
         T *dxt = (T *)dx;
-        if (inner > 1)
-            return launch_cols<T>(outer * inner, n, inner,
-                                  fk::aligned16(dy) && fk::aligned16(x) && fk::aligned16(dx), device,
+        constexpr int N = fk::Pack<T>::N;
+        if (inner > 1) {
+            const bool aligned = fk::aligned16(dy) && fk::aligned16(x) && fk::aligned16(dx),
+                       packs = aligned && inner % N == 0;
+            fk_status status = FK_OK;
+            auto tile = [&](auto is_log) {
+                constexpr bool kLog = decltype(is_log)::value;
+                auto go = [&](auto vec) {
+                    return launch_bwd_col_tile<T, decltype(vec)::value, kLog>(status, dyt, xt, row_max, dxt, outer * inner,
+                                                                              n, inner, (float)scale, device, s, op);
+                };
+                return packs ? go(std::integral_constant<int, N>()) : go(std::integral_constant<int, 1>());
+            };
+            if (log ? tile(std::true_type()) : tile(std::false_type())) return status;
+            return launch_cols<T>(outer * inner, n, inner, aligned, device,
                                   [&](auto vec, dim3 grid, dim3 block) {
                                       return fk::Launch(grid, block, 0, s, device)(
                                           op, softmax_bwd_cols<T, decltype(vec)::value>, dyt, xt, row_max, dxt,
                                           outer * inner, n, inner, (float)scale, log);
                                   });
-        constexpr int N = fk::Pack<T>::N;
+        }
         const bool packs = row_packs<N>(n, fk::aligned16(dy) && fk::aligned16(x) && fk::aligned16(dx),
                                       causal_sq == 0 && !std::is_same_v<T, float>);
         return with_flags(causal_sq, log, [&](auto causal, auto is_log) {
