@@ -1535,11 +1535,18 @@ softmax_bwd_rows_packs(int64_t n, const T *__restrict__ dy, const T *__restrict_
 // the sum (fp64 for fp32 data, RowSum); the backward both sums in one pass. Each reduction
 // (col_tile_reduce): shuffles across the rows a warp holds, a slot per warp and column in shared
 // memory, a CTA total per column, and with a cluster the peers' totals read through distributed
-// shared memory. Per SM: 1024 threads x 8 x 16 bytes = 128 KB of x in flight (forward), 512 x 2 x
-// 8 x 16 = 128 KB of x and dy (backward).
+// shared memory. Per SM (two CTAs of 512 threads forward, 256 backward): 1024 threads x 8 x 16
+// bytes = 128 KB of x in flight forward, 512 x 2 x 8 x 16 = 128 KB of x and dy backward.
 constexpr int kTileRows = 8;            // accesses of x (and of dy) a thread holds
-constexpr int kTileFwdThreads = 1024;   // most threads a CTA (64 registers a thread; see launch_fwd_col_tile)
-constexpr int kTileBwdThreads = 512;    // x and dy held: up to 128 registers
+// The kernels' bounds: 64 registers a thread forward (see launch_fwd_col_tile), 128 backward (x and
+// dy held). Launches take CTAs of half that, two an SM, whose phases (loads, reductions, stores)
+// overlap, and the full size only where it holds the columns without a cluster: H100, % of copy,
+// against the full size everywhere: forward fp32 (4096, 8192) dim 0 50 -> 55, (8, 2000, 8192) dim 1
+// 59 -> 63, bf16 44 -> 50, 57 -> 62; backward fp32 (64, 1024, 512) dim 1 79 -> 83, (256, 128,
+// 4096) 96 -> 100, bf16 (256, 128, 4096) 87 -> 92; fp32 (4096, 8192) dim 0 backward 66.5 -> 65.7;
+// where the full size held the columns alone, the half size's 2-CTA clusters lost up to 4.6 points.
+constexpr int kTileFwdThreads = 1024;
+constexpr int kTileBwdThreads = 512;
 
 template <typename V> __device__ __forceinline__ V shfl_xor(V v, int offset) {
     if constexpr (std::is_same_v<V, float2> || std::is_same_v<V, double2>)
@@ -2276,19 +2283,29 @@ fk_status launch_cols(int64_t columns, int64_t n, int64_t inner, bool aligned, i
 }
 
 // Launches a column-tile kernel through go(grid, block, smem, K) over `columns` columns of n, VEC a
-// thread, in CTAs of up to kThreads threads whose reductions combine values of V: TX threads along
+// thread, whose reductions combine values of V. CTAs of up to kThreads threads: TX threads along
 // the columns from 32 down to the fewest that read 128 bytes of a row (or 32) while the
 // ceil(n / kTileRows) threads along n do not fit; past kThreads / TX of them, a cluster of K CTAs (a
-// power of two). False, launching nothing, where that takes a larger cluster than the device holds.
-template <auto kernel, typename T, int VEC, int kThreads, typename V, typename F>
+// power of two). A CTA of up to kMaxThreads (the kernel's bound) where that holds the columns alone
+// and kThreads would take a cluster. False, launching nothing, where the columns take a larger
+// cluster than the device holds.
+template <auto kernel, typename T, int VEC, int kThreads, int kMaxThreads, typename V, typename F>
 bool launch_col_tile(fk_status &status, int64_t columns, int64_t n, int device, F &&go) {
     constexpr int64_t kTxMin = std::min<int64_t>(32, 128 / (VEC * sizeof(T)));
     auto smem_of = [](int64_t tx, int64_t ty) { return (size_t)((tx * ty / 32 + 2) * tx * VEC) * sizeof(V); };
     const int64_t row_threads = std::max<int64_t>(1, (n + kTileRows - 1) / kTileRows);
-    int64_t tx = 32;
-    while (tx > kTxMin && tx * row_threads > kThreads) tx /= 2;
-    const int64_t k = pow2_ceil((row_threads + kThreads / tx - 1) / (kThreads / tx));
-    if (k > 1 && (k > kMaxCluster || cluster_limit<kernel>(device, kThreads, (int)smem_of(kTxMin, kThreads / kTxMin)) < k))
+    int64_t tx = 0, k = 0;
+    auto shape = [&](int64_t threads) {
+        tx = 32;
+        while (tx > kTxMin && tx * row_threads > threads) tx /= 2;
+        k = pow2_ceil((row_threads + threads / tx - 1) / (threads / tx));
+    };
+    shape(kThreads);
+    if (k > 1) {
+        shape(kMaxThreads);
+        if (k > 1) shape(kThreads);
+    }
+    if (k > 1 && (k > kMaxCluster || cluster_limit<kernel>(device, kMaxThreads, (int)smem_of(kTxMin, kMaxThreads / kTxMin)) < k))
         return false;
     const int64_t group = 32 / tx, ty = ((row_threads + k - 1) / k + group - 1) / group * group;
     const int64_t ctas = (columns / VEC + tx - 1) / tx;
@@ -2304,7 +2321,7 @@ template <typename T, int VEC, bool kLog>
 bool launch_fwd_col_tile(fk_status &status, const T *x, T *y, float *row_max, int64_t columns, int64_t n,
                          int64_t inner, float scale, int device, cudaStream_t stream, const char *op) {
     constexpr auto kernel = softmax_fwd_col_tile<T, VEC, kLog, kTileFwdThreads>;
-    return launch_col_tile<kernel, T, VEC, kTileFwdThreads, Acc<T>>(
+    return launch_col_tile<kernel, T, VEC, kTileFwdThreads / 2, kTileFwdThreads, Acc<T>>(
         status, columns, n, device, [&](dim3 grid, dim3 block, size_t smem, int k) {
             const fk::Launch launch(grid, block, smem, stream, device, k);
             if constexpr (std::is_same_v<T, float>)
@@ -2319,7 +2336,7 @@ template <typename T, int VEC, bool kLog>
 bool launch_bwd_col_tile(fk_status &status, const T *dy, const T *x, const float *row_max, T *dx, int64_t columns,
                          int64_t n, int64_t inner, float scale, int device, cudaStream_t stream, const char *op) {
     constexpr auto kernel = softmax_bwd_col_tile<T, VEC, kLog>;
-    return launch_col_tile<kernel, T, VEC, kTileBwdThreads, Acc2<T>>(
+    return launch_col_tile<kernel, T, VEC, kTileBwdThreads / 2, kTileBwdThreads, Acc2<T>>(
         status, columns, n, device, [&](dim3 grid, dim3 block, size_t smem, int k) {
             return fk::Launch(grid, block, smem, stream, device, k)(op, kernel, dy, x, row_max, dx, columns, (int)n,
                                                                      inner, k, scale);
