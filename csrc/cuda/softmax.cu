@@ -61,8 +61,8 @@
 //                 (VEC 1).
 // inner > 1 (columns x[o, :, i]): columns of up to 1024 elements (backward 512) a CTA, or up to 16
 // CTAs of them in a cluster, take the column tile: 8 rows of 16 bytes of adjacent columns a thread,
-// in registers, so x is read once (H100, against the looped kernels: 39-69 -> 50-94% of copy
-// forward, 33-83 -> 55-95 backward). Longer columns: a thread per (outer, inner) column, or per
+// in registers, so x is read once (H100, against the looped kernels: 17-60 -> 50-94% of copy
+// forward, 33-84 -> 56-100 backward). Longer columns: a thread per (outer, inner) column, or per
 // 16-byte group of columns, 32 of them per warp so loads stay coalesced, up to 8..32 threads
 // splitting n, online max / sum down n, then a write pass (x read twice).
 //
