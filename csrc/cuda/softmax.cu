@@ -1590,7 +1590,8 @@ __device__ __forceinline__ void col_tile_reduce(V (&v)[VEC], unsigned char *smem
     for (int k = 0; k < VEC; k++) v[k] = total[tx * VEC + k];
 }
 
-// The thread's rows of its column tile: row(i) of access i, and whether it is one of the n.
+// The thread's rows of its column tile: access i reads row first + i * step; in(i): that row is one of
+// the n and the thread's columns exist.
 struct TileRows {
     int first, step, n;
     bool active;
