@@ -1871,8 +1871,8 @@ softmax_bwd_cols(const T *__restrict__ dy, const T *__restrict__ x, const float 
 // shared memory, can be resident with on `device`: 1 where clusters do not exist, 0 where the
 // kernel may not have that much shared memory. Asked once per kernel, device and smem (0,
 // kSmemCtaMax, kSmemCtaBigMax, kSmemCtaHugeMax, or kDyRegSliceMax: the dy-register kernels ask for
-// that alone);
-// the kernel's allowance only grows, so a smaller size asked later never takes back a larger one.
+// that alone; the column tile asks for its clustered CTAs' size alone); the kernel's allowance
+// only grows, so a smaller size asked later never takes back a larger one.
 template <auto kernel> int cluster_limit(int device, int threads, int smem) {
     static int known[64][4];   // the limit + 1; 0 until asked
     if (fk::compute_major(device) < 9 || device < 0 || device >= 64) return 1;
