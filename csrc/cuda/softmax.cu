@@ -26,9 +26,10 @@
 //                 no branch around an access (zero-filled loads, selects). Scalar rows: 1..4 rows
 //                 per lane group. 128-thread CTAs; one-warp CTAs for fp32 rows of 32 elements a
 //                 lane on grids of more than one wave (with_warp_block).
-//   backward, 1025-8192: one CTA of up to 512 threads a row, each thread holding 8 elements of x
-//                 and of dy in registers (16 past 4096), loaded at once (softmax_bwd_rows_packs;
-//                 torch.compile's shape, with y recomputed).
+//   backward, 1025-8192 (16-bit rows of whole packs, unmasked: 16384): one CTA of up to 512
+//                 threads a row, each thread holding 8 elements of x and of dy in registers (16 past
+//                 4096, 32 past 8192), loaded at once (softmax_bwd_rows_packs; torch.compile's
+//                 shape, with y recomputed).
 //   forward, fp32, 1025-8192: the row-block kernel below, one CTA a row, 16 elements a thread in
 //                 registers (32 past 4096) and each exp kept for the write pass (H100, against the
 //                 shared-memory kernels: packed 1100 / 2048 / 4096 / 8192 97.2 / 98.9 / 98.6 / 94.2 -> 100.1 /
@@ -1431,11 +1432,12 @@ softmax_bwd_rows_smem(int64_t n, int64_t seg, int cluster_k, int64_t rows, const
 #endif
 }
 
-// ---- backward rows of 1025-8192 elements: one CTA a row, the row in registers ----------------
+// ---- backward rows of 1025-8192 elements (16384): one CTA a row, the row in registers ---------
 //
 // Each thread loads kPackElems elements of x and of dy (P = kPackElems / VEC 16-byte packs of
 // each) at once, keeps its y' in registers, and the CTA (ceil(n / kPackElems) threads, up to
-// kPackThreads) reduces the row's two sums once; rows too long for 8 elements a thread take 16.
+// kPackThreads) reduces the row's two sums once; rows too long for 8 elements a thread take 16
+// (16-bit rows too long for that 32, see kPackRowMaxOf).
 // It replaces the shared-memory kernels' warp-per-row and 128-thread CTA-per-row shapes for these
 // rows: those put 4-8x the elements on a thread, so a CTA spent longer computing after its data
 // had landed, and more CTAs an SM were needed to keep DRAM busy. This is torch.compile's shape
@@ -1450,9 +1452,20 @@ constexpr int kPackThreads = 512;
 constexpr int kPackElems = 8;  // elements of x (and of dy) a thread, or twice that for long rows
 constexpr int64_t kPackRowMax = 2 * kPackElems * kPackThreads;  // 8192
 // CTAs an SM the kernel is compiled for (its register cap): 16-bit 8 elements a thread 4 (32
-// registers), fp32 or 16-bit 16 elements 3 (38-40), fp32 16 elements 2 (62).
+// registers), fp32 or 16-bit 16 elements 3 (38-40), fp32 16 elements 2 (62), 16-bit 32 elements 2
+// (62-64).
 template <typename T, int P> constexpr int kPackCtas = P * fk::Pack<T>::N == kPackElems ? (std::is_same_v<T, float> ? 3 : 4)
-                                                     : std::is_same_v<T, float> ? 2 : 3;
+                                                     : P * fk::Pack<T>::N == 2 * kPackElems ? (std::is_same_v<T, float> ? 2 : 3)
+                                                     : 2;
+// Unmasked 16-bit rows of 8193-16384 whose rows are whole 16-byte accesses take 4 x kPackElems a
+// thread (two CTAs an SM). H100, same-process A/B against the shared-memory kernels (clusters of two
+// 32 KB CTAs), % of copy: bf16 (4096, 16384) 99.4-99.7 -> 101.1-101.9 (0.995 -> 1.018x
+// torch.compile), (2048, 16384) 96.7-97.3 -> 99.7-101.8, (16384, 9000) 99.0 -> 100.6-100.7, (8192,
+// 12000) 100.1 -> 100.4-100.6. Kept on the shared-memory kernels: ragged rows (bf16 (8192, 12001)
+// 97.7 -> 85.4), fp32 rows (1 CTA an SM at 120-128 registers: level to 0.6 below), masked rows
+// (their 32-element instances spilled 8-76 bytes).
+template <typename T, bool kMasked>
+constexpr int64_t kPackRowMaxOf = std::is_same_v<T, float> || kMasked ? kPackRowMax : 2 * kPackRowMax;
 
 template <typename T, int P, bool kCausal, bool kLog, bool kRagged = false>
 __global__ void __launch_bounds__(kPackThreads, (kPackCtas<T, P>))
@@ -2000,17 +2013,19 @@ bool launch_rows_smem(fk_status &status, const char *op, int64_t rows, int64_t n
     return false;
 }
 
-// Launches an in-register row kernel (one CTA a row: kernel, kPackElems elements a thread, or
-// wide_kernel, twice that, past kPackElems * kPackThreads) for rows of `frame` elements.
-template <auto kernel, auto wide_kernel, typename... Args>
+// Launches an in-register row kernel, one CTA a row, for rows of `frame` elements: kernel takes
+// kPackElems elements a thread, wide_kernel twice that past kPackElems * kPackThreads, widest_kernel
+// four times past twice that (rows up to kPackRowMaxOf).
+template <auto kernel, auto wide_kernel, auto widest_kernel, typename... Args>
 fk_status launch_rows_packs(const char *op, int64_t rows, int64_t frame, int device, cudaStream_t stream,
                             Args... args) {
     if (rows > 0x7fffffff) return fk_fail(FK_ERR_VALUE, "%s: %lld rows exceed the CUDA grid", op, (long long)rows);
-    const bool wide = frame > kPackElems * kPackThreads;
-    const int64_t per = (wide ? 2 : 1) * kPackElems;
+    const int times = frame > 2 * kPackElems * kPackThreads ? 4 : frame > kPackElems * kPackThreads ? 2 : 1;
+    const int64_t per = times * kPackElems;
     const int threads = (int)(((frame + per - 1) / per + 31) / 32 * 32);
     const fk::Launch launch(dim3((unsigned)rows), dim3(threads), 0, stream, device);
-    return wide ? launch(op, wide_kernel, args...) : launch(op, kernel, args...);
+    if (times == 4) return launch(op, widest_kernel, args...);
+    return times == 2 ? launch(op, wide_kernel, args...) : launch(op, kernel, args...);
 }
 
 // Lanes per row and elements per lane for the warp kernels. Packed rows: kBytes a lane per tensor
@@ -2218,12 +2233,14 @@ fk_status launch_bwd_rows(const T *dy, const T *x, const float *row_max, T *dx, 
             });
         });
     if constexpr (VEC > 1) {
-        if (frame <= kPackRowMax && (!ragged || !kCausal)) {
+        if (frame <= (ragged ? kPackRowMax : kPackRowMaxOf<T, kCausal>) && (!ragged || !kCausal)) {
             constexpr int P = kPackElems / VEC;
             return with_ragged<VEC, kCausal>(ragged, [&](auto rag) {
                 constexpr bool kRag = decltype(rag)::value;
+                constexpr int64_t kRowMax = kPackRowMaxOf<T, kCausal || kRag>;
                 return launch_rows_packs<softmax_bwd_rows_packs<T, P, kCausal, kLog, kRag>,
-                                         softmax_bwd_rows_packs<T, 2 * P, kCausal, kLog, kRag>>(
+                                         softmax_bwd_rows_packs<T, 2 * P, kCausal, kLog, kRag>,
+                                         softmax_bwd_rows_packs<T, (kRowMax > kPackRowMax ? 4 : 2) * P, kCausal, kLog, kRag>>(
                     op, rows, frame, device, stream, n, dy, x, row_max, dx, scale, causal_sq);
             });
         }
@@ -2309,6 +2326,9 @@ bool launch_col_tile(fk_status &status, int64_t columns, int64_t n, int device, 
     if (k > 1 && (k > kMaxCluster || cluster_limit<kernel>(device, kMaxThreads, (int)smem_of(kTxMin, kMaxThreads / kTxMin)) < k))
         return false;
     const int64_t group = 32 / tx, ty = ((row_threads + k - 1) / k + group - 1) / group * group;
+    // a lone CTA of kMaxThreads launches without a shared-memory allowance (cluster_limit sets one
+    // for clustered CTAs only)
+    static_assert((kMaxThreads / 32 + 2) * 32 * VEC * sizeof(V) <= 48 * 1024);
     const int64_t ctas = (columns / VEC + tx - 1) / tx;
     status = go(dim3((unsigned)(ctas * k)), dim3((unsigned)tx, (unsigned)ty), smem_of(tx, ty), (int)k);
     return true;
