@@ -98,7 +98,8 @@ def test_single_rows_fp32(device, log):
 @pytest.mark.parametrize("log", [False, True], ids=["softmax", "log"])
 @pytest.mark.parametrize("dim", [0, 1, -1, 2, -3])
 # dims 0 / 1 are the GPU's column kernels: the column tile in registers, one CTA a column block up
-# to 1024 rows (forward; backward 512; a quarter of that one column a thread), clusters past that
+# to 1024 rows (forward; backward 512; a quarter of that one column a thread; fp32 backwards of up
+# to 64 rows, e.g. (2, 48, 16384) dim 1, half the accesses a thread), clusters past that
 # ((3, 1000, 4) dim 1 backward and bf16, (2000, 5, 8) dim 0), the looped kernels past 16 CTAs of
 # rows ((20000, 2, 4) dim 0); one column a thread where inner is not a multiple of a pack ((5, 7,
 # 9), (64, 3, 33), bf16 (3, 1000, 4)), else 16-byte accesses

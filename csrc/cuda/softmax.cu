@@ -61,9 +61,9 @@
 //                 not 16-byte aligned, and masked ragged rows that a warp holds, the scalar path
 //                 (VEC 1).
 // inner > 1 (columns x[o, :, i]): columns of up to 1024 elements (backward 512) a CTA, or up to 16
-// CTAs of them in a cluster, take the column tile: 8 rows of 16 bytes of adjacent columns a thread,
-// in registers, so x is read once (H100, against the looped kernels: 17-60 -> 50-94% of copy
-// forward, 33-84 -> 56-100 backward). Longer columns: a thread per (outer, inner) column, or per
+// CTAs of them in a cluster, take the column tile: 8 rows of 16 bytes of adjacent columns a thread
+// (fp32 backwards of up to 64 rows: 4), in registers, so x is read once (H100, against the looped
+// kernels: 17-60 -> 50-94% of copy forward, 33-84 -> 56-100 backward). Longer columns: a thread per (outer, inner) column, or per
 // 16-byte group of columns, 32 of them per warp so loads stay coalesced, up to 8..32 threads
 // splitting n, online max / sum down n, then a write pass (x read twice).
 //
@@ -1560,6 +1560,13 @@ constexpr int kTileRows = 8;            // accesses of x (and of dy) a thread ho
 // where the full size held the columns alone, the half size's 2-CTA clusters lost up to 4.6 points.
 constexpr int kTileFwdThreads = 1024;
 constexpr int kTileBwdThreads = 512;
+// fp32 backwards of columns of up to kTileShortMax take 4 accesses a thread in CTAs of up to 256
+// threads, three an SM (80 registers): H100, same-process A/B against 8 accesses, % of copy, (32,
+// 19, 256, 512) dim 1 94.9 -> 98.2 (0.988 -> 1.023x torch.compile), (64, 21, 128, 128) 92.5 -> 97.0
+// (0.958 -> 1.003x), (32, 40, 4096) 76.7 -> 88.5, (16, 64, 8192) 82.5 -> 91.6; but (256, 128, 4096)
+// 100.5 -> 99.8, (64, 256, 1024) 89.8 -> 86.9, and 16-bit columns lost 3-15 points at every length
+// but 40.
+constexpr int kTileShortMax = 64, kTileShortRows = 4, kTileShortThreads = 256;
 
 template <typename V> __device__ __forceinline__ V shfl_xor(V v, int offset) {
     if constexpr (std::is_same_v<V, float2> || std::is_same_v<V, double2>)
@@ -1685,8 +1692,8 @@ softmax_fwd_col_tile(const T *__restrict__ x, T *__restrict__ y, float *__restri
     }
 }
 
-template <typename T, int VEC, bool kLog>
-__global__ void __launch_bounds__(kTileBwdThreads, 1)
+template <typename T, int VEC, bool kLog, int kRows = kTileRows, int kThreads = kTileBwdThreads, int kMinCtas = 1>
+__global__ void __launch_bounds__(kThreads, kMinCtas)
 softmax_bwd_col_tile(const T *__restrict__ dy, const T *__restrict__ x, const float *__restrict__ row_max,
                      T *__restrict__ dx, int64_t columns, int n, int64_t inner, int cluster_k, float scale) {
     extern __shared__ __align__(16) unsigned char tile_smem[];
@@ -1695,9 +1702,9 @@ softmax_bwd_col_tile(const T *__restrict__ dy, const T *__restrict__ x, const fl
     const TileRows rows(cluster_k, n, column < columns);
     const int64_t base = rows.active ? column_base(column, n, inner) : 0, stride = rows.step * inner,
                   offset = base + rows.first * inner;
-    Raw<T, VEC> raw_x[kTileRows], raw_dy[kTileRows];
+    Raw<T, VEC> raw_x[kRows], raw_dy[kRows];
 #pragma unroll
-    for (int i = 0; i < kTileRows; i++) {
+    for (int i = 0; i < kRows; i++) {
         raw_x[i] = load_or_zero<T, VEC>(x + offset + i * stride, rows.in(i));
         raw_dy[i] = load_or_zero<T, VEC>(dy + offset + i * stride, rows.in(i));
     }
@@ -1706,13 +1713,13 @@ softmax_bwd_col_tile(const T *__restrict__ dy, const T *__restrict__ x, const fl
     for (int k = 0; k < VEC; k++) ref[k] = rows.active ? exp_ref(row_max[column + k]) : 0.f;
     // y' = exp(x * scale - row_max): unnormalised, z = sum y' renormalises it
     auto y_of = [&](int i, int k) { return rows.in(i) ? exp_ftz(fmaf(raw_at<T, VEC>(raw_x[i], k), scale, -ref[k])) : 0.f; };
-    float yv[kExpOnce<T> ? kTileRows * VEC : 1];
+    float yv[kExpOnce<T> ? kRows * VEC : 1];
     Acc2<T> za[VEC];
 #pragma unroll
     for (int k = 0; k < VEC; k++) {
         BwdSums<T, kLog> sums;
 #pragma unroll
-        for (int i = 0; i < kTileRows; i++) {
+        for (int i = 0; i < kRows; i++) {
             const float yk = y_of(i, k);
             if (kExpOnce<T>) yv[i * VEC + k] = yk;
             sums.add(yk, raw_at<T, VEC>(raw_dy[i], k));
@@ -1724,7 +1731,7 @@ softmax_bwd_col_tile(const T *__restrict__ dy, const T *__restrict__ x, const fl
 #pragma unroll
     for (int k = 0; k < VEC; k++) br[k] = BwdRow<T>(za[k].x, za[k].y, kLog, scale);
 #pragma unroll
-    for (int i = 0; i < kTileRows; i++) {
+    for (int i = 0; i < kRows; i++) {
         if (!rows.in(i)) continue;
         float out[VEC];
 #pragma unroll
@@ -2300,18 +2307,19 @@ fk_status launch_cols(int64_t columns, int64_t n, int64_t inner, bool aligned, i
     return go(std::integral_constant<int, 1>());
 }
 
-// Launches a column-tile kernel through go(grid, block, smem, K) over `columns` columns of n, VEC a
-// thread, whose reductions combine values of V. CTAs of up to kThreads threads: TX threads along
+// Launches a column-tile kernel through go(grid, block, smem, K) over `columns` columns of n, VEC
+// columns and kRows accesses a thread, whose reductions combine values of V. CTAs of up to kThreads threads: TX threads along
 // the columns from 32 down to the fewest that read 128 bytes of a row (or 32) while the
-// ceil(n / kTileRows) threads along n do not fit; past kThreads / TX of them, a cluster of K CTAs (a
+// ceil(n / kRows) threads along n do not fit; past kThreads / TX of them, a cluster of K CTAs (a
 // power of two). A CTA of up to kMaxThreads (the kernel's bound) where that holds the columns alone
 // and kThreads would take a cluster. False, launching nothing, where the columns take a larger
 // cluster than the device holds.
-template <auto kernel, typename T, int VEC, int kThreads, int kMaxThreads, typename V, typename F>
+template <auto kernel, typename T, int VEC, int kThreads, int kMaxThreads, typename V, int kRows = kTileRows,
+          typename F>
 bool launch_col_tile(fk_status &status, int64_t columns, int64_t n, int device, F &&go) {
     constexpr int64_t kTxMin = std::min<int64_t>(32, 128 / (VEC * sizeof(T)));
     auto smem_of = [](int64_t tx, int64_t ty) { return (size_t)((tx * ty / 32 + 2) * tx * VEC) * sizeof(V); };
-    const int64_t row_threads = std::max<int64_t>(1, (n + kTileRows - 1) / kTileRows);
+    const int64_t row_threads = std::max<int64_t>(1, (n + kRows - 1) / kRows);
     int64_t tx = 0, k = 0;
     auto shape = [&](int64_t threads) {
         tx = 32;
@@ -2356,12 +2364,22 @@ bool launch_fwd_col_tile(fk_status &status, const T *x, T *y, float *row_max, in
 template <typename T, int VEC, bool kLog>
 bool launch_bwd_col_tile(fk_status &status, const T *dy, const T *x, const float *row_max, T *dx, int64_t columns,
                          int64_t n, int64_t inner, float scale, int device, cudaStream_t stream, const char *op) {
-    constexpr auto kernel = softmax_bwd_col_tile<T, VEC, kLog>;
-    return launch_col_tile<kernel, T, VEC, kTileBwdThreads / 2, kTileBwdThreads, Acc2<T>>(
-        status, columns, n, device, [&](dim3 grid, dim3 block, size_t smem, int k) {
+    auto go = [&](auto kernel) {
+        return [&, kernel](dim3 grid, dim3 block, size_t smem, int k) {
             return fk::Launch(grid, block, smem, stream, device, k)(op, kernel, dy, x, row_max, dx, columns, (int)n,
                                                                      inner, k, scale);
-        });
+        };
+    };
+    if constexpr (std::is_same_v<T, float>) {
+        if (n <= kTileShortMax) {
+            constexpr auto kernel = softmax_bwd_col_tile<T, VEC, kLog, kTileShortRows, kTileShortThreads, 3>;
+            return launch_col_tile<kernel, T, VEC, kTileShortThreads, kTileShortThreads, Acc2<T>, kTileShortRows>(
+                status, columns, n, device, go(kernel));
+        }
+    }
+    constexpr auto kernel = softmax_bwd_col_tile<T, VEC, kLog>;
+    return launch_col_tile<kernel, T, VEC, kTileBwdThreads / 2, kTileBwdThreads, Acc2<T>>(status, columns, n, device,
+                                                                                          go(kernel));
 }
 
 fk_status check_args(const char *op, int64_t outer, int64_t n, int64_t inner, int64_t causal_sq) {
