@@ -1564,7 +1564,7 @@ constexpr int kTileBwdThreads = 512;
 // threads, three an SM (80 registers): H100, same-process A/B against 8 accesses, % of copy, (32,
 // 19, 256, 512) dim 1 94.9 -> 98.2 (0.988 -> 1.023x torch.compile), (64, 21, 128, 128) 92.5 -> 97.0
 // (0.958 -> 1.003x), (32, 40, 4096) 76.7 -> 88.5, (16, 64, 8192) 82.5 -> 91.6; but (256, 128, 4096)
-// 100.5 -> 99.8, (64, 256, 1024) 89.8 -> 86.9, and 16-bit columns lost 3-15 points at every length
+// 100.5 -> 99.8, (64, 256, 1024) 89.8 -> 86.9, and 16-bit columns lost 2-15 points at every length
 // but 40.
 constexpr int kTileShortMax = 64, kTileShortRows = 4, kTileShortThreads = 256;
 
