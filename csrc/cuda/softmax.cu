@@ -63,9 +63,10 @@
 // inner > 1 (columns x[o, :, i]): columns of up to 1024 elements (backward 512) a CTA, or up to 16
 // CTAs of them in a cluster, take the column tile: 8 rows of 16 bytes of adjacent columns a thread
 // (fp32 backwards of up to 64 rows: 4), in registers, so x is read once (H100, against the looped
-// kernels: 17-60 -> 50-94% of copy forward, 33-84 -> 56-100 backward). Longer columns: a thread per (outer, inner) column, or per
-// 16-byte group of columns, 32 of them per warp so loads stay coalesced, up to 8..32 threads
-// splitting n, online max / sum down n, then a write pass (x read twice).
+// kernels: 17-60 -> 50-94% of copy forward, 33-84 -> 56-100 backward). Longer columns: a thread per
+// (outer, inner) column, or per 16-byte group of columns, 32 of them per warp so loads stay
+// coalesced, up to 8..32 threads splitting n, online max / sum down n, then a write pass (x read
+// twice).
 //
 // Numerics: fp32 arithmetic; fp32 data sums rows in fp64 (RowSum). The max is taken of x * scale
 // rounded (__fmul_rn), and exponents are fmaf(x, scale, -max): exact near the max, where the
@@ -1459,9 +1460,11 @@ template <typename T, int P> constexpr int kPackCtas = P * fk::Pack<T>::N == kPa
                                                      : 2;
 // Unmasked 16-bit rows of 8193-16384 whose rows are whole 16-byte accesses take 4 x kPackElems a
 // thread (two CTAs an SM). H100, same-process A/B against the shared-memory kernels (clusters of two
-// 32 KB CTAs), % of copy: bf16 (4096, 16384) 99.4-99.7 -> 101.1-101.9 (0.995 -> 1.018x
-// torch.compile), (2048, 16384) 96.7-97.3 -> 99.7-101.8, (16384, 9000) 99.0 -> 100.6-100.7, (8192,
-// 12000) 100.1 -> 100.4-100.6. Kept on the shared-memory kernels: ragged rows (bf16 (8192, 12001)
+// 32 KB CTAs), three calls, % of copy: bf16 (4096, 16384) 99.4-99.9 -> 101.1-102.1 (0.995-0.996 ->
+// 1.018-1.019x torch.compile), (2048, 16384) 96.7-97.3 -> 99.7-101.8, (16384, 9000) 99.0 ->
+// 100.6-100.7, (8192, 12000) 100.1 -> 100.4-100.6; the benchmark's own runs of it measured bf16
+// (4096, 16384) at 1.002x and 0.998x torch.compile (0.991-1.002x before). Kept on the shared-memory
+// kernels: ragged rows (bf16 (8192, 12001)
 // 97.7 -> 85.4), fp32 rows (1 CTA an SM at 120-128 registers: level to 0.6 below), masked rows
 // (their 32-element instances spilled 8-76 bytes).
 template <typename T, bool kMasked>
@@ -2308,9 +2311,9 @@ fk_status launch_cols(int64_t columns, int64_t n, int64_t inner, bool aligned, i
 }
 
 // Launches a column-tile kernel through go(grid, block, smem, K) over `columns` columns of n, VEC
-// columns and kRows accesses a thread, whose reductions combine values of V. CTAs of up to kThreads threads: TX threads along
-// the columns from 32 down to the fewest that read 128 bytes of a row (or 32) while the
-// ceil(n / kRows) threads along n do not fit; past kThreads / TX of them, a cluster of K CTAs (a
+// columns and kRows accesses a thread, whose reductions combine values of V. CTAs of up to kThreads
+// threads: TX threads along the columns from 32 down to the fewest that read 128 bytes of a row (or
+// 32) while the ceil(n / kRows) threads along n do not fit; past kThreads / TX of them, a cluster of K CTAs (a
 // power of two). A CTA of up to kMaxThreads (the kernel's bound) where that holds the columns alone
 // and kThreads would take a cluster. False, launching nothing, where the columns take a larger
 // cluster than the device holds.
