@@ -1462,7 +1462,8 @@ template <typename T, int P> constexpr int kPackCtas = P * fk::Pack<T>::N == kPa
 // thread (two CTAs an SM). H100, same-process A/B against the shared-memory kernels (clusters of two
 // 32 KB CTAs), three calls, % of copy: bf16 (4096, 16384) 99.4-99.9 -> 101.1-102.1 (0.995-0.996 ->
 // 1.018-1.019x torch.compile), (2048, 16384) 96.7-97.3 -> 99.7-101.8, (16384, 9000) 99.0 ->
-// 100.6-100.7, (8192, 12000) 100.1 -> 100.4-100.6; the benchmark's own runs of it measured bf16
+// 100.6-100.7, (8192, 12000) 100.1 -> 100.4-100.6; the benchmark's own runs, which time fastkern
+// before torch.compile (worth 1-1.5 points to this kernel, not to torch.compile's), measured bf16
 // (4096, 16384) at 1.002x and 0.998x torch.compile (0.991-1.002x before). Kept on the shared-memory
 // kernels: ragged rows (bf16 (8192, 12001)
 // 97.7 -> 85.4), fp32 rows (1 CTA an SM at 120-128 registers: level to 0.6 below), masked rows
