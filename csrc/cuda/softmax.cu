@@ -2244,7 +2244,8 @@ fk_status launch_bwd_rows(const T *dy, const T *x, const float *row_max, T *dx, 
             });
         });
     if constexpr (VEC > 1) {
-        if (frame <= (ragged ? kPackRowMax : kPackRowMaxOf<T, kCausal>) && (!ragged || !kCausal)) {
+        // ragged rows count as masked here, as in kRowMax below
+        if (frame <= (ragged ? kPackRowMaxOf<T, true> : kPackRowMaxOf<T, kCausal>) && (!ragged || !kCausal)) {
             constexpr int P = kPackElems / VEC;
             return with_ragged<VEC, kCausal>(ragged, [&](auto rag) {
                 constexpr bool kRag = decltype(rag)::value;
