@@ -69,10 +69,12 @@ def time_cases(builds, only, rounds):
             sets = bench.input_sets(make_inputs, device, nbytes)
         times = {b.name: [] for b in builds}
         times["compile"] = []
-        for r in range(rounds):
-            order = builds if r % 2 == 0 else builds[::-1]
-            times["compile"].append(bench.time_ms(impls["compile"], sets, device)[0])
+        for r in range(rounds):  # torch.compile takes its turn in the order, which reverses each round
+            order = [None, *builds] if r % 2 == 0 else [*builds[::-1], None]
             for b in order:
+                if b is None:
+                    times["compile"].append(bench.time_ms(impls["compile"], sets, device)[0])
+                    continue
                 with b:
                     times[b.name].append(bench.time_ms(impls["fastkern"], sets, device)[0])
         del sets

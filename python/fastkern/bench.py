@@ -6,10 +6,11 @@ copy, counting bytes read plus written. Each case reports ms, GB/s over the fewe
 move, percent of that copy bandwidth, and the ratio of each peer's time to fastkern's (> 1: fastkern
 is faster). Results go to stdout as a table and, with --out, to a JSON file.
 
-On a GPU every implementation is timed the same way: its calls are captured in a CUDA graph and
-the graph is replayed, so the figure is GPU time with no host time between calls (host overhead is
-reported separately, per tiny call), and the inputs rotate through enough fresh copies that no call
-finds its input in L2. An implementation that cannot be captured is timed eagerly and marked so.
+Each implementation of a case is timed twice, in the listed order and then in reverse, and keeps
+its faster time (see time_impls). On a GPU every implementation is timed the same way: its calls
+are captured in a CUDA graph and the graph is replayed, so the figure is GPU time with no host time
+between calls (host overhead is reported separately, per tiny call), and the inputs rotate through
+enough fresh copies that no call finds its input in L2. An implementation that cannot be captured is timed eagerly and marked so.
 """
 import argparse
 import datetime
@@ -96,6 +97,20 @@ def time_ms(fn, sets, device, repeats=15):
         else:
             samples.append((time.perf_counter() - t0) * 1e3 / calls)
     return statistics.median(samples), "eager"
+
+
+def time_impls(impls, sets, device):
+    """{impl: (ms, method)} for a case's implementations, each timed twice: in the listed order,
+    then in the reverse order, keeping its faster time. What ran before moves a time: on an H100 a
+    bf16 (4096, 16384) softmax backward ran at 99.8% of copy timed first, 101.1% right after
+    torch.compile and 99.0-99.5% right after torch, still so after a second of its own replays and
+    with its output at the same address; which implementation goes first must not decide a tie."""
+    timed = {}
+    for impl in [*impls, *reversed(impls)]:
+        ms, method = time_ms(impls[impl], sets, device)
+        if impl not in timed or ms < timed[impl][0]:
+            timed[impl] = (ms, method)
+    return timed
 
 
 def copy_bandwidth_gbs(device, nbytes=1 << 30):
@@ -340,7 +355,7 @@ def run(suites, device=None, quick=False, only=None):
             if only and only not in name:
                 continue
             sets = input_sets(make_inputs, device, nbytes)
-            timed = {impl: time_ms(fn, sets, device) for impl, fn in impls.items()}
+            timed = time_impls(impls, sets, device)
             del sets
             times = {impl: ms for impl, (ms, _) in timed.items()}
             ours = times["fastkern"]
