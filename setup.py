@@ -102,7 +102,7 @@ class BuildFastkern(build_ext):
             futures += [pool.submit(compile_c, s) for s in sources]
             objects = [f.result() for f in futures]
 
-        libraries, library_dirs = [], []
+        libraries, library_dirs = ["pthread"], []  # the CPU kernels' threads (csrc/cpu/parallel.c)
         if cuda_home:
             library_dirs = [cuda_lib_dir(cuda_home)]
             libraries = [":libcudart_static.a", "rt", "pthread", "dl", "stdc++"]

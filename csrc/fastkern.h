@@ -4,7 +4,8 @@
  * nothing of torch or Python. Each op has one CPU entry point (csrc/cpu/<op>.c) and one CUDA entry
  * point (csrc/cuda/<op>.cu). Entry points never abort, print or allocate: they return a status and,
  * on failure, leave a message for fk_error_message(). CUDA entry points launch on the given stream
- * (a cudaStream_t passed as void *) on the given device and never synchronise with the host.
+ * (a cudaStream_t passed as void *) on the given device and never synchronise with the host. CPU
+ * entry points run on up to `threads` threads, the caller's among them (csrc/cpu/parallel.c).
  *
  * Conventions shared by every op:
  *   - tensors are dense and row-major; sizes and indices are int64_t (tensors over 2^31 elements);
@@ -58,9 +59,9 @@ int fk_dtype_size(fk_dtype dtype);
  * The CUDA backward reduces dbias deterministically through `workspace`, fp32, of
  * fk_cuda_gelu_bwd_workspace(...) elements, asked with the same pointers and sizes as the call. */
 fk_status fk_cpu_gelu_fwd(const void *x, const void *bias, void *y, int64_t rows, int64_t cols,
-                          int approximate, fk_dtype dtype);
+                          int approximate, fk_dtype dtype, int threads);
 fk_status fk_cpu_gelu_bwd(const void *dy, const void *x, const void *bias, void *dx, void *dbias,
-                          int64_t rows, int64_t cols, int approximate, fk_dtype dtype);
+                          int64_t rows, int64_t cols, int approximate, fk_dtype dtype, int threads);
 fk_status fk_cuda_gelu_fwd(const void *x, const void *bias, void *y, int64_t rows, int64_t cols,
                            int approximate, fk_dtype dtype, int device, void *stream);
 int64_t fk_cuda_gelu_bwd_workspace(const void *dy, const void *x, const void *bias, const void *dx,
@@ -86,10 +87,10 @@ fk_status fk_cuda_gelu_bwd(const void *dy, const void *x, const void *bias, void
  * are all -inf, fully masked, or hold +inf / NaN produce NaN, as torch.softmax does.          */
 fk_status fk_cpu_softmax_fwd(const void *x, void *y, void *row_max, int64_t outer, int64_t n,
                              int64_t inner, double scale, int64_t causal_sq, int log,
-                             fk_dtype dtype);
+                             fk_dtype dtype, int threads);
 fk_status fk_cpu_softmax_bwd(const void *dy, const void *x, const void *row_max, void *dx,
                              int64_t outer, int64_t n, int64_t inner, double scale,
-                             int64_t causal_sq, int log, fk_dtype dtype);
+                             int64_t causal_sq, int log, fk_dtype dtype, int threads);
 fk_status fk_cuda_softmax_fwd(const void *x, void *y, float *row_max, int64_t outer, int64_t n,
                               int64_t inner, double scale, int64_t causal_sq, int log,
                               fk_dtype dtype, int device, void *stream);

@@ -1,7 +1,8 @@
 /* fastkern._C: the CPython face of csrc/fastkern.h. Argument parsing and error translation only.
  *
  * Every op takes data pointers as Python ints, sizes, a dtype code, a device index (-1 = CPU) and a
- * CUDA stream handle (an int; ignored on CPU). The Python layer (python/fastkern/ops) validates
+ * CUDA stream handle (an int), which on the CPU is instead the number of threads the kernel may use
+ * (torch.get_num_threads() from the Python layer). The Python layer (python/fastkern/ops) validates
  * tensors and allocates outputs; this layer forwards to the CPU or CUDA entry point and maps a
  * failed status to ValueError / TypeError / RuntimeError with the C message. CPU kernels run with
  * the GIL released.
@@ -41,6 +42,11 @@ static PyObject *no_cuda(const char *op) {
 
 #define PTR(v) ((void *)(uintptr_t)(v))
 
+/* The stream argument of a CPU call: its thread count, at least 1. */
+static int cpu_threads(unsigned long long stream) {
+    return stream < 1 ? 1 : stream > 1024 ? 1024 : (int)stream;
+}
+
 /* gelu_fwd(x, bias, y, rows, cols, approximate, dtype, device, stream) */
 static PyObject *py_gelu_fwd(PyObject *self, PyObject *args) {
     (void)self;
@@ -53,7 +59,8 @@ static PyObject *py_gelu_fwd(PyObject *self, PyObject *args) {
     fk_status status;
     if (device < 0) {
         Py_BEGIN_ALLOW_THREADS
-        status = fk_cpu_gelu_fwd(PTR(x), PTR(bias), PTR(y), rows, cols, approximate, (fk_dtype)dtype);
+        status = fk_cpu_gelu_fwd(PTR(x), PTR(bias), PTR(y), rows, cols, approximate, (fk_dtype)dtype,
+                                 cpu_threads(stream));
         Py_END_ALLOW_THREADS
     } else {
 #if FK_HAS_CUDA
@@ -79,7 +86,7 @@ static PyObject *py_gelu_bwd(PyObject *self, PyObject *args) {
     if (device < 0) {
         Py_BEGIN_ALLOW_THREADS
         status = fk_cpu_gelu_bwd(PTR(dy), PTR(x), PTR(bias), PTR(dx), PTR(dbias), rows, cols,
-                                 approximate, (fk_dtype)dtype);
+                                 approximate, (fk_dtype)dtype, cpu_threads(stream));
         Py_END_ALLOW_THREADS
     } else {
 #if FK_HAS_CUDA
@@ -127,7 +134,7 @@ static PyObject *py_softmax_fwd(PyObject *self, PyObject *args) {
     if (device < 0) {
         Py_BEGIN_ALLOW_THREADS
         status = fk_cpu_softmax_fwd(PTR(x), PTR(y), PTR(row_max), outer, n, inner, scale, causal_sq, log,
-                                    (fk_dtype)dtype);
+                                    (fk_dtype)dtype, cpu_threads(stream));
         Py_END_ALLOW_THREADS
     } else {
 #if FK_HAS_CUDA
@@ -154,7 +161,7 @@ static PyObject *py_softmax_bwd(PyObject *self, PyObject *args) {
     if (device < 0) {
         Py_BEGIN_ALLOW_THREADS
         status = fk_cpu_softmax_bwd(PTR(dy), PTR(x), PTR(row_max), PTR(dx), outer, n, inner, scale,
-                                    causal_sq, log, (fk_dtype)dtype);
+                                    causal_sq, log, (fk_dtype)dtype, cpu_threads(stream));
         Py_END_ALLOW_THREADS
     } else {
 #if FK_HAS_CUDA

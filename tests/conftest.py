@@ -118,3 +118,13 @@ def chain_matches_synchronized(fn, *inputs):
     for want, got_eager, got_graph in zip(expected, eager, captured):
         assert torch.equal(got_eager, want), "eager chain differs from the synchronized one"
         assert torch.equal(got_graph, want), "captured chain differs from the synchronized one"
+
+
+def on_cpu_threads(threads, fn):
+    """fn() with torch (and so fastkern's CPU kernels) set to `threads` threads."""
+    saved = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        return fn()
+    finally:
+        torch.set_num_threads(saved)

@@ -5,7 +5,7 @@ import torch.nn.functional as F
 
 import fastkern
 from conftest import (CUDA, DEVICE_DTYPES, DEVICES, assert_within_torch_error, chain_matches_synchronized,
-                      misaligned, needs_cuda)
+                      misaligned, needs_cuda, on_cpu_threads)
 
 SHAPES = [(1,), (7,), (1023,), (4096,), (2**20 + 3,), (3, 7), (33, 1000), (2, 3, 4096)]
 
@@ -299,3 +299,20 @@ def test_erf_form_negative_tail_cpu(bias):
     (dxr,) = torch.autograd.grad(yr.sum(), xr)
     for out, ref in ((y, yr), (dx, dxr)):
         assert ((out.double() - ref).norm() / ref.norm()).item() < 1e-5
+
+
+@pytest.mark.parametrize("shape,with_bias", [((2**20 + 3,), False), ((3000, 1500), False), ((3000, 1500), True)],
+                         ids=["flat", "rows", "bias"])
+def test_cpu_threads_give_the_one_thread_results(shape, with_bias, poison):
+    """The CPU kernels split tiles over torch.get_num_threads() threads: 7 threads write every
+    element (and the bias gradient, summed over whole columns a thread) bit for bit as 1 thread."""
+    x, g = torch.randn(shape), torch.randn(shape)
+    b = torch.randn(shape[-1]) if with_bias else None
+
+    def run():
+        y = torch.ops.fastkern.gelu.default(x, b, "tanh")
+        return (y, *torch.ops.fastkern.gelu_backward.default(g, x, b, "tanh", with_bias))
+    one, many = on_cpu_threads(1, run), on_cpu_threads(7, run)
+    assert many[2].numel() == (shape[-1] if with_bias else 0)
+    for a, c in zip(one, many):
+        assert not c.isnan().any() and torch.equal(a, c)

@@ -7,7 +7,7 @@ import torch
 
 import fastkern
 from conftest import (DEVICE_DTYPES, DEVICES, assert_within_torch_error, chain_matches_synchronized, misaligned,
-                      needs_cuda)
+                      needs_cuda, on_cpu_threads)
 
 # Over 1024 elements: fp32 forwards up to 8192 take the GPU's row-block kernel (one CTA a row in
 # registers; 1100 ... 8192), longer ones and 16-bit forwards the shared-memory kernels (a warp per
@@ -345,3 +345,18 @@ def test_bad_input(device):
 def test_bad_input_cuda():
     with pytest.raises(TypeError, match=r"float32, float16, bfloat16 on cuda, got torch.float64"):
         fastkern.softmax(torch.randn(3, 3, device="cuda", dtype=torch.float64))
+
+
+@pytest.mark.parametrize("log", [False, True], ids=["softmax", "log"])
+@pytest.mark.parametrize("shape,dim", [((37, 70001), -1), ((5, 3000, 70), 1), ((9000, 130), 0)], ids=str)
+def test_cpu_threads_give_the_one_thread_results(shape, dim, log, poison):
+    """The CPU kernels split rows over torch.get_num_threads() threads: 7 threads write every
+    element, bit for bit as 1 thread does, forward and backward."""
+    x, g = torch.randn(shape) * 3, torch.randn(shape)
+
+    def run():
+        y, row_max = torch.ops.fastkern.softmax.default(x, dim, 0.5, False, log)
+        return y, torch.ops.fastkern.softmax_backward.default(g, x, row_max, dim, 0.5, False, log)
+    one, many = on_cpu_threads(1, run), on_cpu_threads(7, run)
+    for a, b in zip(one, many):
+        assert not b.isnan().any() and torch.equal(a, b)

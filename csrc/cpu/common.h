@@ -92,6 +92,20 @@ static inline void fk_store_f32(fk_dtype dtype, const float *in, int64_t start, 
     }
 }
 
+/* Runs fn(ctx, begin, end) over contiguous ranges covering [0, items) on up to `threads` threads
+ * (the caller's among them), none given fewer than min_items items (parallel.c). */
+typedef void (*fk_range_fn)(void *ctx, int64_t begin, int64_t end);
+void fk_parallel_for(int threads, int64_t items, int64_t min_items, fk_range_fn fn, void *ctx);
+
+/* Elements a thread must have for its start (tens of microseconds) to pay: the kernels here take
+ * a few ns an element. */
+#define FK_MIN_THREAD_ELEMS 65536
+
+/* Items of `per_item` elements each that make up FK_MIN_THREAD_ELEMS. */
+static inline int64_t fk_min_items(int64_t per_item) {
+    return per_item >= FK_MIN_THREAD_ELEMS ? 1 : FK_MIN_THREAD_ELEMS / (per_item > 0 ? per_item : 1);
+}
+
 /* FK_OK for the dtypes the CPU kernels take, else a TypeError naming the op. */
 static inline fk_status fk_cpu_check_dtype(fk_dtype dtype, const char *op) {
     if (dtype == FK_FLOAT32 || dtype == FK_FLOAT16 || dtype == FK_BFLOAT16 || dtype == FK_FLOAT64)

@@ -69,71 +69,115 @@ static fk_status check_args(const char *op, int64_t rows, int64_t cols, fk_dtype
     return fk_cpu_check_dtype(dtype, op);
 }
 
-fk_status fk_cpu_gelu_fwd(const void *x, const void *bias, void *y, int64_t rows, int64_t cols,
-                          int approximate, fk_dtype dtype) {
-    fk_status status = check_args("gelu", rows, cols, dtype);
-    if (status != FK_OK) return status;
-    for (int64_t c0 = 0; c0 < cols; c0 += FK_CHUNK) {
-        int64_t len = cols - c0 < FK_CHUNK ? cols - c0 : FK_CHUNK;
-        if (dtype == FK_FLOAT64) {
-            const double *b = bias ? (const double *)bias + c0 : NULL;
-            for (int64_t r = 0; r < rows; r++) {
-                const double *xr = (const double *)x + r * cols + c0;
-                double *yr = (double *)y + r * cols + c0;
-                for (int64_t i = 0; i < len; i++) yr[i] = gelu_f64(xr[i] + (b ? b[i] : 0.0), approximate);
+/* The (rows, cols) array is walked in tiles of FK_CHUNK columns by row_block rows, numbered
+ * row-block-major, so threads take contiguous runs of memory. A backward with dbias takes whole
+ * columns (row_block = rows): each tile then holds its columns' complete sums, written once, and
+ * the result does not depend on the thread count. */
+typedef struct {
+    const void *dy, *x, *bias;
+    void *out, *dbias;
+    int64_t rows, cols, chunks, row_block;
+    int approximate;
+    fk_dtype dtype;
+} gelu_job;
+
+typedef struct {
+    int64_t r0, r1, c0, len;
+} gelu_tile;
+
+static gelu_tile tile_of(const gelu_job *j, int64_t t) {
+    int64_t c0 = t % j->chunks * FK_CHUNK, r0 = t / j->chunks * j->row_block;
+    return (gelu_tile){r0, r0 + j->row_block < j->rows ? r0 + j->row_block : j->rows, c0,
+                       j->cols - c0 < FK_CHUNK ? j->cols - c0 : FK_CHUNK};
+}
+
+static void forward_tiles(void *arg, int64_t begin, int64_t end) {
+    const gelu_job *j = (const gelu_job *)arg;
+    for (int64_t t = begin; t < end; t++) {
+        gelu_tile tile = tile_of(j, t);
+        int64_t c0 = tile.c0, len = tile.len, cols = j->cols;
+        if (j->dtype == FK_FLOAT64) {
+            const double *b = j->bias ? (const double *)j->bias + c0 : NULL;
+            for (int64_t r = tile.r0; r < tile.r1; r++) {
+                const double *xr = (const double *)j->x + r * cols + c0;
+                double *yr = (double *)j->out + r * cols + c0;
+                for (int64_t i = 0; i < len; i++) yr[i] = gelu_f64(xr[i] + (b ? b[i] : 0.0), j->approximate);
             }
             continue;
         }
         float b[FK_CHUNK], v[FK_CHUNK];
-        if (bias) fk_load_f32(dtype, bias, c0, len, b);
+        if (j->bias) fk_load_f32(j->dtype, j->bias, c0, len, b);
         else memset(b, 0, sizeof b);
-        for (int64_t r = 0; r < rows; r++) {
-            fk_load_f32(dtype, x, r * cols + c0, len, v);
-            for (int64_t i = 0; i < len; i++) v[i] = gelu_f32(v[i] + b[i], approximate);
-            fk_store_f32(dtype, v, r * cols + c0, len, y);
+        for (int64_t r = tile.r0; r < tile.r1; r++) {
+            fk_load_f32(j->dtype, j->x, r * cols + c0, len, v);
+            for (int64_t i = 0; i < len; i++) v[i] = gelu_f32(v[i] + b[i], j->approximate);
+            fk_store_f32(j->dtype, v, r * cols + c0, len, j->out);
         }
     }
-    return FK_OK;
 }
 
-fk_status fk_cpu_gelu_bwd(const void *dy, const void *x, const void *bias, void *dx, void *dbias,
-                          int64_t rows, int64_t cols, int approximate, fk_dtype dtype) {
-    fk_status status = check_args("gelu_backward", rows, cols, dtype);
-    if (status != FK_OK) return status;
-    for (int64_t c0 = 0; c0 < cols; c0 += FK_CHUNK) {
-        int64_t len = cols - c0 < FK_CHUNK ? cols - c0 : FK_CHUNK;
-        if (dtype == FK_FLOAT64) {
-            const double *b = bias ? (const double *)bias + c0 : NULL;
+static void backward_tiles(void *arg, int64_t begin, int64_t end) {
+    const gelu_job *j = (const gelu_job *)arg;
+    for (int64_t t = begin; t < end; t++) {
+        gelu_tile tile = tile_of(j, t);
+        int64_t c0 = tile.c0, len = tile.len, cols = j->cols;
+        if (j->dtype == FK_FLOAT64) {
+            const double *b = j->bias ? (const double *)j->bias + c0 : NULL;
             double sum[FK_CHUNK] = {0};
-            for (int64_t r = 0; r < rows; r++) {
-                const double *xr = (const double *)x + r * cols + c0;
-                const double *gr = (const double *)dy + r * cols + c0;
-                double *dr = (double *)dx + r * cols + c0;
+            for (int64_t r = tile.r0; r < tile.r1; r++) {
+                const double *xr = (const double *)j->x + r * cols + c0;
+                const double *gr = (const double *)j->dy + r * cols + c0;
+                double *dr = (double *)j->out + r * cols + c0;
                 for (int64_t i = 0; i < len; i++) {
-                    dr[i] = gr[i] * gelu_grad_f64(xr[i] + (b ? b[i] : 0.0), approximate);
+                    dr[i] = gr[i] * gelu_grad_f64(xr[i] + (b ? b[i] : 0.0), j->approximate);
                     sum[i] += dr[i];
                 }
             }
-            if (dbias) memcpy((double *)dbias + c0, sum, (size_t)len * sizeof(double));
+            if (j->dbias) memcpy((double *)j->dbias + c0, sum, (size_t)len * sizeof(double));
             continue;
         }
         float b[FK_CHUNK], v[FK_CHUNK], g[FK_CHUNK];
         double sum[FK_CHUNK] = {0}; /* a long column sum in fp32 would lose to torch's cascade */
-        if (bias) fk_load_f32(dtype, bias, c0, len, b);
+        if (j->bias) fk_load_f32(j->dtype, j->bias, c0, len, b);
         else memset(b, 0, sizeof b);
-        for (int64_t r = 0; r < rows; r++) {
-            fk_load_f32(dtype, x, r * cols + c0, len, v);
-            fk_load_f32(dtype, dy, r * cols + c0, len, g);
+        for (int64_t r = tile.r0; r < tile.r1; r++) {
+            fk_load_f32(j->dtype, j->x, r * cols + c0, len, v);
+            fk_load_f32(j->dtype, j->dy, r * cols + c0, len, g);
             for (int64_t i = 0; i < len; i++) {
-                v[i] = g[i] * gelu_grad_f32(v[i] + b[i], approximate);
+                v[i] = g[i] * gelu_grad_f32(v[i] + b[i], j->approximate);
                 sum[i] += v[i];
             }
-            fk_store_f32(dtype, v, r * cols + c0, len, dx);
+            fk_store_f32(j->dtype, v, r * cols + c0, len, j->out);
         }
-        if (dbias) {
+        if (j->dbias) {
             for (int64_t i = 0; i < len; i++) v[i] = (float)sum[i];
-            fk_store_f32(dtype, v, c0, len, dbias);
+            fk_store_f32(j->dtype, v, c0, len, j->dbias);
         }
     }
+}
+
+static void run_tiles(gelu_job *j, int threads, fk_range_fn fn) {
+    j->chunks = (j->cols + FK_CHUNK - 1) / FK_CHUNK;
+    /* with dbias one block of all rows, even of none (its sums, zeros, are still written) */
+    int64_t row_blocks = j->dbias ? 1 : (j->rows + j->row_block - 1) / j->row_block;
+    int64_t tile = j->row_block * (j->cols < FK_CHUNK ? j->cols : FK_CHUNK);
+    fk_parallel_for(threads, row_blocks * j->chunks, fk_min_items(tile), fn, j);
+}
+
+fk_status fk_cpu_gelu_fwd(const void *x, const void *bias, void *y, int64_t rows, int64_t cols,
+                          int approximate, fk_dtype dtype, int threads) {
+    fk_status status = check_args("gelu", rows, cols, dtype);
+    if (status != FK_OK) return status;
+    gelu_job j = {NULL, x, bias, y, NULL, rows, cols, 0, 1, approximate, dtype};
+    run_tiles(&j, threads, forward_tiles);
+    return FK_OK;
+}
+
+fk_status fk_cpu_gelu_bwd(const void *dy, const void *x, const void *bias, void *dx, void *dbias,
+                          int64_t rows, int64_t cols, int approximate, fk_dtype dtype, int threads) {
+    fk_status status = check_args("gelu_backward", rows, cols, dtype);
+    if (status != FK_OK) return status;
+    gelu_job j = {dy, x, bias, dx, dbias, rows, cols, 0, dbias ? rows : 1, approximate, dtype};
+    run_tiles(&j, threads, backward_tiles);
     return FK_OK;
 }

@@ -166,28 +166,60 @@ static fk_status check_args(const char *op, int64_t outer, int64_t n, int64_t in
     return fk_cpu_check_dtype(dtype, op);
 }
 
+/* Row blocks (one slab o, up to FK_TILE adjacent columns i0..) are independent: threads take
+ * contiguous runs of them, numbered o * tiles + i0 / FK_TILE. */
+typedef struct {
+    const void *dy, *x;
+    void *out, *row_max;
+    int64_t n, inner, tiles, causal_sq;
+    double scale;
+    int is_log;
+    fk_dtype dtype;
+} softmax_job;
+
+static fk_rows block_of(const softmax_job *j, int64_t b) {
+    int64_t i0 = b % j->tiles * FK_TILE;
+    return (fk_rows){j->n, j->inner, b / j->tiles, i0, j->inner - i0 < FK_TILE ? j->inner - i0 : FK_TILE};
+}
+
+static void forward_blocks(void *arg, int64_t begin, int64_t end) {
+    const softmax_job *j = (const softmax_job *)arg;
+    for (int64_t b = begin; b < end; b++) {
+        fk_rows r = block_of(j, b);
+        forward_block(&r, j->dtype, j->x, j->out, j->row_max, j->scale, j->causal_sq, j->is_log);
+    }
+}
+
+static void backward_blocks(void *arg, int64_t begin, int64_t end) {
+    const softmax_job *j = (const softmax_job *)arg;
+    for (int64_t b = begin; b < end; b++) {
+        fk_rows r = block_of(j, b);
+        backward_block(&r, j->dtype, j->dy, j->x, j->row_max, j->out, j->scale, j->causal_sq, j->is_log);
+    }
+}
+
+static void run_blocks(softmax_job *j, int64_t outer, int threads, fk_range_fn fn) {
+    j->tiles = (j->inner + FK_TILE - 1) / FK_TILE;
+    int64_t block = j->n * (j->inner < FK_TILE ? j->inner : FK_TILE);
+    fk_parallel_for(threads, outer * j->tiles, fk_min_items(block), fn, j);
+}
+
 fk_status fk_cpu_softmax_fwd(const void *x, void *y, void *row_max, int64_t outer, int64_t n,
                              int64_t inner, double scale, int64_t causal_sq, int is_log,
-                             fk_dtype dtype) {
+                             fk_dtype dtype, int threads) {
     fk_status status = check_args("softmax", outer, n, inner, causal_sq, dtype);
     if (status != FK_OK) return status;
-    for (int64_t o = 0; o < outer; o++)
-        for (int64_t i0 = 0; i0 < inner; i0 += FK_TILE) {
-            fk_rows r = {n, inner, o, i0, inner - i0 < FK_TILE ? inner - i0 : FK_TILE};
-            forward_block(&r, dtype, x, y, row_max, scale, causal_sq, is_log);
-        }
+    softmax_job j = {NULL, x, y, row_max, n, inner, 0, causal_sq, scale, is_log, dtype};
+    run_blocks(&j, outer, threads, forward_blocks);
     return FK_OK;
 }
 
 fk_status fk_cpu_softmax_bwd(const void *dy, const void *x, const void *row_max, void *dx,
                              int64_t outer, int64_t n, int64_t inner, double scale,
-                             int64_t causal_sq, int is_log, fk_dtype dtype) {
+                             int64_t causal_sq, int is_log, fk_dtype dtype, int threads) {
     fk_status status = check_args("softmax_backward", outer, n, inner, causal_sq, dtype);
     if (status != FK_OK) return status;
-    for (int64_t o = 0; o < outer; o++)
-        for (int64_t i0 = 0; i0 < inner; i0 += FK_TILE) {
-            fk_rows r = {n, inner, o, i0, inner - i0 < FK_TILE ? inner - i0 : FK_TILE};
-            backward_block(&r, dtype, dy, x, row_max, dx, scale, causal_sq, is_log);
-        }
+    softmax_job j = {dy, x, dx, (void *)row_max, n, inner, 0, causal_sq, scale, is_log, dtype};
+    run_blocks(&j, outer, threads, backward_blocks);
     return FK_OK;
 }

@@ -90,11 +90,12 @@ def check_same(t, ref, op, name, ref_name):
 
 
 def launch_args(t):
-    """(device index, stream handle) for a kernel on t's device: -1 and 0 on CPU, else the index
-    and the raw handle of the stream torch is using there now."""
+    """(device index, stream handle) for a kernel on t's device: on the CPU -1 and the number of
+    threads the kernel may use (torch's own setting, torch.get_num_threads()), else the index and
+    the raw handle of the stream torch is using there now."""
     index = t.get_device()
     if index < 0:
-        return -1, 0
+        return -1, torch.get_num_threads()
     if not CUDA_COMPILED:
         raise RuntimeError("fastkern: this build has no CUDA support (rebuild with nvcc on the PATH "
                            "or FASTKERN_CUDA=1); CPU tensors still work")
