@@ -11,6 +11,8 @@
  * formula, so the statistic's rounding cancels.
  * Rows are walked as tiles of up to FK_CHUNK keys (inner == 1, a contiguous row) or of up to
  * FK_TILE adjacent columns per key (inner > 1), so memory is read in contiguous runs either way.
+ * Row blocks go to the caller's threads in contiguous runs (fk_parallel_for); each row is reduced by
+ * one thread in a fixed order, so the result does not depend on the thread count.
  */
 #include <math.h>
 
@@ -182,26 +184,21 @@ static fk_rows block_of(const softmax_job *j, int64_t b) {
     return (fk_rows){j->n, j->inner, b / j->tiles, i0, j->inner - i0 < FK_TILE ? j->inner - i0 : FK_TILE};
 }
 
-static void forward_blocks(void *arg, int64_t begin, int64_t end) {
+/* A thread's run of row blocks: backward when the job has dy. */
+static void run_blocks(void *arg, int64_t begin, int64_t end) {
     const softmax_job *j = (const softmax_job *)arg;
     for (int64_t b = begin; b < end; b++) {
         fk_rows r = block_of(j, b);
-        forward_block(&r, j->dtype, j->x, j->out, j->row_max, j->scale, j->causal_sq, j->is_log);
+        if (j->dy)
+            backward_block(&r, j->dtype, j->dy, j->x, j->row_max, j->out, j->scale, j->causal_sq, j->is_log);
+        else forward_block(&r, j->dtype, j->x, j->out, j->row_max, j->scale, j->causal_sq, j->is_log);
     }
 }
 
-static void backward_blocks(void *arg, int64_t begin, int64_t end) {
-    const softmax_job *j = (const softmax_job *)arg;
-    for (int64_t b = begin; b < end; b++) {
-        fk_rows r = block_of(j, b);
-        backward_block(&r, j->dtype, j->dy, j->x, j->row_max, j->out, j->scale, j->causal_sq, j->is_log);
-    }
-}
-
-static void run_blocks(softmax_job *j, int64_t outer, int threads, fk_range_fn fn) {
+static void split_blocks(softmax_job *j, int64_t outer, int threads) {
     j->tiles = (j->inner + FK_TILE - 1) / FK_TILE;
     int64_t block = j->n * (j->inner < FK_TILE ? j->inner : FK_TILE);
-    fk_parallel_for(threads, outer * j->tiles, fk_min_items(block), fn, j);
+    fk_parallel_for(threads, outer * j->tiles, fk_min_items(block), run_blocks, j);
 }
 
 fk_status fk_cpu_softmax_fwd(const void *x, void *y, void *row_max, int64_t outer, int64_t n,
@@ -210,7 +207,7 @@ fk_status fk_cpu_softmax_fwd(const void *x, void *y, void *row_max, int64_t oute
     fk_status status = check_args("softmax", outer, n, inner, causal_sq, dtype);
     if (status != FK_OK) return status;
     softmax_job j = {NULL, x, y, row_max, n, inner, 0, causal_sq, scale, is_log, dtype};
-    run_blocks(&j, outer, threads, forward_blocks);
+    split_blocks(&j, outer, threads);
     return FK_OK;
 }
 
@@ -220,6 +217,6 @@ fk_status fk_cpu_softmax_bwd(const void *dy, const void *x, const void *row_max,
     fk_status status = check_args("softmax_backward", outer, n, inner, causal_sq, dtype);
     if (status != FK_OK) return status;
     softmax_job j = {dy, x, dx, (void *)row_max, n, inner, 0, causal_sq, scale, is_log, dtype};
-    run_blocks(&j, outer, threads, backward_blocks);
+    split_blocks(&j, outer, threads);
     return FK_OK;
 }
