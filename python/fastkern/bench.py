@@ -10,7 +10,8 @@ Each implementation of a case is timed twice, in the listed order and then in re
 its faster time (see time_impls). On a GPU every implementation is timed the same way: its calls
 are captured in a CUDA graph and the graph is replayed, so the figure is GPU time with no host time
 between calls (host overhead is reported separately, per tiny call), and the inputs rotate through
-enough fresh copies that no call finds its input in L2. An implementation that cannot be captured is timed eagerly and marked so.
+enough fresh copies that no call finds its input in L2. An implementation that cannot be captured
+is timed eagerly and marked so.
 """
 import argparse
 import datetime
