@@ -72,9 +72,13 @@ static fk_status check_args(const char *op, int64_t rows, int64_t cols, fk_dtype
 }
 
 /* The (rows, cols) array is walked in tiles of FK_CHUNK columns by row_block rows, numbered
- * row-block-major, so threads take contiguous runs of memory. A backward with dbias takes whole
- * columns (row_block = rows): each tile then holds its columns' complete sums, written once, and
- * the result does not depend on the thread count. */
+ * row-block-major, so threads take contiguous runs of memory. A tile loads its bias chunk once, so
+ * tiles span FK_TILE_ROWS rows (one row a tile: fp32 bias forward (2048, 1024) 13.2-13.5 ms on one
+ * thread, against 10.4-11.8). A backward with dbias takes whole columns (row_block = rows): each
+ * tile then holds its columns' complete sums, written once, and the result does not depend on the
+ * thread count (but uses at most cols / FK_CHUNK threads). */
+#define FK_TILE_ROWS 32
+
 typedef struct {
     const void *dy, *x, *bias;
     void *out, *dbias;
@@ -171,7 +175,7 @@ fk_status fk_cpu_gelu_fwd(const void *x, const void *bias, void *y, int64_t rows
                           int approximate, fk_dtype dtype, int threads) {
     fk_status status = check_args("gelu", rows, cols, dtype);
     if (status != FK_OK) return status;
-    gelu_job j = {NULL, x, bias, y, NULL, rows, cols, 0, 1, approximate, dtype};
+    gelu_job j = {NULL, x, bias, y, NULL, rows, cols, 0, FK_TILE_ROWS, approximate, dtype};
     split_tiles(&j, threads);
     return FK_OK;
 }
@@ -180,7 +184,8 @@ fk_status fk_cpu_gelu_bwd(const void *dy, const void *x, const void *bias, void 
                           int64_t rows, int64_t cols, int approximate, fk_dtype dtype, int threads) {
     fk_status status = check_args("gelu_backward", rows, cols, dtype);
     if (status != FK_OK) return status;
-    gelu_job j = {dy, x, bias, dx, dbias, rows, cols, 0, dbias ? rows : 1, approximate, dtype};
+    gelu_job j = {dy, x, bias, dx, dbias, rows, cols, 0, dbias ? rows : FK_TILE_ROWS, approximate,
+                  dtype};
     split_tiles(&j, threads);
     return FK_OK;
 }
