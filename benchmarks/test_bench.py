@@ -38,3 +38,13 @@ def test_each_impl_timed_in_both_orders_keeps_its_faster_time(monkeypatch):
     assert timed["a"] == (pytest.approx(1.1), "graph", [pytest.approx(1.1), pytest.approx(1.6)])
     assert timed["b"][0] == pytest.approx(1.2) and timed["b"][2] == [pytest.approx(1.2), pytest.approx(1.5)]
     assert timed["c"][0] == pytest.approx(0.6) and timed["c"][2] == [pytest.approx(0.7), pytest.approx(0.6)]
+
+
+def test_every_sample_starts_with_kept_l2_lines_released(monkeypatch):
+    """time_ms releases kept L2 lines before its warm-up and before each timed sample, so no
+    sample inherits lines an earlier kernel kept (CPU: the eager path, the same calls)."""
+    events = []
+    monkeypatch.setattr(bench, "release_kept_l2_lines", lambda device: events.append("release"))
+    bench.time_ms(lambda: events.append("call"), [()], torch.device("cpu"), repeats=3)
+    samples = "".join("r" if e == "release" else "c" for e in events)
+    assert samples == "r" + "c" + ("r" + "c" * 10) * 3

@@ -9,8 +9,9 @@ is faster). Results go to stdout as a table and, with --out, to a JSON file.
 Each implementation of a case is timed twice, in the listed order and then in reverse, and keeps
 its faster time (see time_impls). On a GPU every implementation is timed the same way: its calls
 are captured in a CUDA graph and the graph is replayed, so the figure is GPU time with no host time
-between calls (host overhead is reported separately, per tiny call), and the inputs rotate through
-enough fresh copies that no call finds its input in L2. An implementation that cannot be captured
+between calls (host overhead is reported separately, per tiny call), the inputs rotate through
+enough fresh copies that no call finds its input in L2, and each sample starts with no L2 lines
+kept by an earlier kernel's evict_last loads (release_kept_l2_lines). An implementation that cannot be captured
 is timed eagerly and marked so.
 """
 import argparse
@@ -44,6 +45,25 @@ def input_sets(make_inputs, device, nbytes):
     return [make_inputs() for _ in range(copies)]
 
 
+def release_kept_l2_lines(device):
+    """Returns every L2 line held under an evict_last ("persisting") policy to normal standing
+    (cuCtxResetPersistingL2Cache), so that each timing starts from the same L2, whatever ran before.
+    Kernels that load under evict_last (Inductor's softmax, and ours) leave lines that ordinary
+    traffic does not evict. On an H100 they moved the next kernel by up to 4 points of copy: our bf16
+    (4096, 16384) softmax forward ran at 94% after our own kernels and 90% after torch.compile's, and
+    at 94% again once they were released (benchmarks/results/perf-log.md, session 27)."""
+    if device.type != "cuda":
+        return
+    import ctypes
+    torch.cuda.synchronize(device)
+    driver = getattr(release_kept_l2_lines, "driver", None)
+    if driver is None:
+        driver = release_kept_l2_lines.driver = ctypes.CDLL("libcuda.so.1")
+    status = driver.cuCtxResetPersistingL2Cache()
+    if status != 0:
+        raise RuntimeError(f"cuCtxResetPersistingL2Cache failed with CUresult {status}")
+
+
 def _graph_ms(fn, sets, device, repeats):
     """Per-call milliseconds of `fn` over `sets`, captured in one CUDA graph and replayed: the GPU
     time of the kernels alone, with no host time between them (eager timing of a 10 us kernel
@@ -63,6 +83,7 @@ def _graph_ms(fn, sets, device, repeats):
     torch.cuda.synchronize(device)
     samples = []
     for _ in range(repeats):
+        release_kept_l2_lines(device)
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         graph.replay()
@@ -74,7 +95,9 @@ def _graph_ms(fn, sets, device, repeats):
 
 def time_ms(fn, sets, device, repeats=15):
     """(median milliseconds per call, method). CUDA: replays of a captured CUDA graph ("graph"),
-    else back-to-back eager calls ("eager") where capture is impossible; CPU: wall time."""
+    else back-to-back eager calls ("eager") where capture is impossible, each sample starting with
+    no L2 lines kept by earlier kernels (release_kept_l2_lines); CPU: wall time."""
+    release_kept_l2_lines(device)
     for inputs in sets:  # warm-up, compilation included
         fn(*inputs)
     if device.type == "cuda":
@@ -85,6 +108,7 @@ def time_ms(fn, sets, device, repeats=15):
     samples = []
     calls = len(sets) * -(-10 // len(sets))
     for _ in range(repeats):
+        release_kept_l2_lines(device)
         if device.type == "cuda":
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
@@ -103,10 +127,9 @@ def time_ms(fn, sets, device, repeats=15):
 def time_impls(impls, sets, device):
     """{impl: (ms, method, [ms in the listed order, ms in reverse])} for a case's implementations,
     each timed twice, in the listed order and then in the reverse order, keeping its faster time.
-    What ran before moves a time: on an H100 the bf16 (4096, 16384) softmax forward ran at 93.5% of
-    copy before torch.compile's kernel had run on the same inputs and 89.0-89.5% after, with its
-    output at the same address (the 16384-wide bf16 backward and the (16384, 4096) forward: faster
-    after); which implementation goes first must not decide a tie, and the JSON keeps both times."""
+    What ran before used to move a time, through L2 lines kept by an earlier kernel (see
+    release_kept_l2_lines, which time_ms now calls); timing both orders keeps any effect of the
+    order that remains from deciding a tie, and the JSON keeps both times so it can be seen."""
     runs = {impl: [] for impl in impls}
     for impl in [*impls, *reversed(impls)]:
         runs[impl].append(time_ms(impls[impl], sets, device))
