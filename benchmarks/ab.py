@@ -3,7 +3,8 @@
 Times several builds of fastkern._C (each an .so, optionally with environment variables set while
 it runs) against each other and against torch.compile in one process, on the same inputs, in
 alternating rounds, so that a difference of a point or two is not the GPU's drift between two runs.
-Cases come from `fastkern.bench` (selected by name with --only); every implementation is timed as
+Cases come from a `fastkern.bench` suite (--suite softmax or gelu; selected by name with --only);
+every implementation is timed as
 the benchmark times it (CUDA graph replays, inputs rotated past L2). With --margin it also reports,
 for each build, fastkern's worst error over fresh fp32 / bf16 draws as a fraction of the tests'
 "2x torch's error" bound (1.0 = at the bound).
@@ -19,6 +20,7 @@ import sys
 import torch
 
 import fastkern
+import fastkern.ops.gelu as gelu_op
 import fastkern.ops.softmax as softmax_op
 from fastkern import bench
 
@@ -48,7 +50,7 @@ class Build:
     def __enter__(self):
         self.saved = {k: os.environ.get(k) for k in self.env}
         os.environ.update(self.env)
-        softmax_op._C = self.module
+        softmax_op._C = gelu_op._C = self.module
         return self
 
     def __exit__(self, *exc):
@@ -59,21 +61,23 @@ class Build:
                 os.environ[k] = v
 
 
-def time_cases(builds, only, rounds):
+def time_cases(builds, suite, only, rounds):
     device = torch.device("cuda")
     results = []
-    for name, nbytes, make_inputs, impls in bench.softmax_cases(device):
+    for name, nbytes, make_inputs, impls in bench.SUITES[suite](device):
         if only and not any(o in name for o in only):
             continue
         with builds[0]:
             sets = bench.input_sets(make_inputs, device, nbytes)
         times = {b.name: [] for b in builds}
-        times["compile"] = []
+        if "compile" in impls:  # the GELU erf backward has no torch.compile peer
+            times["compile"] = []
         for r in range(rounds):  # torch.compile takes its turn in the order, which reverses each round
             order = [None, *builds] if r % 2 == 0 else [*builds[::-1], None]
             for b in order:
                 if b is None:
-                    times["compile"].append(bench.time_ms(impls["compile"], sets, device)[0])
+                    if "compile" in impls:
+                        times["compile"].append(bench.time_ms(impls["compile"], sets, device)[0])
                     continue
                 with b:
                     times[b.name].append(bench.time_ms(impls["fastkern"], sets, device)[0])
@@ -115,6 +119,7 @@ def margins(builds, draws):
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("builds", nargs="+", help="NAME=PATH_TO_SO[:VAR=VALUE,...]")
+    parser.add_argument("--suite", choices=sorted(bench.SUITES), default="softmax")
     parser.add_argument("--only", nargs="*", default=None, help="case-name substrings (any matches)")
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--margin", type=int, default=0, help="draws per shape for the error margin")
@@ -137,7 +142,7 @@ def main():
     if args.margin:
         report["margin"] = margins(builds, args.margin)
     if args.only is None or args.only:
-        report["cases"] = time_cases(builds, args.only, args.rounds)
+        report["cases"] = time_cases(builds, args.suite, args.only, args.rounds)
     if args.out:
         with open(args.out, "w") as f:
             json.dump(report, f, indent=1)
@@ -149,13 +154,14 @@ def main():
     print(f"{'case':34s} {'compile':>14s} " + " ".join(f"{n:>20s}" for n in names))
     for c in report.get("cases", []):
         pct = lambda ms: 100 * c["bytes"] / ms / 1e6 / copy
-        comp = c["ms"]["compile"]
+        comp = c["ms"].get("compile")
         cells = []
         for n in names:
             ts = c["ms"][n]
-            ratios = [a / b for a, b in zip(comp, ts)]
-            cells.append(f"{min(map(pct, ts)):5.1f}-{max(map(pct, ts)):5.1f} {statistics.median(ratios):6.3f}x")
-        print(f"{c['case']:34s} {min(map(pct, comp)):6.1f}-{max(map(pct, comp)):5.1f} " + " ".join(f"{x:>20s}" for x in cells))
+            ratio = f"{statistics.median(a / b for a, b in zip(comp, ts)):6.3f}x" if comp else "      -"
+            cells.append(f"{min(map(pct, ts)):5.1f}-{max(map(pct, ts)):5.1f} {ratio}")
+        peer = f"{min(map(pct, comp)):6.1f}-{max(map(pct, comp)):5.1f}" if comp else f"{'-':>12s}"
+        print(f"{c['case']:34s} {peer} " + " ".join(f"{x:>20s}" for x in cells))
 
 
 if __name__ == "__main__":
