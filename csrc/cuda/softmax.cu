@@ -158,9 +158,12 @@ __device__ __forceinline__ uint64_t l2_evict_last() {
 // as Triton's first-pass loads. Same-process A/B, x torch.compile: the pack backward (H200), fp32
 // (16384, 4096) 0.997-0.999 -> 1.006-1.009x; the row-block forward (H100), fp32 (16384, 4096) 0.995
 // -> 1.000x, (32768, 2048) 0.992 -> 0.998x, (8192, 8192) 0.994 -> 1.001x. 16-bit loads lost 0.7-2.3%
-// with it in the pack backward (every row length measured, 2048-8192) and do without.
-template <typename T> __device__ __forceinline__ fk::Pack<T> load_pack_kept(const T *p) {
-    if constexpr (std::is_same_v<T, float>) {
+// with it in the pack backward (every row length measured, 2048-8192, timed after torch.compile's
+// kernel; see bench.release_kept_l2_lines) and take it only where kKeep says (the pack backward's
+// rows past 4096).
+template <typename T, bool kKeep = std::is_same_v<T, float>>
+__device__ __forceinline__ fk::Pack<T> load_pack_kept(const T *p) {
+    if constexpr (kKeep) {
         fk::Pack<T> out;
         uint4 &r = *reinterpret_cast<uint4 *>(&out);
         asm volatile("ld.global.nc.L2::cache_hint.v4.u32 {%0, %1, %2, %3}, [%4], %5;"
@@ -1241,6 +1244,11 @@ softmax_fwd_rows_smem(int64_t n, int64_t seg, int cluster_k, int64_t rows, const
     const int lane = kWarps ? threadIdx.x % 32 : threadIdx.x;
     const int lanes = kWarps ? 32 : kCausal ? (int)blockDim.x : kSmemThreads<false>;  // kMaskedWarpPacks
     const int64_t slice_bytes_max = seg * (int64_t)sizeof(T);
+    // Copies under an L2 evict_last policy (but for causal rows) measured card by card, kept L2
+    // lines released before each sample: H200, same-process A/B, bf16 (16384, 4096) 92.5 -> 96.2%
+    // of copy, (4096, 16384) 93.8 -> 95.7, fp32 (4096, 16384) 98.0 -> 98.9; H100, benchmark run
+    // against run: fp32 (4096, 16384) 99.3 -> 97.7, (1024, 65536) 99.3 -> 98.1, (256, 262144) 96.8
+    // -> 92.6, bf16 (4096, 16384) 95.8 -> 94.6, (16384, 4096) 96.0 -> 97.0. Not taken.
     start_copies<T, kCausal, kWarps>(bar, pieces, smem_raw, rows, n, seg, cluster_k, causal_sq,
                                      slice_bytes_max <= kSmemCtaBigMax,
                                      [&](int i, const Slice &s, auto copy) {
@@ -1502,14 +1510,20 @@ softmax_bwd_rows_packs(int64_t n, const T *__restrict__ dy, const T *__restrict_
         const int p = threadIdx.x + i * blockDim.x;
         return p < packs && (!kCausal || (int64_t)p * VEC + k < len);
     };
+    // Loads under evict_last: fp32, and 16-bit rows of more than 8 elements a thread. H200,
+    // same-process A/B, kept L2 lines released before each sample: bf16 (4096, 16384) 98.9 -> 99.8%
+    // of copy (0.985 -> 0.993x torch.compile), (8192, 8192) 100.7 -> 101.7; (16384, 4096), 8
+    // elements a thread, lost 0.6 with it. H100: bf16 (4096, 16384) 0.9991x torch.compile (12
+    // rounds) -> 1.0026x (10 rounds, 9 ahead), ragged (32768, 4097) 100.7 -> 101.6 (run13 -> run14).
+    constexpr bool kKeep = std::is_same_v<T, float> || P > 1;
     fk::Pack<T> vx[P], vg[P];
 #pragma unroll
     for (int i = 0; i < P; i++) {
         const int64_t at = (int64_t)(threadIdx.x + i * blockDim.x) * VEC;
         *reinterpret_cast<uint4 *>(&vx[i]) = make_uint4(0, 0, 0, 0);
         *reinterpret_cast<uint4 *>(&vg[i]) = make_uint4(0, 0, 0, 0);
-        if (in(i, 0, keys)) vx[i] = load_pack_kept(xr + at);
-        if (in(i, 0, dy_keys)) vg[i] = load_pack_kept(dyr + at);
+        if (in(i, 0, keys)) vx[i] = load_pack_kept<T, kKeep>(xr + at);
+        if (in(i, 0, dy_keys)) vg[i] = load_pack_kept<T, kKeep>(dyr + at);
     }
     const float ref = exp_ref(row_max[row]);
     BwdSums<T, kLog> sums;  // (z, a): sum of y', sum of dy * y' (log: of dy)
