@@ -648,13 +648,13 @@ softmax_fwd_rows_warp(int64_t rows, int n, int group_arg, const T *__restrict__ 
 // 78 -> 82% of copy on an H200. The one-warp CTAs of grids past a wave (with_warp_block) are capped
 // at 128 registers instead, 16 an SM rather than 24 (H100, same-process A/B, six rounds: (32768,
 // 1024) 98.1-99.7 -> 99.6-100.2% of copy, 0.999 -> 1.005x torch.compile; (16384, 1000) 0.998 ->
-// 1.006x; (65536, 1024) 0.999 -> 1.004x; 20 an SM gained half as much). Without a mask a lane's accesses are whole keys or zero-filled
-// non-keys, so a non-key access takes its exps against +inf instead of the row max (exp(0 * scale -
-// inf) = 0, the same zero the select gave): one select an access, not one an element. SASS of the
-// fp32 1024-wide backward: 712 -> 688 instructions a lane (80 registers, no spills, either way),
-// and its (3000, 1000) rows went from 88-90 to 94-96% of copy (H200, same-process A/B); other
-// shapes level. (The forward, with the same change, measured level to -1.5 points, so it keeps
-// its select.)
+// 1.006x; (65536, 1024) 0.999 -> 1.004x; 20 an SM gained half as much). Without a mask a lane's
+// accesses are whole keys or zero-filled non-keys, so a non-key access takes its exps against +inf
+// instead of the row max (exp(0 * scale - inf) = 0, the same zero the select gave): one select an
+// access, not one an element. SASS of the fp32 1024-wide backward: 712 -> 688 instructions a lane
+// (80 registers, no spills, either way), and its (3000, 1000) rows went from 88-90 to 94-96% of
+// copy (H200, same-process A/B); other shapes level. (The forward, with the same change, measured
+// level to -1.5 points, so it keeps its select.)
 template <typename T, int VEC, int C, int G, bool kCausal, bool kLog, int kThreads, bool kRagged = false>
 __global__ void __launch_bounds__(kThreads, !std::is_same_v<T, float> || C != 32 ? 1 : kThreads == 32 ? 16 : 6)
 softmax_bwd_rows_warp(int64_t rows, int n, int group_arg, const T *__restrict__ dy, const T *__restrict__ x,

@@ -11,8 +11,8 @@ its faster time (see time_impls). On a GPU every implementation is timed the sam
 are captured in a CUDA graph and the graph is replayed, so the figure is GPU time with no host time
 between calls (host overhead is reported separately, per tiny call), the inputs rotate through
 enough fresh copies that no call finds its input in L2, and each sample starts with no L2 lines
-kept by an earlier kernel's evict_last loads (release_kept_l2_lines). An implementation that cannot be captured
-is timed eagerly and marked so.
+kept by an earlier kernel's evict_last loads (release_kept_l2_lines). An implementation that
+cannot be captured is timed eagerly and marked so.
 """
 import argparse
 import datetime
@@ -51,7 +51,7 @@ def release_kept_l2_lines(device):
     Kernels that load under evict_last (Inductor's softmax, and ours) leave lines that ordinary
     traffic does not evict. On an H100 they moved the next kernel by up to 4 points of copy: our bf16
     (4096, 16384) softmax forward ran at 94% after our own kernels and 90% after torch.compile's, and
-    at 94% again once they were released (benchmarks/results/perf-log.md, session 27)."""
+    at 94% again once they were released (notes/perf-log.md, session 27)."""
     if device.type != "cuda":
         return
     import ctypes
