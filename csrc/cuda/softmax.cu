@@ -201,8 +201,9 @@ template <typename T, int VEC> __device__ __forceinline__ float raw_at(const Raw
 // store whose lines L2 evicts first; the shared-memory kernels' write passes take it. H100,
 // same-process A/B, kept L2 lines released before each sample: fp32 forwards (4096, 16384) 98.1 ->
 // 99.3% of copy, (1024, 65536) 98.1 -> 99.3, (256, 262144) 93.5 -> 96.8; bf16 (4096, 16384) 94.2 ->
-// 95.8, (256, 262144) backward 95.3 -> 96.3; the rest within 0.4. In every kernel it had cost the
-// lane-group and row-block kernels up to 9 points (fp32 (3000, 1000) backward 102.5 -> 93.9).
+// 95.8, (256, 262144) backward 95.3 -> 96.3; others up 0.7 or within 0.4, but the scaled causal
+// forward lost 0.5. In every kernel it had cost the lane-group and row-block kernels up to 9
+// points (fp32 (3000, 1000) backward 102.5 -> 93.9).
 template <typename T, int VEC, bool kPtx = false, bool kStream = false>
 __device__ __forceinline__ void store_vec(T *p, const float *v) {
     if constexpr (VEC == 1) {
