@@ -114,7 +114,8 @@ __device__ __forceinline__ int64_t causal_len(int64_t row, int64_t n, int64_t ca
 // the max, ex2.approx had left single fp32 rows at 7x torch's error. Now the fp32 margin
 // (margin.py, fp32 draws) is worst 0.554 of the 2x-torch bound against 0.477 with expf, and fp32
 // (3000,1000) gains about 1 point of copy backward and 2 forward (H200). torch.compile's Triton
-// kernels take the same ex2.approx. (The inner > 1 column kernels still take expf: not measured.)
+// kernels take the same ex2.approx. (The column tile takes it too; the looped column kernels, for
+// columns the tile cannot hold, still take expf: not measured.)
 using fk::exp_ftz;
 
 // exp is taken relative to the max, or to 0 while the max is -inf, so that -inf - -inf never
