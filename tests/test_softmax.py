@@ -15,7 +15,8 @@ from conftest import (DEVICE_DTYPES, DEVICES, assert_within_torch_error, chain_m
 # e.g. 8192 16-bit, or a cluster of them, e.g. 16384; 300000: 75 KB CTAs; fp32 524288 and 16-bit
 # 1048576: 128 KB CTAs, one an SM; fp32 500001 (ragged) and 1000003 the row-block kernel again);
 # backward, rows of up to 8192 take one CTA a row in registers (8 elements a thread up to 4096, else
-# 16; 3000 and 6000 leave threads partly out of the row), 16-bit ones up to 16384 too (32 a thread;
+# 16, and 16-bit rows past 2048 16 on GPUs of fast DRAM such as the H200, 3001 ragged; 3000 and
+# 6000 leave threads partly out of the row), 16-bit ones up to 16384 too (32 a thread;
 # 12000 leaves threads partly out), longer ones and ragged ones past 8192 the shared-memory kernels
 # (12001 and fp32 12000 / 16384: clusters; 300000 16-bit: 75 KB CTAs; 262144 fp32 and 524288 16-bit:
 # dy in registers, 256 threads; 300000, 500001 and 524288 fp32, 1000003 and 1048576 16-bit: dy in
@@ -23,14 +24,14 @@ from conftest import (DEVICE_DTYPES, DEVICES, assert_within_torch_error, chain_m
 # kernels, where 64 ... 512 take the compile-time lane counts (4, 8, 16 lanes a row) and 32 / 1000
 # the run-time and 32-lane ones; 96, 257 and 384 take 3/2 a lane's elements over half the lanes (96
 # fp32 backward, 384 the others, 257 as ragged rows). Rows that are not a multiple of 16 bytes (1,
-# 2, 31, 33, 127, 197, 257, 1023, 1100 16-bit, 2001, 4097, 6001, 12001, 50257, 65543, 250001,
+# 2, 31, 33, 127, 197, 257, 1023, 1100 16-bit, 2001, 3001, 4097, 6001, 12001, 50257, 65543, 250001,
 # 500001, 1000003) are read as the 16-byte accesses covering them, from each row's lead (1000 rows:
 # every lead), through the same kernels (the shared-memory ones' masked instances: 16-bit forwards
 # 1100 / 2001 a warp a row, 4097 / 6001 a CTA; 50257, 65543 clusters; 250001 63 KB CTAs, fp32
 # backward with dy in registers, as 500001 16-bit); 1023 + lead outgrows a warp (the scalar path)
 LENGTHS = [1, 2, 31, 32, 33, 64, 96, 127, 128, 197, 256, 257, 384, 512, 1000, 1023, 1024, 1100, 2001, 2048,
-           3000, 4096, 4097, 6000, 6001, 8192, 12000, 12001, 16384, 50257, 65536, 65536 + 7, 250001, 262144,
-           300000, 500001, 524288, 1000003, 1048576]
+           3000, 3001, 4096, 4097, 6000, 6001, 8192, 12000, 12001, 16384, 50257, 65536, 65536 + 7, 250001,
+           262144, 300000, 500001, 524288, 1000003, 1048576]
 ROW_COUNTS = [0, 1, 3, 1000]
 # every length with 0, 1 and 3 rows; 1000 rows only where it stays small
 SIZES = [(r, n) for n in LENGTHS for r in ROW_COUNTS if r < 1000 or n <= 4097]

@@ -40,6 +40,13 @@ int smem_reserved_per_cta(int device) {
     return attribute_once(bytes, device, cudaDevAttrReservedSharedMemoryPerBlock, 1024);
 }
 
+int dram_bytes_per_us_per_sm(int device) {
+    static int clocks_khz[64], widths_bits[64];
+    const int64_t clock = attribute_once(clocks_khz, device, cudaDevAttrMemoryClockRate, 0);
+    const int64_t width = attribute_once(widths_bits, device, cudaDevAttrGlobalMemoryBusWidth, 0);
+    return (int)(2 * clock * width / 8 / 1000 / sm_count(device));  // double data rate
+}
+
 int compute_major(int device) {
     static int majors[64];
     return attribute_once(majors, device, cudaDevAttrComputeCapabilityMajor, 0);

@@ -116,6 +116,10 @@ int sm_count(int device);
 int smem_per_sm(int device);
 int smem_reserved_per_cta(int device);
 
+// The DRAM bytes `device` can move per microsecond per SM, from its peak memory clock and bus width
+// (0 if they cannot be read), read once per device: H100 SXM ~25 000, H200 ~37 000.
+int dram_bytes_per_us_per_sm(int device);
+
 // Compute capability major of `device` (0 if it cannot be read), read once per device.
 int compute_major(int device);
 

@@ -28,8 +28,9 @@
 //                 lane on grids of more than one wave (with_warp_block).
 //   backward, 1025-8192 (16-bit rows of whole packs, unmasked: 16384): one CTA of up to 512
 //                 threads a row, each thread holding 8 elements of x and of dy in registers (16 past
-//                 4096, 32 past 8192), loaded at once (softmax_bwd_rows_packs; torch.compile's
-//                 shape, with y recomputed).
+//                 4096, or 16-bit past 2048 where DRAM is fast: kPack16WideDramPerSm; 32 past
+//                 8192), loaded at once (softmax_bwd_rows_packs; torch.compile's shape, with y
+//                 recomputed).
 //   forward, fp32, 1025-8192: the row-block kernel below, one CTA a row, 16 elements a thread in
 //                 registers (32 past 4096) and each exp kept for the write pass (H100, against the
 //                 shared-memory kernels: packed 1100 / 2048 / 4096 / 8192 97.2 / 98.9 / 98.6 / 94.2 -> 100.1 /
@@ -1470,7 +1471,8 @@ softmax_bwd_rows_smem(int64_t n, int64_t seg, int cluster_k, int64_t rows, const
 // 0.74 -> 0.99x, (65536, 1536) 0.90-0.96 -> 1.003x, bf16 (32768, 2048) 0.97 -> 1.006x, (16384, 3000)
 // 0.98 -> 1.07x. Measured against it: 8 elements a thread for fp32 rows of up to 2048 as 4 (1
 // pack: fp32 (32768, 2048) 0.94-0.95x), 16 for 16-bit rows of up to 4096 (bf16 (16384, 4096)
-// 0.992x), 1024-thread CTAs (fp32 (16384, 4096) 0.915x). Loads: load_pack_kept.
+// 0.992x; taken since on fast-DRAM devices, see kPack16WideDramPerSm), 1024-thread CTAs (fp32
+// (16384, 4096) 0.915x). Loads: load_pack_kept.
 constexpr int kPackThreads = 512;
 constexpr int kPackElems = 8;  // elements of x (and of dy) a thread, or twice that for long rows
 constexpr int64_t kPackRowMax = 2 * kPackElems * kPackThreads;  // 8192
@@ -1490,6 +1492,15 @@ template <typename T, int P> constexpr int kPackCtas = P * fk::Pack<T>::N == kPa
 // kernels: ragged rows (bf16 (8192, 12001)
 // 97.7 -> 85.4), fp32 rows (1 CTA an SM at 120-128 registers: level to 0.6 below), masked rows
 // (their 32-element instances spilled 8-76 bytes).
+// 16-bit rows of 2049-4096 take 2 x kPackElems a thread (CTAs of half the threads, six an SM
+// instead of four: 1.5x the bytes in flight) on devices whose DRAM streams more than this many
+// bytes a microsecond per SM (fk::dram_bytes_per_us_per_sm; Little's law: the faster the DRAM,
+// the more must be in flight). Same-process A/B, x torch.compile, bf16 backward: H200 (~37 000)
+// (16384, 4096) 0.992-0.995 -> 0.997-0.998x, (32768, 4096) 0.986 -> 0.995x, (16384, 3000) 1.055-1.061
+// -> 1.064-1.072x, (16384, 2500) 1.119 -> 1.168x, (65536, 2560) 1.114 -> 1.134x; H100 (~25 000),
+// where it is not taken: (16384, 4096) 1.002-1.003 -> 1.000-1.001x, (16384, 3000) 0.997 -> 0.993x,
+// (16384, 2500) 1.011 -> 1.008x.
+constexpr int kPack16WideDramPerSm = 30000;
 template <typename T, bool kMasked>
 constexpr int64_t kPackRowMaxOf = std::is_same_v<T, float> || kMasked ? kPackRowMax : 2 * kPackRowMax;
 
@@ -2053,13 +2064,13 @@ bool launch_rows_smem(fk_status &status, const char *op, int64_t rows, int64_t n
 }
 
 // Launches an in-register row kernel, one CTA a row, for rows of `frame` elements: kernel takes
-// kPackElems elements a thread, wide_kernel twice that past kPackElems * kPackThreads, widest_kernel
-// four times past twice that (rows up to kPackRowMaxOf).
+// kPackElems elements a thread, wide_kernel twice that past kPackElems * kPackThreads (or past
+// `wide_from`), widest_kernel four times past twice that (rows up to kPackRowMaxOf).
 template <auto kernel, auto wide_kernel, auto widest_kernel, typename... Args>
-fk_status launch_rows_packs(const char *op, int64_t rows, int64_t frame, int device, cudaStream_t stream,
-                            Args... args) {
+fk_status launch_rows_packs(const char *op, int64_t rows, int64_t frame, int64_t wide_from, int device,
+                            cudaStream_t stream, Args... args) {
     if (rows > 0x7fffffff) return fk_fail(FK_ERR_VALUE, "%s: %lld rows exceed the CUDA grid", op, (long long)rows);
-    const int times = frame > 2 * kPackElems * kPackThreads ? 4 : frame > kPackElems * kPackThreads ? 2 : 1;
+    const int times = frame > 2 * kPackElems * kPackThreads ? 4 : frame > wide_from ? 2 : 1;
     const int64_t per = times * kPackElems;
     const int threads = (int)(((frame + per - 1) / per + 31) / 32 * 32);
     const fk::Launch launch(dim3((unsigned)rows), dim3(threads), 0, stream, device);
@@ -2275,13 +2286,16 @@ fk_status launch_bwd_rows(const T *dy, const T *x, const float *row_max, T *dx, 
         // ragged rows count as masked here, as in kRowMax below
         if (frame <= (ragged ? kPackRowMaxOf<T, true> : kPackRowMaxOf<T, kCausal>) && (!ragged || !kCausal)) {
             constexpr int P = kPackElems / VEC;
+            const int64_t wide_from = VEC == 8 && fk::dram_bytes_per_us_per_sm(device) > kPack16WideDramPerSm
+                                          ? kPackElems * kPackThreads / 2
+                                          : kPackElems * kPackThreads;
             return with_ragged<VEC, kCausal>(ragged, [&](auto rag) {
                 constexpr bool kRag = decltype(rag)::value;
                 constexpr int64_t kRowMax = kPackRowMaxOf<T, kCausal || kRag>;
                 return launch_rows_packs<softmax_bwd_rows_packs<T, P, kCausal, kLog, kRag>,
                                          softmax_bwd_rows_packs<T, 2 * P, kCausal, kLog, kRag>,
                                          softmax_bwd_rows_packs<T, (kRowMax > kPackRowMax ? 4 : 2) * P, kCausal, kLog, kRag>>(
-                    op, rows, frame, device, stream, n, dy, x, row_max, dx, scale, causal_sq);
+                    op, rows, frame, wide_from, device, stream, n, dy, x, row_max, dx, scale, causal_sq);
             });
         }
     }
