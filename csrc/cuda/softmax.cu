@@ -1492,8 +1492,8 @@ template <typename T, int P> constexpr int kPackCtas = P * fk::Pack<T>::N == kPa
 // kernels: ragged rows (bf16 (8192, 12001)
 // 97.7 -> 85.4), fp32 rows (1 CTA an SM at 120-128 registers: level to 0.6 below), masked rows
 // (their 32-element instances spilled 8-76 bytes).
-// 16-bit rows of 2049-4096 take 2 x kPackElems a thread (CTAs of half the threads, six an SM
-// instead of four: 1.5x the bytes in flight) on devices whose DRAM streams more than this many
+// 16-bit rows of 2049-4096 take 2 x kPackElems a thread (at 4096: six 256-thread CTAs an SM instead
+// of four of 512, 1.5x the bytes in flight) on devices whose DRAM streams more than this many
 // bytes a microsecond per SM (fk::dram_bytes_per_us_per_sm; Little's law: the faster the DRAM,
 // the more must be in flight). Same-process A/B, x torch.compile, bf16 backward: H200 (~37 000)
 // (16384, 4096) 0.992-0.995 -> 0.997-0.998x, (32768, 4096) 0.986 -> 0.995x, (16384, 3000) 1.055-1.061
