@@ -2286,9 +2286,11 @@ fk_status launch_bwd_rows(const T *dy, const T *x, const float *row_max, T *dx, 
         // ragged rows count as masked here, as in kRowMax below
         if (frame <= (ragged ? kPackRowMaxOf<T, true> : kPackRowMaxOf<T, kCausal>) && (!ragged || !kCausal)) {
             constexpr int P = kPackElems / VEC;
-            const int64_t wide_from = VEC == 8 && fk::dram_bytes_per_us_per_sm(device) > kPack16WideDramPerSm
-                                          ? kPackElems * kPackThreads / 2
-                                          : kPackElems * kPackThreads;
+            constexpr int64_t kReach = kPackElems * kPackThreads;  // 8 elements a thread
+            // the device's DRAM rate is read only for the rows it decides (kPack16WideDramPerSm)
+            const bool wide16 = VEC == 8 && frame > kReach / 2 && frame <= kReach &&
+                                fk::dram_bytes_per_us_per_sm(device) > kPack16WideDramPerSm;
+            const int64_t wide_from = wide16 ? kReach / 2 : kReach;
             return with_ragged<VEC, kCausal>(ragged, [&](auto rag) {
                 constexpr bool kRag = decltype(rag)::value;
                 constexpr int64_t kRowMax = kPackRowMaxOf<T, kCausal || kRag>;
