@@ -99,13 +99,13 @@ def test_single_rows_fp32(device, log):
 @pytest.mark.parametrize("log", [False, True], ids=["softmax", "log"])
 @pytest.mark.parametrize("dim", [0, 1, -1, 2, -3])
 # dims 0 / 1 are the GPU's column kernels: the column tile in registers, one CTA a column block up
-# to 1024 rows (forward; backward 512; a quarter of that one column a thread; fp32 backwards of up
-# to 64 rows, e.g. (2, 48, 16384) dim 1, half the accesses a thread), clusters past that
-# ((3, 1000, 4) dim 1 backward and bf16, (2000, 5, 8) dim 0), the looped kernels past 16 CTAs of
-# rows ((20000, 2, 4) dim 0); one column a thread where inner is not a multiple of a pack ((5, 7,
-# 9), (64, 3, 33), bf16 (3, 1000, 4)), else 16-byte accesses
+# to 2048 rows (forward; backward 1024; fp32 forwards of up to 512 rows take 4 accesses a thread,
+# longer ones 16; fp32 backwards of up to 64 rows 4, e.g. (2, 48, 16384) dim 1), clusters past that
+# ((6000, 2, 8) dim 0, (2000, 5, 8) dim 0 backward, bf16 (3, 1000, 4) dim 1), the looped kernels past
+# 16 CTAs of rows ((20000, 2, 4) dim 0); one column a thread where inner is not a multiple of a pack
+# ((5, 7, 9), (64, 3, 33), (1500, 3, 3) dim 0, bf16 (3, 1000, 4)), else 16-byte accesses
 @pytest.mark.parametrize("shape", [(5, 7, 9), (3, 1000, 4), (64, 3, 33), (3, 8, 65536), (2, 48, 16384),
-                                   (2000, 5, 8), (20000, 2, 4)], ids=str)
+                                   (2000, 5, 8), (6000, 2, 8), (1500, 3, 3), (20000, 2, 4)], ids=str)
 def test_dims(device, dtype, log, dim, shape, poison):
     check((torch.randn(shape, device=device) * 4).to(dtype), dim, log)
 

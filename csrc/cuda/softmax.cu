@@ -61,10 +61,11 @@
 //                 masked instances, bulk-copying each slice from its 16-byte aligned start; tensors
 //                 not 16-byte aligned, and masked ragged rows that a warp holds, the scalar path
 //                 (VEC 1).
-// inner > 1 (columns x[o, :, i]): columns of up to 1024 elements (backward 512) a CTA, or up to 16
+// inner > 1 (columns x[o, :, i]): columns of up to 2048 elements (backward 1024) a CTA, or up to 16
 // CTAs of them in a cluster, take the column tile: 8 rows of 16 bytes of adjacent columns a thread
-// (fp32 backwards of up to 64 rows: 4), in registers, so x is read once (H100, against the looped
-// kernels: 17-60 -> 50-94% of copy forward, 33-84 -> 56-100 backward). Longer columns: a thread per
+// (fp32 backwards of up to 64 rows: 4; fp32 forwards 4 up to 512 rows, else 16), in registers, so x
+// is read once (H100, against the looped kernels: 17-60 -> 50-94% of copy forward, 33-84 -> 56-100
+// backward). Longer columns: a thread per
 // (outer, inner) column, or per 16-byte group of columns, 32 of them per warp so loads stay
 // coalesced, up to 8..32 threads splitting n, online max / sum down n, then a write pass (x read
 // twice).
@@ -1583,17 +1584,26 @@ softmax_bwd_rows_packs(int64_t n, const T *__restrict__ dy, const T *__restrict_
 // ---- inner > 1, n up to 1024 a CTA: the column tile in registers -------------------------------
 //
 // A CTA of TX x TY threads takes W = TX x VEC adjacent columns (TX x 16 bytes of each row where VEC
-// is a pack: whole 128-byte lines from TX = 8 on) and, with the other CTAs of its cluster (K of
-// them, along blockIdx.x), all n rows of them: thread (tx, ty) of cluster rank q holds rows
-// q TY + ty + i K TY, i < kTileRows, all loaded before the first is used. x (and dy) are read once,
+// is a pack, at least kTileRowBytes) and, with the other CTAs of its cluster (K of them, along
+// blockIdx.x), all n rows of them: thread (tx, ty) of cluster rank q holds rows q TY + ty + i K TY,
+// i < R (kTileRows; fp32 forwards 4 or 16), all loaded before the first is used. x (and dy) are read once,
 // where the looped kernels below read them twice. The forward takes the exact column max, then
 // one exp an element (fp32 keeps it for the output, 16-bit takes it again, as the row kernels) and
 // the sum (fp64 for fp32 data, RowSum); the backward both sums in one pass. Each reduction
 // (col_tile_reduce): shuffles across the rows a warp holds, a slot per warp and column in shared
 // memory, a CTA total per column, and with a cluster the peers' totals read through distributed
-// shared memory. Per SM (two CTAs of 512 threads forward, 256 backward): 1024 threads x 8 x 16
-// bytes = 128 KB of x in flight forward, 512 x 2 x 8 x 16 = 128 KB of x and dy backward.
+// shared memory. Per SM: 16-bit forwards, two CTAs of 512 threads x 8 x 16 bytes = 128 KB of x in
+// flight; fp32 forwards of long columns the same in CTAs of 256 threads x 16; backwards, two CTAs of
+// 256 threads x 2 x 8 x 16 = 128 KB of x and dy.
 constexpr int kTileRows = 8;            // accesses of x (and of dy) a thread holds
+// The fewest bytes of a row a CTA's columns span: 64, two 32-byte sectors, halves the cluster (or
+// the CTA) that 128 took for the same rows. H200, same-process A/B against 128, x torch.compile:
+// bf16 backward (4096, 8192) dim 0 0.855 -> 0.895, (2048, 8192) 0.932 -> 0.968, (64, 1024, 512)
+// dim 1 0.964 -> 0.980, forward (64, 1024, 512) 1.222 -> 1.345, (2048, 8192) 1.190 -> 1.318; fp32
+// backward (4096, 8192) 0.956 -> 0.996, (16, 512, 4096) 1.130 -> 1.218, but (64, 1024, 512) 1.217
+// -> 1.176. 32 bytes (one sector) lost to 64 at every length past 512 (bf16 (4096, 8192) backward
+// 0.864x), 16 lost up to half.
+constexpr int kTileRowBytes = 64;
 // The kernels' bounds: 64 registers a thread forward (see launch_fwd_col_tile), 128 backward (x and
 // dy held). Launches take CTAs of half that, two an SM, whose phases (loads, reductions, stores)
 // overlap, and the full size only where it holds the columns without a cluster: H100, % of copy,
@@ -1624,6 +1634,9 @@ __device__ __forceinline__ void col_tile_reduce(V (&v)[VEC], unsigned char *smem
     const int tx = threadIdx.x, tid = threadIdx.y * blockDim.x + tx, threads = blockDim.x * blockDim.y;
     const int w = blockDim.x * VEC, warps = threads >> 5;
     V *slot = reinterpret_cast<V *>(smem), *cta = slot + warps * w, *total = cluster_k > 1 ? cta + w : cta;
+    // a reduction before this one may still be reading its totals, and where its V is narrower
+    // (the forward's float max, then its fp64 sum) they lie where this one's slots go
+    __syncthreads();
 #pragma unroll
     for (int k = 0; k < VEC; k++)
         for (int offset = blockDim.x; offset < 32; offset <<= 1) v[k] = combine(v[k], shfl_xor(v[k], offset));
@@ -1678,7 +1691,11 @@ __device__ __forceinline__ int64_t column_base(int64_t column, int64_t n, int64_
     return o * n * inner + (column - o * inner);
 }
 
-template <typename T, int VEC, bool kLog, int kThreads>
+// kChunked: columns longer than the cluster's threads hold kRows accesses of take chunks of them:
+// the max over every chunk, the sum from the last chunk (still held) back to the first, the writes
+// from the first (still held) on, so x is read three times, the chunks read again most recently
+// first (from L2 where they still are). One chunk (the tile) reads x once.
+template <typename T, int VEC, bool kLog, int kThreads, int kRows = kTileRows, bool kChunked = false>
 __global__ void __launch_bounds__(kThreads, 1)
 softmax_fwd_col_tile(const T *__restrict__ x, T *__restrict__ y, float *__restrict__ row_max, int64_t columns,
                      int n, int64_t inner, int cluster_k, float scale) {
@@ -1686,35 +1703,51 @@ softmax_fwd_col_tile(const T *__restrict__ x, T *__restrict__ y, float *__restri
     fk::grid_dependency_sync();
     const int64_t column = ((int64_t)(blockIdx.x / cluster_k) * blockDim.x + threadIdx.x) * VEC;
     const TileRows rows(cluster_k, n, column < columns);
-    const int64_t base = rows.active ? column_base(column, n, inner) : 0, stride = rows.step * inner;
-    const T *xp = x + base + rows.first * inner;
-    Raw<T, VEC> raw[kTileRows];
+    const int64_t base = rows.active ? column_base(column, n, inner) : 0, stride = rows.step * inner,
+                  offset = base + rows.first * inner;
+    const int chunks = kChunked ? (n + rows.step * kRows - 1) / (rows.step * kRows) : 1;
+    Raw<T, VEC> raw[kRows];
+    auto load = [&](int c) {
+        const T *xp = x + offset + (int64_t)c * kRows * stride;
 #pragma unroll
-    for (int i = 0; i < kTileRows; i++, xp = advance(xp, stride)) raw[i] = load_or_zero<T, VEC>(xp, rows.in(i));
-
+        for (int i = 0; i < kRows; i++, xp = advance(xp, stride)) raw[i] = load_or_zero<T, VEC>(xp, rows.in(c * kRows + i));
+    };
     float m[VEC];
 #pragma unroll
-    for (int k = 0; k < VEC; k++) {
-        m[k] = -INFINITY;
+    for (int k = 0; k < VEC; k++) m[k] = -INFINITY;
+    auto max_of = [&](int c) {
 #pragma unroll
-        for (int i = 0; i < kTileRows; i++)
-            if (rows.in(i)) m[k] = fmaxf(m[k], __fmul_rn(raw_at<T, VEC>(raw[i], k), scale));
-    }
+        for (int k = 0; k < VEC; k++)
+#pragma unroll
+            for (int i = 0; i < kRows; i++)
+                if (rows.in(c * kRows + i)) m[k] = fmaxf(m[k], __fmul_rn(raw_at<T, VEC>(raw[i], k), scale));
+    };
+    if constexpr (!kChunked) load(0), max_of(0);
+    else
+        for (int c = 0; c < chunks; c++) load(c), max_of(c);
     col_tile_reduce(m, tile_smem, cluster_k, [](float a, float b) { return fmaxf(a, b); });
     auto e_of = [&](int i, int k) { return exp_ftz(fmaf(raw_at<T, VEC>(raw[i], k), scale, -exp_ref(m[k]))); };
-    float e[kExpOnce<T> ? kTileRows * VEC : 1];
+    float e[kExpOnce<T> && !kChunked ? kRows * VEC : 1];  // a lone chunk's exps (fp32), for the writes
+    RowSum<T> sums[VEC];
+    auto sum_of = [&](int c) {
+#pragma unroll
+        for (int k = 0; k < VEC; k++)
+#pragma unroll
+            for (int i = 0; i < kRows; i++) {
+                const float ek = rows.in(c * kRows + i) ? e_of(i, k) : 0.f;
+                if constexpr (kExpOnce<T> && !kChunked) e[i * VEC + k] = ek;
+                sums[k].add(ek);
+            }
+    };
+    if constexpr (!kChunked) sum_of(0);
+    else
+        for (int c = chunks - 1; c >= 0; c--) {
+            if (c < chunks - 1) load(c);
+            sum_of(c);
+        }
     Acc<T> s[VEC];
 #pragma unroll
-    for (int k = 0; k < VEC; k++) {
-        RowSum<T> sum;
-#pragma unroll
-        for (int i = 0; i < kTileRows; i++) {
-            const float ek = rows.in(i) ? e_of(i, k) : 0.f;
-            if (kExpOnce<T>) e[i * VEC + k] = ek;
-            sum.add(ek);
-        }
-        s[k] = sum.value();
-    }
+    for (int k = 0; k < VEC; k++) s[k] = sums[k].value();
     col_tile_reduce(s, tile_smem, cluster_k, [](Acc<T> a, Acc<T> b) { return a + b; });
     if (rows.active && rows.first == 0 && row_max)
 #pragma unroll
@@ -1722,20 +1755,29 @@ softmax_fwd_col_tile(const T *__restrict__ x, T *__restrict__ y, float *__restri
     float sf[VEC], inv_s[VEC], log_s[VEC];
 #pragma unroll
     for (int k = 0; k < VEC; k++) sf[k] = (float)s[k], inv_s[k] = 1.f / sf[k], log_s[k] = logf(sf[k]);
-    T *yp = y + base + rows.first * inner;
+    auto write = [&](int c) {
+        T *yp = y + offset + (int64_t)c * kRows * stride;
 #pragma unroll
-    for (int i = 0; i < kTileRows; i++, yp = advance(yp, stride)) {
-        if (!rows.in(i)) continue;
-        float out[VEC];
+        for (int i = 0; i < kRows; i++, yp = advance(yp, stride)) {
+            if (!rows.in(c * kRows + i)) continue;
+            float out[VEC];
 #pragma unroll
-        for (int k = 0; k < VEC; k++)
-            out[k] = kLog ? fmaf(raw_at<T, VEC>(raw[i], k), scale, -exp_ref(m[k])) - log_s[k]
-                          : normalize<T>(kExpOnce<T> ? e[i * VEC + k] : e_of(i, k), sf[k], inv_s[k]);
-        store_vec<T, VEC>(yp, out);
-    }
+            for (int k = 0; k < VEC; k++)
+                out[k] = kLog ? fmaf(raw_at<T, VEC>(raw[i], k), scale, -exp_ref(m[k])) - log_s[k]
+                              : normalize<T>(kExpOnce<T> && !kChunked ? e[i * VEC + k] : e_of(i, k), sf[k], inv_s[k]);
+            store_vec<T, VEC>(yp, out);
+        }
+    };
+    if constexpr (!kChunked) write(0);
+    else
+        for (int c = 0; c < chunks; c++) {
+            if (c > 0) load(c);
+            write(c);
+        }
 }
 
-template <typename T, int VEC, bool kLog, int kRows = kTileRows, int kThreads = kTileBwdThreads, int kMinCtas = 1>
+template <typename T, int VEC, bool kLog, int kRows = kTileRows, int kThreads = kTileBwdThreads, int kMinCtas = 1,
+          bool kChunked = false>
 __global__ void __launch_bounds__(kThreads, kMinCtas)
 softmax_bwd_col_tile(const T *__restrict__ dy, const T *__restrict__ x, const float *__restrict__ row_max,
                      T *__restrict__ dx, int64_t columns, int n, int64_t inner, int cluster_k, float scale) {
@@ -1745,43 +1787,67 @@ softmax_bwd_col_tile(const T *__restrict__ dy, const T *__restrict__ x, const fl
     const TileRows rows(cluster_k, n, column < columns);
     const int64_t base = rows.active ? column_base(column, n, inner) : 0, stride = rows.step * inner,
                   offset = base + rows.first * inner;
+    // kChunked: columns longer than the cluster's threads hold kRows accesses of take chunks of them,
+    // the sums over every chunk, then the writes from the last chunk (still held) back to the first
+    // (loaded again). One chunk (the tile) reads x and dy once.
+    const int chunks = kChunked ? (n + rows.step * kRows - 1) / (rows.step * kRows) : 1;
     Raw<T, VEC> raw_x[kRows], raw_dy[kRows];
+    auto load = [&](int c) {
 #pragma unroll
-    for (int i = 0; i < kRows; i++) {
-        raw_x[i] = load_or_zero<T, VEC>(x + offset + i * stride, rows.in(i));
-        raw_dy[i] = load_or_zero<T, VEC>(dy + offset + i * stride, rows.in(i));
-    }
+        for (int i = 0; i < kRows; i++) {
+            const int r = c * kRows + i;
+            raw_x[i] = load_or_zero<T, VEC>(x + offset + r * stride, rows.in(r));
+            raw_dy[i] = load_or_zero<T, VEC>(dy + offset + r * stride, rows.in(r));
+        }
+    };
     float ref[VEC];
 #pragma unroll
     for (int k = 0; k < VEC; k++) ref[k] = rows.active ? exp_ref(row_max[column + k]) : 0.f;
     // y' = exp(x * scale - row_max): unnormalised, z = sum y' renormalises it
-    auto y_of = [&](int i, int k) { return rows.in(i) ? exp_ftz(fmaf(raw_at<T, VEC>(raw_x[i], k), scale, -ref[k])) : 0.f; };
-    float yv[kExpOnce<T> ? kRows * VEC : 1];
+    auto y_of = [&](int c, int i, int k) {
+        return rows.in(c * kRows + i) ? exp_ftz(fmaf(raw_at<T, VEC>(raw_x[i], k), scale, -ref[k])) : 0.f;
+    };
+    float yv[kExpOnce<T> ? kRows * VEC : 1];  // the exps of a lone chunk (fp32), for the writes
+    BwdSums<T, kLog> sums[VEC];
+    auto accumulate = [&](int c, auto keep) {
+#pragma unroll
+        for (int k = 0; k < VEC; k++)
+#pragma unroll
+            for (int i = 0; i < kRows; i++) {
+                const float yk = y_of(c, i, k);
+                if constexpr (decltype(keep)::value) yv[i * VEC + k] = yk;
+                sums[k].add(yk, raw_at<T, VEC>(raw_dy[i], k));
+            }
+    };
+    if constexpr (!kChunked) load(0), accumulate(0, std::bool_constant<kExpOnce<T>>());
+    else
+        for (int c = 0; c < chunks; c++) load(c), accumulate(c, std::false_type());
     Acc2<T> za[VEC];
 #pragma unroll
-    for (int k = 0; k < VEC; k++) {
-        BwdSums<T, kLog> sums;
-#pragma unroll
-        for (int i = 0; i < kRows; i++) {
-            const float yk = y_of(i, k);
-            if (kExpOnce<T>) yv[i * VEC + k] = yk;
-            sums.add(yk, raw_at<T, VEC>(raw_dy[i], k));
-        }
-        za[k] = sums.value();
-    }
+    for (int k = 0; k < VEC; k++) za[k] = sums[k].value();
     col_tile_reduce(za, tile_smem, cluster_k, [](Acc2<T> a, Acc2<T> b) { return SumSum<Acc2<T>>::combine(a, b); });
     BwdRow<T> br[VEC];
 #pragma unroll
     for (int k = 0; k < VEC; k++) br[k] = BwdRow<T>(za[k].x, za[k].y, kLog, scale);
+    auto write = [&](int c, auto kept) {
 #pragma unroll
-    for (int i = 0; i < kRows; i++) {
-        if (!rows.in(i)) continue;
-        float out[VEC];
+        for (int i = 0; i < kRows; i++) {
+            const int r = c * kRows + i;
+            if (!rows.in(r)) continue;
+            float out[VEC];
 #pragma unroll
-        for (int k = 0; k < VEC; k++)
-            out[k] = br[k].template dx<kLog>(kExpOnce<T> ? yv[i * VEC + k] : y_of(i, k), raw_at<T, VEC>(raw_dy[i], k));
-        store_vec<T, VEC>(dx + offset + i * stride, out);
-    }
+            for (int k = 0; k < VEC; k++)
+                out[k] = br[k].template dx<kLog>(decltype(kept)::value ? yv[i * VEC + k] : y_of(c, i, k),
+                                                 raw_at<T, VEC>(raw_dy[i], k));
+            store_vec<T, VEC>(dx + offset + r * stride, out);
+        }
+    };
+    if constexpr (!kChunked) write(0, std::bool_constant<kExpOnce<T>>());
+    else
+        for (int c = chunks - 1; c >= 0; c--) {
+            if (c < chunks - 1) load(c);
+            write(c, std::false_type());
+        }
 }
 
 // ---- inner > 1, columns longer than the tile holds: looped kernels ----------------------------
@@ -2356,17 +2422,20 @@ fk_status launch_cols(int64_t columns, int64_t n, int64_t inner, bool aligned, i
     return go(std::integral_constant<int, 1>());
 }
 
-// Launches a column-tile kernel through go(grid, block, smem, K) over `columns` columns of n, VEC
+// Launches a column-tile kernel through go(kernel)(grid, block, smem, K) over `columns` columns of n, VEC
 // columns and kRows accesses a thread, whose reductions combine values of V. CTAs of up to kThreads
-// threads: TX threads along the columns from 32 down to the fewest that read 128 bytes of a row (or
-// 32) while the ceil(n / kRows) threads along n do not fit; past kThreads / TX of them, a cluster of K CTAs (a
+// threads: TX threads along the columns from 32 down to the fewest that read kTileRowBytes of a row
+// (or 32) while the ceil(n / kRows) threads along n do not fit; past kThreads / TX of them, a cluster of K CTAs (a
 // power of two). A CTA of up to kMaxThreads (the kernel's bound) where that holds the columns alone
-// and kThreads would take a cluster. False, launching nothing, where the columns take a larger
-// cluster than the device holds.
+// and kThreads would take a cluster. Where the columns take a larger cluster than the device holds:
+// with a `chunked` kernel (whose threads take chunks of kRows accesses) and 16-byte accesses, the
+// largest cluster of full CTAs of kThreads that it holds, else false, launching nothing (one column a
+// thread keeps the looped kernels: H200, x torch.compile, the chunks lost at 4096 rows, (4096, 8191)
+// dim 0 backward fp32 0.720 -> 0.690, bf16 0.525 -> 0.423). go(kernel) launches a kernel.
 template <auto kernel, typename T, int VEC, int kThreads, int kMaxThreads, typename V, int kRows = kTileRows,
-          typename F>
+          auto chunked = nullptr, typename F>
 bool launch_col_tile(fk_status &status, int64_t columns, int64_t n, int device, F &&go) {
-    constexpr int64_t kTxMin = std::min<int64_t>(32, 128 / (VEC * sizeof(T)));
+    constexpr int64_t kTxMin = VEC == 1 ? 32 : kTileRowBytes / (VEC * sizeof(T));
     auto smem_of = [](int64_t tx, int64_t ty) { return (size_t)((tx * ty / 32 + 2) * tx * VEC) * sizeof(V); };
     const int64_t row_threads = std::max<int64_t>(1, (n + kRows - 1) / kRows);
     int64_t tx = 0, k = 0;
@@ -2380,34 +2449,76 @@ bool launch_col_tile(fk_status &status, int64_t columns, int64_t n, int device, 
         shape(kMaxThreads);
         if (k > 1) shape(kThreads);
     }
-    if (k > 1 && (k > kMaxCluster || cluster_limit<kernel>(device, kMaxThreads, (int)smem_of(kTxMin, kMaxThreads / kTxMin)) < k))
-        return false;
-    const int64_t group = 32 / tx, ty = ((row_threads + k - 1) / k + group - 1) / group * group;
+    int64_t ty_max = kMaxThreads / tx;
+    if (k > 1) {
+        const int64_t limit = std::min<int64_t>(
+            kMaxCluster, cluster_limit<kernel>(device, kMaxThreads, (int)smem_of(kTxMin, kMaxThreads / kTxMin)));
+        if (k > limit) {
+            if constexpr (chunked == nullptr || VEC == 1) return false;
+            else {
+                // full CTAs of kThreads, their threads taking chunks of rows
+                k = std::min<int64_t>(limit, cluster_limit<chunked>(device, kThreads, (int)smem_of(tx, kThreads / tx)));
+                if (k < 1) return false;
+                ty_max = kThreads / tx;
+            }
+        }
+    }
+    const int64_t group = 32 / tx,
+                  ty = std::min(ty_max, ((row_threads + k - 1) / k + group - 1) / group * group);
     // a lone CTA of kMaxThreads launches without a shared-memory allowance (cluster_limit sets one
     // for clustered CTAs only)
     static_assert((kMaxThreads / 32 + 2) * 32 * VEC * sizeof(V) <= 48 * 1024);
     const int64_t ctas = (columns / VEC + tx - 1) / tx;
-    status = go(dim3((unsigned)(ctas * k)), dim3((unsigned)tx, (unsigned)ty), smem_of(tx, ty), (int)k);
+    const dim3 grid((unsigned)(ctas * k)), block((unsigned)tx, (unsigned)ty);
+    if constexpr (chunked != nullptr && VEC > 1)
+        if (k * ty * kRows < n) {
+            status = go(chunked)(grid, block, smem_of(tx, ty), (int)k);
+            return true;
+        }
+    status = go(kernel)(grid, block, smem_of(tx, ty), (int)k);
     return true;
 }
 
-// fp32 CTAs of up to 512 threads (one CTA, no cluster) take the instance built for 512: 108-117
-// registers, where the 1024-thread one spills 40-84 bytes (fp32 keeps its exps and fp64 sums).
-// H100, % of copy: fp32 (32, 19, 256, 512) dim 1 forward 78 -> 93, (64, 21, 128, 128) 76 -> 92;
-// 16-bit lost with it (bf16 78 -> 66, 71 -> 64: 128 registers, half the CTAs an SM).
+// fp32 keeps its exps and fp64 sums: with 8 accesses a thread the 1024-thread instance spills
+// (40-84 bytes), and the 512-thread one, which does not (108-117 registers), runs one CTA an SM
+// where its CTAs are full. So fp32 columns of up to kTileFwdShortMax take 4 accesses a thread in the
+// 1024-thread instance, and longer ones 16 in the 512-thread instance, in CTAs of 256 threads, two
+// an SM. Same-process A/B against 8 accesses (the 512-thread instance where one CTA of up to 512
+// held the columns, else the 1024-thread one), x torch.compile:
+//   H200: (32, 19, 256, 512) dim 1 1.845 -> 2.111, (256, 128, 4096) 0.852 -> 0.989, (16, 512, 4096)
+//         0.976 -> 1.127; (64, 1024, 512) 1.064 -> 1.389, (4096, 8192) dim 0 1.023 -> 1.205, (2048,
+//         8192) dim 0 1.128 -> 1.233, (8, 2000, 8192) dim 1 0.917 -> 1.109.
+// 16 accesses at 512 elements lost (H200 (16, 512, 4096) 0.975 -> 0.917), and 16-bit columns lost with
+// them at every length (bf16 (4096, 8192) dim 0 1.041 -> 0.984): 16-bit keeps 8 accesses in the
+// 1024-thread instance (64 registers), in CTAs of 512.
+constexpr int kTileFwdShortMax = 512;
+
 template <typename T, int VEC, bool kLog>
 bool launch_fwd_col_tile(fk_status &status, const T *x, T *y, float *row_max, int64_t columns, int64_t n,
                          int64_t inner, float scale, int device, cudaStream_t stream, const char *op) {
-    constexpr auto kernel = softmax_fwd_col_tile<T, VEC, kLog, kTileFwdThreads>;
-    return launch_col_tile<kernel, T, VEC, kTileFwdThreads / 2, kTileFwdThreads, Acc<T>>(
-        status, columns, n, device, [&](dim3 grid, dim3 block, size_t smem, int k) {
-            const fk::Launch launch(grid, block, smem, stream, device, k);
-            if constexpr (std::is_same_v<T, float>)
-                if (k == 1 && block.x * block.y <= kTileFwdThreads / 2)
-                    return launch(op, softmax_fwd_col_tile<T, VEC, kLog, kTileFwdThreads / 2>, x, y, row_max, columns,
-                                  (int)n, inner, k, scale);
-            return launch(op, kernel, x, y, row_max, columns, (int)n, inner, k, scale);
-        });
+    auto go = [&](auto kernel) {
+        return [&, kernel](dim3 grid, dim3 block, size_t smem, int k) {
+            return fk::Launch(grid, block, smem, stream, device, k)(op, kernel, x, y, row_max, columns, (int)n, inner,
+                                                                     k, scale);
+        };
+    };
+    if constexpr (std::is_same_v<T, float>) {
+        if (n <= kTileFwdShortMax) {
+            constexpr auto kernel = softmax_fwd_col_tile<T, VEC, kLog, kTileFwdThreads, 4>;
+            return launch_col_tile<kernel, T, VEC, kTileFwdThreads / 2, kTileFwdThreads, Acc<T>, 4>(
+                status, columns, n, device, go);
+        }
+        constexpr auto kernel = softmax_fwd_col_tile<T, VEC, kLog, kTileFwdThreads / 2, 16>;
+        constexpr auto chunked = softmax_fwd_col_tile<T, VEC, kLog, kTileFwdThreads / 2, 16, true>;
+        return launch_col_tile<kernel, T, VEC, kTileFwdThreads / 4, kTileFwdThreads / 2, Acc<T>, 16, chunked>(
+            status, columns, n, device, go);
+    } else {
+        constexpr auto kernel = softmax_fwd_col_tile<T, VEC, kLog, kTileFwdThreads>;
+        // its chunks' loop spills in the 1024-thread instance (fp16 412 bytes): CTAs of 512, 128 registers
+        constexpr auto chunked = softmax_fwd_col_tile<T, VEC, kLog, kTileFwdThreads / 2, kTileRows, true>;
+        return launch_col_tile<kernel, T, VEC, kTileFwdThreads / 2, kTileFwdThreads, Acc<T>, kTileRows, chunked>(
+            status, columns, n, device, go);
+    }
 }
 
 template <typename T, int VEC, bool kLog>
@@ -2423,12 +2534,13 @@ bool launch_bwd_col_tile(fk_status &status, const T *dy, const T *x, const float
         if (n <= kTileShortMax) {
             constexpr auto kernel = softmax_bwd_col_tile<T, VEC, kLog, kTileShortRows, kTileShortThreads, 3>;
             return launch_col_tile<kernel, T, VEC, kTileShortThreads, kTileShortThreads, Acc2<T>, kTileShortRows>(
-                status, columns, n, device, go(kernel));
+                status, columns, n, device, go);
         }
     }
     constexpr auto kernel = softmax_bwd_col_tile<T, VEC, kLog>;
-    return launch_col_tile<kernel, T, VEC, kTileBwdThreads / 2, kTileBwdThreads, Acc2<T>>(status, columns, n, device,
-                                                                                          go(kernel));
+    constexpr auto chunked = softmax_bwd_col_tile<T, VEC, kLog, kTileRows, kTileBwdThreads, 1, true>;
+    return launch_col_tile<kernel, T, VEC, kTileBwdThreads / 2, kTileBwdThreads, Acc2<T>, kTileRows, chunked>(
+        status, columns, n, device, go);
 }
 
 fk_status check_args(const char *op, int64_t outer, int64_t n, int64_t inner, int64_t causal_sq) {
