@@ -2429,9 +2429,13 @@ fk_status launch_cols(int64_t columns, int64_t n, int64_t inner, bool aligned, i
 // power of two). A CTA of up to kMaxThreads (the kernel's bound) where that holds the columns alone
 // and kThreads would take a cluster. Where the columns take a larger cluster than the device holds:
 // with a `chunked` kernel (whose threads take chunks of kRows accesses) and 16-byte accesses, the
-// largest cluster of full CTAs of kThreads that it holds, else false, launching nothing (one column a
-// thread keeps the looped kernels: H200, x torch.compile, the chunks lost at 4096 rows, (4096, 8191)
-// dim 0 backward fp32 0.720 -> 0.690, bf16 0.525 -> 0.423). go(kernel) launches a kernel.
+// largest cluster of full CTAs of kThreads that it holds, else false, launching nothing. One column a
+// thread (VEC 1) takes the chunks only where the looped kernels' grid does not cover the SMs: H200,
+// x torch.compile, against the looped kernels, bf16 (20000, 2047) dim 0 forward / backward 0.373 /
+// 0.150 -> 1.027 / 0.416x, (65536, 1023) 0.182 / 0.076 -> 0.616 / 0.369x, fp32 (20000, 2047) 0.357
+// / 0.233 -> 0.590 / 0.626x (H100: the same or more, but fp32 (3000, 4095) forward 0.720 -> 0.653x);
+// where the grid covers them the chunks lost (bf16 (4096, 8191) backward 0.525 -> 0.423x).
+// go(kernel) launches a kernel.
 template <auto kernel, typename T, int VEC, int kThreads, int kMaxThreads, typename V, int kRows = kTileRows,
           auto chunked = nullptr, typename F>
 bool launch_col_tile(fk_status &status, int64_t columns, int64_t n, int device, F &&go) {
@@ -2454,8 +2458,11 @@ bool launch_col_tile(fk_status &status, int64_t columns, int64_t n, int device, 
         const int64_t limit = std::min<int64_t>(
             kMaxCluster, cluster_limit<kernel>(device, kMaxThreads, (int)smem_of(kTxMin, kMaxThreads / kTxMin)));
         if (k > limit) {
-            if constexpr (chunked == nullptr || VEC == 1) return false;
+            if constexpr (chunked == nullptr) return false;
             else {
+                // one column a thread: the looped kernels where their grid (a CTA per kColsX columns)
+                // covers the SMs
+                if (VEC == 1 && (columns + kColsX - 1) / kColsX >= fk::sm_count(device)) return false;
                 // full CTAs of kThreads, their threads taking chunks of rows
                 k = std::min<int64_t>(limit, cluster_limit<chunked>(device, kThreads, (int)smem_of(tx, kThreads / tx)));
                 if (k < 1) return false;
@@ -2470,7 +2477,7 @@ bool launch_col_tile(fk_status &status, int64_t columns, int64_t n, int device, 
     static_assert((kMaxThreads / 32 + 2) * 32 * VEC * sizeof(V) <= 48 * 1024);
     const int64_t ctas = (columns / VEC + tx - 1) / tx;
     const dim3 grid((unsigned)(ctas * k)), block((unsigned)tx, (unsigned)ty);
-    if constexpr (chunked != nullptr && VEC > 1)
+    if constexpr (chunked != nullptr)
         if (k * ty * kRows < n) {
             status = go(chunked)(grid, block, smem_of(tx, ty), (int)k);
             return true;
