@@ -65,10 +65,10 @@
 // CTAs of them in a cluster, take the column tile: 8 rows of 16 bytes of adjacent columns a thread
 // (fp32 backwards of up to 64 rows: 4; fp32 forwards 4 up to 512 rows, else 16), in registers, so x
 // is read once (H100, against the looped kernels: 17-60 -> 50-94% of copy forward, 33-84 -> 56-100
-// backward). Longer columns: a thread per
-// (outer, inner) column, or per 16-byte group of columns, 32 of them per warp so loads stay
-// coalesced, up to 8..32 threads splitting n, online max / sum down n, then a write pass (x read
-// twice).
+// backward). Longer columns: the same clusters in chunks of rows (x read three times forward, x and
+// dy twice backward). Where one column a thread's looped grid covers the SMs: a thread per (outer,
+// inner) column, 32 of them per warp so loads stay coalesced, up to 8..32 threads splitting n,
+// online max / sum down n, then a write pass (x read twice).
 //
 // Numerics: fp32 arithmetic; fp32 data sums rows in fp64 (RowSum). The max is taken of x * scale
 // rounded (__fmul_rn), and exponents are fmaf(x, scale, -max): exact near the max, where the
@@ -1601,8 +1601,10 @@ constexpr int kTileRows = 8;            // accesses of x (and of dy) a thread ho
 // bf16 backward (4096, 8192) dim 0 0.855 -> 0.895, (2048, 8192) 0.932 -> 0.968, (64, 1024, 512)
 // dim 1 0.964 -> 0.980, forward (64, 1024, 512) 1.222 -> 1.345, (2048, 8192) 1.190 -> 1.318; fp32
 // backward (4096, 8192) 0.956 -> 0.996, (16, 512, 4096) 1.130 -> 1.218, but (64, 1024, 512) 1.217
-// -> 1.176. 32 bytes (one sector) lost to 64 at every length past 512 (bf16 (4096, 8192) backward
-// 0.864x), 16 lost up to half.
+// -> 1.176. 32 bytes (one sector) lost to 64 on most columns past 512 rows (bf16 (4096, 8192)
+// backward 0.864x), 16 lost up to half. H100, with the fp32 forward changes below: every column
+// case level (within 0.7%) or ahead. One column a thread keeps a warp along the row (in 64 bytes,
+// fp32 (4096, 8191) dim 0 forward went 0.880 -> 0.628x on the H100).
 constexpr int kTileRowBytes = 64;
 // The kernels' bounds: 64 registers a thread forward (see launch_fwd_col_tile), 128 backward (x and
 // dy held). Launches take CTAs of half that, two an SM, whose phases (loads, reductions, stores)
@@ -1850,7 +1852,7 @@ softmax_bwd_col_tile(const T *__restrict__ dy, const T *__restrict__ x, const fl
         }
 }
 
-// ---- inner > 1, columns longer than the tile holds: looped kernels ----------------------------
+// ---- inner > 1, columns the tile does not take (see launch_col_tile): looped kernels -----------
 //
 // A thread takes VEC adjacent columns (one 16-byte access a row where inner is a multiple of a pack
 // and the tensors are 16-byte aligned, else one column), a warp 32 x VEC adjacent columns, and the
@@ -2491,7 +2493,7 @@ bool launch_col_tile(fk_status &status, int64_t columns, int64_t n, int device, 
 // where its CTAs are full. So fp32 columns of up to kTileFwdShortMax take 4 accesses a thread in the
 // 1024-thread instance, and longer ones 16 in the 512-thread instance, in CTAs of 256 threads, two
 // an SM. Same-process A/B against 8 accesses (the 512-thread instance where one CTA of up to 512
-// held the columns, else the 1024-thread one), x torch.compile:
+// held the columns, else the 1024-thread one) and 128-byte row spans, x torch.compile:
 //   H200: (32, 19, 256, 512) dim 1 1.845 -> 2.111, (256, 128, 4096) 0.852 -> 0.989, (16, 512, 4096)
 //         0.976 -> 1.127; (64, 1024, 512) 1.064 -> 1.389, (4096, 8192) dim 0 1.023 -> 1.205, (2048,
 //         8192) dim 0 1.128 -> 1.233, (8, 2000, 8192) dim 1 0.917 -> 1.109.
