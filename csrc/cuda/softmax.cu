@@ -2439,7 +2439,7 @@ fk_status launch_cols(int64_t columns, int64_t n, int64_t inner, bool aligned, i
 // where the grid covers them the chunks lost (bf16 (4096, 8191) backward 0.525 -> 0.423x).
 // go(kernel) launches a kernel.
 template <auto kernel, typename T, int VEC, int kThreads, int kMaxThreads, typename V, int kRows = kTileRows,
-          auto chunked = nullptr, typename F>
+          auto chunked = nullptr, int kChunkThreads = kThreads, typename F>
 bool launch_col_tile(fk_status &status, int64_t columns, int64_t n, int device, F &&go) {
     constexpr int64_t kTxMin = VEC == 1 ? 32 : kTileRowBytes / (VEC * sizeof(T));
     auto smem_of = [](int64_t tx, int64_t ty) { return (size_t)((tx * ty / 32 + 2) * tx * VEC) * sizeof(V); };
@@ -2456,6 +2456,7 @@ bool launch_col_tile(fk_status &status, int64_t columns, int64_t n, int device, 
         if (k > 1) shape(kThreads);
     }
     int64_t ty_max = kMaxThreads / tx;
+    bool chunks = false;
     if (k > 1) {
         const int64_t limit = std::min<int64_t>(
             kMaxCluster, cluster_limit<kernel>(device, kMaxThreads, (int)smem_of(kTxMin, kMaxThreads / kTxMin)));
@@ -2465,10 +2466,11 @@ bool launch_col_tile(fk_status &status, int64_t columns, int64_t n, int device, 
                 // one column a thread: the looped kernels where their grid (a CTA per kColsX columns)
                 // covers the SMs
                 if (VEC == 1 && (columns + kColsX - 1) / kColsX >= fk::sm_count(device)) return false;
-                // full CTAs of kThreads, their threads taking chunks of rows
-                k = std::min<int64_t>(limit, cluster_limit<chunked>(device, kThreads, (int)smem_of(tx, kThreads / tx)));
+                // full CTAs of kChunkThreads, their threads taking chunks of rows
+                k = std::min<int64_t>(
+                    limit, cluster_limit<chunked>(device, kChunkThreads, (int)smem_of(tx, kChunkThreads / tx)));
                 if (k < 1) return false;
-                ty_max = kThreads / tx;
+                ty_max = kChunkThreads / tx, chunks = true;
             }
         }
     }
@@ -2480,7 +2482,7 @@ bool launch_col_tile(fk_status &status, int64_t columns, int64_t n, int device, 
     const int64_t ctas = (columns / VEC + tx - 1) / tx;
     const dim3 grid((unsigned)(ctas * k)), block((unsigned)tx, (unsigned)ty);
     if constexpr (chunked != nullptr)
-        if (k * ty * kRows < n) {
+        if (chunks) {
             status = go(chunked)(grid, block, smem_of(tx, ty), (int)k);
             return true;
         }
@@ -2523,10 +2525,18 @@ bool launch_fwd_col_tile(fk_status &status, const T *x, T *y, float *row_max, in
             status, columns, n, device, go);
     } else {
         constexpr auto kernel = softmax_fwd_col_tile<T, VEC, kLog, kTileFwdThreads>;
-        // its chunks' loop spills in the 1024-thread instance (fp16 412 bytes): CTAs of 512, 128 registers
+        // its chunks' loop spills in the 1024-thread instance (fp16 412 bytes): the 512-thread one.
+        // Its chunks take CTAs of 256 threads with 16-byte accesses, 512 with one column a thread.
+        // Against 512 everywhere, x torch.compile, H200 / H100: bf16 (20000, 4096) dim 0 0.656 ->
+        // 0.912 / 0.707 -> 0.980, (16, 20000, 512) dim 1 0.611 -> 0.868 / 0.703 -> 0.995, (32768,
+        // 2048) 0.756 -> 0.871 / 0.884 -> 0.971, (8, 40000, 1024) 0.801 -> 0.920 / 0.899 -> 0.969,
+        // (40000, 8192) 0.766 -> 0.844 / 0.856 -> 0.878; but (65536, 1024) 0.806 -> 0.773 / 0.861 ->
+        // 0.844 and (100000, 512) 0.753 -> 0.744 / level: few columns lose. One column a thread lost
+        // (H200 (65536, 1023) 0.615 -> 0.550, (30000, 1001) 0.753 -> 0.636).
         constexpr auto chunked = softmax_fwd_col_tile<T, VEC, kLog, kTileFwdThreads / 2, kTileRows, true>;
-        return launch_col_tile<kernel, T, VEC, kTileFwdThreads / 2, kTileFwdThreads, Acc<T>, kTileRows, chunked>(
-            status, columns, n, device, go);
+        constexpr int kChunkThreads = VEC == 1 ? kTileFwdThreads / 2 : kTileFwdThreads / 4;
+        return launch_col_tile<kernel, T, VEC, kTileFwdThreads / 2, kTileFwdThreads, Acc<T>, kTileRows, chunked,
+                               kChunkThreads>(status, columns, n, device, go);
     }
 }
 
