@@ -1581,7 +1581,7 @@ softmax_bwd_rows_packs(int64_t n, const T *__restrict__ dy, const T *__restrict_
     }
 }
 
-// ---- inner > 1, n up to 1024 a CTA: the column tile in registers -------------------------------
+// ---- inner > 1: the column tile in registers (and its chunks) -----------------------------------
 //
 // A CTA of TX x TY threads takes W = TX x VEC adjacent columns (TX x 16 bytes of each row where VEC
 // is a pack, at least kTileRowBytes) and, with the other CTAs of its cluster (K of them, along
@@ -2430,14 +2430,14 @@ fk_status launch_cols(int64_t columns, int64_t n, int64_t inner, bool aligned, i
 // (or 32) while the ceil(n / kRows) threads along n do not fit; past kThreads / TX of them, a cluster of K CTAs (a
 // power of two). A CTA of up to kMaxThreads (the kernel's bound) where that holds the columns alone
 // and kThreads would take a cluster. Where the columns take a larger cluster than the device holds:
-// with a `chunked` kernel (whose threads take chunks of kRows accesses) and 16-byte accesses, the
-// largest cluster of full CTAs of kThreads that it holds, else false, launching nothing. One column a
+// with a `chunked` kernel (whose threads take chunks of kRows accesses), the largest cluster of full
+// CTAs of kChunkThreads that it holds, else false, launching nothing. One column a
 // thread (VEC 1) takes the chunks only where the looped kernels' grid does not cover the SMs: H200,
 // x torch.compile, against the looped kernels, bf16 (20000, 2047) dim 0 forward / backward 0.373 /
 // 0.150 -> 1.027 / 0.416x, (65536, 1023) 0.182 / 0.076 -> 0.616 / 0.369x, fp32 (20000, 2047) 0.357
-// / 0.233 -> 0.590 / 0.626x (H100: the same or more, but fp32 (3000, 4095) forward 0.720 -> 0.653x);
-// where the grid covers them the chunks lost (bf16 (4096, 8191) backward 0.525 -> 0.423x).
-// go(kernel) launches a kernel.
+// / 0.233 -> 0.590 / 0.626x (H100: gains of the same order, but fp32 (3000, 4095) forward 0.720 ->
+// 0.653x); where the grid covers them the chunks lost (bf16 (4096, 8191) backward 0.525 ->
+// 0.423x). go(kernel) launches a kernel.
 template <auto kernel, typename T, int VEC, int kThreads, int kMaxThreads, typename V, int kRows = kTileRows,
           auto chunked = nullptr, int kChunkThreads = kThreads, typename F>
 bool launch_col_tile(fk_status &status, int64_t columns, int64_t n, int device, F &&go) {
