@@ -101,9 +101,10 @@ def test_single_rows_fp32(device, log):
 # dims 0 / 1 are the GPU's column kernels: the column tile in registers, one CTA a column block up
 # to 2048 rows (forward; backward 1024; fp32 forwards of up to 512 rows take 4 accesses a thread,
 # longer ones 16; fp32 backwards of up to 64 rows 4, e.g. (2, 48, 16384) dim 1), clusters past that
-# ((6000, 2, 8) dim 0, (2000, 5, 8) dim 0 backward, bf16 (3, 1000, 4) dim 1), the looped kernels past
-# 16 CTAs of rows ((20000, 2, 4) dim 0); one column a thread where inner is not a multiple of a pack
-# ((5, 7, 9), (64, 3, 33), (3000, 3, 3) dim 0, bf16 (3, 1000, 4)), else 16-byte accesses
+# ((6000, 2, 8) dim 0, (2000, 5, 8) dim 0 backward, bf16 (3, 1000, 4) dim 1), chunks of rows past 16
+# CTAs of them ((20000, 2, 4) dim 0); one column a thread where inner is not a multiple of a pack
+# ((5, 7, 9), (64, 3, 33), (3000, 3, 3) dim 0 in chunks, bf16 (3, 1000, 4)), else 16-byte accesses;
+# the looped kernels: test_looped_columns_cuda
 @pytest.mark.parametrize("shape", [(5, 7, 9), (3, 1000, 4), (64, 3, 33), (3, 8, 65536), (2, 48, 16384),
                                    (2000, 5, 8), (6000, 2, 8), (3000, 3, 3), (20000, 2, 4)], ids=str)
 def test_dims(device, dtype, log, dim, shape, poison):
@@ -296,6 +297,17 @@ def test_chained_calls_read_their_predecessors_output_cuda(shape):
         return y, torch.autograd.grad(y, x, g)[0]
 
     chain_matches_synchronized(chain, torch.randn(shape, device="cuda"), torch.randn(shape, device="cuda"))
+
+
+@needs_cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("log", [False, True], ids=["softmax", "log"])
+def test_looped_columns_cuda(dtype, log, poison):
+    """Columns of one element a thread (inner 8191, not a multiple of 16 bytes) longer than 16 CTAs
+    of the tile hold (2100 > 2048 forward, 1024 backward), and enough of them (256 CTAs of 32) for
+    the looped kernels to cover the SMs of GPUs of up to 256: an online (max, sum) pass, the merge
+    of the threads' partials, a write pass."""
+    check((torch.randn(2100, 8191, device="cuda") * 4).to(dtype), 0, log)
 
 
 @needs_cuda
