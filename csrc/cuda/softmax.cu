@@ -109,16 +109,30 @@ __device__ __forceinline__ int64_t causal_len(int64_t row, int64_t n, int64_t ca
     return len < 0 ? 0 : (len > n ? n : len);
 }
 
-// e^t for every dtype is fk::exp_ftz: one FMUL and MUFU.EX2 (ex2.approx.ftz, ~2 ulp for the
-// exponents near 0 that carry the row's mass, plus the product's rounding, |t| x 2^-24 relative,
-// where e^t is small; results below 2^-126 flush to 0, irrelevant next to the max). fp32 took
-// libdevice's expf (~8 instructions): in an early build, before the exponents were made exact near
-// the max, ex2.approx had left single fp32 rows at 7x torch's error. Now the fp32 margin
-// (margin.py, fp32 draws) is worst 0.554 of the 2x-torch bound against 0.477 with expf, and fp32
-// (3000,1000) gains about 1 point of copy backward and 2 forward (H200). torch.compile's Triton
-// kernels take the same ex2.approx. (The column tile takes it too; the looped column kernels, for
-// columns the tile cannot hold, still take expf: not measured.)
+// e^t is fk::exp_ftz: one FMUL and MUFU.EX2 (ex2.approx.ftz, ~2 ulp for the exponents near 0 that
+// carry the row's mass, plus the product's rounding, |t| x 2^-24 relative, where e^t is small;
+// results below 2^-126 flush to 0, irrelevant next to the max), as torch.compile's Triton kernels
+// take. fp32 took libdevice's expf (~9 instructions: ex2.approx of the exactly reduced fraction,
+// then 2^j) before the exponents were made exact near the max; with them, ex2.approx measured fp32
+// (3000,1000) about 1 point of copy faster backward and 2 forward (H200). The looped column
+// kernels, for columns the tile cannot hold, still take expf (not measured).
 using fk::exp_ftz;
+
+// The fp32 warp backward's exp, where a gradient's cancellation (dx = y (dy - sum dy y)) puts a
+// row's exp errors whole into a small dx: rows one at a time against the tests' 2x-torch bound
+// (20000 draws of each length, benchmarks/row_tails.py, H200) crossed it in 12-18 rows of 64 and 128 and in
+// 4-15 of 96, 197, 257 and 1000 with ex2.approx, and in 0-2 with expf (the worst row at 1.31 of the
+// bound, where torch's own error was lucky), the 99.9th percentile of a length 0.81-0.99 -> 0.72-0.77.
+// The 16-byte instances take expf, and measured level or faster with it (x torch.compile, (16384,
+// 1000) 0.988 -> 0.999, (3000,1000) 1.048 -> 1.069, the rest within 0.4%); the scalar instances
+// (ragged rows past kRaggedFp32BwdMax) keep ex2.approx: expf lost 9% at 257, where half the
+// lanes' slots lie past the row and take an exp too. Elsewhere expf lost: the fp32 column tile
+// 26-37%, the shared-memory backward 1-9% (4096, 50257); their lengths measured 0-1 rows past the
+// bound with ex2.approx. 16-bit gradients round far coarser than either.
+template <typename T, int VEC> __device__ __forceinline__ float exp_warp_bwd(float t) {
+    if constexpr (std::is_same_v<T, float> && VEC > 1) return expf(t);
+    else return exp_ftz(t);
+}
 
 // exp is taken relative to the max, or to 0 while the max is -inf, so that -inf - -inf never
 // turns a partial sum into NaN before a finite value arrives.
@@ -700,7 +714,7 @@ softmax_bwd_rows_warp(int64_t rows, int n, int group_arg, const T *__restrict__ 
 #pragma unroll
             for (int k = 0; k < VEC; k++) {
                 const int i = p * VEC + k;
-                const float yk = exp_ftz(fmaf(raw_at<T, VEC>(raw_x[r][p], k), scale, -ref_p));
+                const float yk = exp_warp_bwd<T, VEC>(fmaf(raw_at<T, VEC>(raw_x[r][p], k), scale, -ref_p));
                 yv[i] = kCausal && !in(p, k, valid[r]) ? 0.f : yk;
                 g[i] = !kCausal || in(p, k, dy_len[r]) ? raw_at<T, VEC>(raw_dy[r][p], k) : 0.f;
             }
@@ -2339,7 +2353,7 @@ fk_status launch_bwd_rows(const T *dy, const T *x, const float *row_max, T *dx, 
     if (frame <= kWarpMaxN)
         return with_warp_shape<T, VEC, 32>(frame, [&](auto c, auto g, int group) {
             constexpr int C = decltype(c)::value, G = decltype(g)::value, ROWS = warp_rows<T, 2 * C>();
-            return with_ragged<VEC, kCausal || std::is_same_v<T, float>>(ragged, [&](auto rag) {
+            return with_ragged<VEC, kCausal>(ragged, [&](auto rag) {
                 constexpr bool kRag = decltype(rag)::value;
                 return with_warp_block<T, C, softmax_bwd_rows_warp<T, VEC, C, G, kCausal, kLog, kWarpBlock, kRag>, ROWS>(
                     rows, group, device, [&](auto threads) {
@@ -2394,12 +2408,19 @@ template <typename F> fk_status with_flags(int64_t causal_sq, int is_log, F &&la
     return is_log ? launch(No(), Yes()) : launch(No(), No());
 }
 
+// The longest ragged fp32 backward row that takes the 16-byte warp instances (kRagged): the scalar
+// ones hold a lane's elements one at a time, 4 bytes of each tensor a load, and short rows leave
+// them few bytes in flight. H200, x torch.compile, scalar -> kRagged: 17: 0.451 -> 1.011x, 33:
+// 0.739 -> 0.955x, 47: 0.956 -> 1.035x, 65: 0.815 -> 0.836x; from 95 on they lost (row_packs).
+constexpr int64_t kRaggedFp32BwdMax = 64;
+
 // Whether rows of n take 16-byte accesses (VEC elements): all tensors 16-byte aligned, and a
 // ragged row (n % VEC != 0, row_lead) longer than a warp holds, or one a warp holds whole with its
 // frame where `warp_ragged` (bf16 1018-1023 took the row-block kernel at 0.45-0.66x the scalar warp
 // kernel's speed, H200). Not warp_ragged: masked rows (the masked warp instances take no lead) and
-// the fp32 backward, whose kRagged warp instances lost to the scalar ones on an H200 (x torch.compile,
-// 197: 1.015 -> 0.966x, 257: 0.985 -> 0.805x; H100, 1001: 0.996 -> 1.007x), where the 16-bit ones
+// fp32 backward rows past kRaggedFp32BwdMax, whose kRagged warp instances lost to the scalar ones
+// (H200, x torch.compile, 95: 1.035 -> 0.862x, 127: 0.951 -> 0.839x, 197: 1.021 -> 0.968x, 257:
+// 0.982 -> 0.794x, 1001: 0.953 -> 0.925x; H100, 1001: 0.996 -> 1.007x), where the 16-bit ones
 // gained (bf16 197: 0.98 -> 1.05x, 257: 0.73 -> 0.79x).
 template <int VEC> bool row_packs(int64_t n, bool aligned, bool warp_ragged) {
     return aligned && (n % VEC == 0 || n > kWarpMaxN || (warp_ragged && row_frame<VEC>(n) <= kWarpMaxN));
@@ -2649,7 +2670,7 @@ extern "C" fk_status fk_cuda_softmax_bwd(const void *dy, const void *x, const fl
                                   });
         }
         const bool packs = row_packs<N>(n, fk::aligned16(dy) && fk::aligned16(x) && fk::aligned16(dx),
-                                      causal_sq == 0 && !std::is_same_v<T, float>);
+                                      causal_sq == 0 && (!std::is_same_v<T, float> || n <= kRaggedFp32BwdMax));
         return with_flags(causal_sq, log, [&](auto causal, auto is_log) {
             if (packs)
                 return launch_bwd_rows<T, N, causal(), is_log()>(dyt, xt, row_max, dxt, outer, n, (float)scale, causal_sq, device, s, op);
