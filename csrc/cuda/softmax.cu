@@ -121,7 +121,7 @@ using fk::exp_ftz;
 // The fp32 warp backward's exp, where a gradient's cancellation (dx = y (dy - sum dy y)) puts a
 // row's exp errors whole into a small dx: rows one at a time against the tests' 2x-torch bound
 // (20000 draws of each length, benchmarks/row_tails.py, H200) crossed it in 12-18 rows of 64 and 128 and in
-// 4-15 of 96, 197, 257 and 1000 with ex2.approx, and in 0-2 with expf (the worst row at 1.31 of the
+// 4-15 of 96, 127, 197, 257 and 1000 with ex2.approx, and in 0-2 with expf (the worst row at 1.31 of the
 // bound, where torch's own error was lucky), the 99.9th percentile of a length 0.81-0.99 -> 0.72-0.77.
 // The 16-byte instances take expf, and measured level or faster with it (x torch.compile, (16384,
 // 1000) 0.988 -> 0.999, (3000,1000) 1.048 -> 1.069, the rest within 0.4%); the scalar instances
@@ -1868,17 +1868,17 @@ softmax_bwd_col_tile(const T *__restrict__ dy, const T *__restrict__ x, const fl
 
 // ---- inner > 1, columns the tile does not take (see launch_col_tile): looped kernels -----------
 //
-// A thread takes VEC adjacent columns (one 16-byte access a row where inner is a multiple of a pack
-// and the tensors are 16-byte aligned, else one column), a warp 32 x VEC adjacent columns, and the
-// CTA's ny threads (threadIdx.y) split n, kColsUnroll accesses in flight each: 16-byte accesses put
-// 4 x (fp32) or 8 x (16-bit) the bytes in flight of one column a thread. The passes: an online
-// (max, sum) down each thread's part of n, a merge of the ny partials through shared memory (one of
-// the VEC columns at a time), then the write pass, which re-reads x (from L2 where the CTAs' column
-// blocks fit it).
+// A thread per (outer, inner) column, 32 of them per warp along inner so loads stay coalesced, and
+// the CTA's ny threads (threadIdx.y) split n, kColsUnroll loads in flight each. The passes: an
+// online (max, sum) down each thread's part of n, a merge of the ny partials through shared memory,
+// then the write pass, which re-reads x (from L2 where the CTAs' column blocks fit it). Only columns
+// the tile takes one a thread (inner not a multiple of a pack, or tensors not 16-byte aligned) come
+// here, where they need more than the largest cluster and this grid covers the SMs: 16-byte columns
+// always take the tile, in chunks of rows past its largest cluster.
 constexpr int kColsX = 32;  // threads per CTA along inner
 constexpr int kColsUnroll = 4;
 
-template <typename T, int VEC>
+template <typename T>
 __global__ void __launch_bounds__(1024)
 softmax_fwd_cols(const T *__restrict__ x, T *__restrict__ y, float *__restrict__ row_max, int64_t columns,
                  int64_t n, int64_t inner, float scale, int is_log) {
@@ -1888,71 +1888,47 @@ softmax_fwd_cols(const T *__restrict__ x, T *__restrict__ y, float *__restrict__
     __shared__ float part_m[32][kColsX];
     __shared__ double part_s[32][kColsX];
     const int tx = threadIdx.x, ty = threadIdx.y, ny = blockDim.y;
-    const int64_t column = ((int64_t)blockIdx.x * kColsX + tx) * VEC;
+    const int64_t column = (int64_t)blockIdx.x * kColsX + tx;
     const bool active = column < columns;
     const int64_t o = column / inner, base = o * n * inner + (column - o * inner);
+    auto scaled = [&](int64_t j) { return __fmul_rn(fk::to_f32(__ldg(x + base + j * inner)), scale); };
 
-    float m[VEC];
-    double s[VEC];
-#pragma unroll
-    for (int k = 0; k < VEC; k++) m[k] = -INFINITY, s[k] = 0.0;
+    float m = -INFINITY;
+    double s = 0.0;
     if (active) {
         for (int64_t j0 = (int64_t)ty * kColsUnroll; j0 < n; j0 += (int64_t)ny * kColsUnroll) {
-            Raw<T, VEC> r[kColsUnroll];
+            float v[kColsUnroll];
 #pragma unroll
-            for (int u = 0; u < kColsUnroll; u++)
-                if (j0 + u < n) r[u] = load_raw<T, VEC>(x + base + (j0 + u) * inner);
+            for (int u = 0; u < kColsUnroll; u++) v[u] = j0 + u < n ? scaled(j0 + u) : -INFINITY;
+            float cm = v[0];
 #pragma unroll
-            for (int k = 0; k < VEC; k++) {
-                float v[kColsUnroll];
+            for (int u = 1; u < kColsUnroll; u++) cm = fmaxf(cm, v[u]);
+            const float m_new = fmaxf(m, cm), ref = exp_ref(m_new);
+            s = rescale(s, m, m_new);
 #pragma unroll
-                for (int u = 0; u < kColsUnroll; u++)
-                    v[u] = j0 + u < n ? __fmul_rn(raw_at<T, VEC>(r[u], k), scale) : -INFINITY;
-                float cm = v[0];
-#pragma unroll
-                for (int u = 1; u < kColsUnroll; u++) cm = fmaxf(cm, v[u]);
-                const float m_new = fmaxf(m[k], cm), ref = exp_ref(m_new);
-                s[k] = rescale(s[k], m[k], m_new);
-#pragma unroll
-                for (int u = 0; u < kColsUnroll; u++) s[k] += expf(v[u] - ref);
-                m[k] = m_new;
-            }
+            for (int u = 0; u < kColsUnroll; u++) s += expf(v[u] - ref);
+            m = m_new;
         }
     }
-#pragma unroll
-    for (int k = 0; k < VEC; k++) {
-        part_m[ty][tx] = m[k];
-        part_s[ty][tx] = s[k];
-        __syncthreads();
-        m[k] = -INFINITY;
-        for (int t = 0; t < ny; t++) m[k] = fmaxf(m[k], part_m[t][tx]);
-        s[k] = 0.0;
-        for (int t = 0; t < ny; t++) s[k] += rescale(part_s[t][tx], part_m[t][tx], m[k]);
-        __syncthreads();
-    }
+    part_m[ty][tx] = m;
+    part_s[ty][tx] = s;
+    __syncthreads();
+    m = -INFINITY;
+    for (int t = 0; t < ny; t++) m = fmaxf(m, part_m[t][tx]);
+    s = 0.0;
+    for (int t = 0; t < ny; t++) s += rescale(part_s[t][tx], part_m[t][tx], m);
     if (!active) return;
-    float ref[VEC], inv_s[VEC], log_s[VEC];
-#pragma unroll
-    for (int k = 0; k < VEC; k++) {
-        ref[k] = exp_ref(m[k]);
-        inv_s[k] = (float)(1.0 / s[k]);
-        log_s[k] = (float)log(s[k]);
-        if (ty == 0 && row_max) row_max[column + k] = m[k];
-    }
+    const float ref = exp_ref(m), inv_s = (float)(1.0 / s), log_s = (float)log(s);
+    if (ty == 0 && row_max) row_max[column] = m;
 #pragma unroll kColsUnroll
     for (int64_t j = ty; j < n; j += ny) {
-        const Raw<T, VEC> r = load_raw<T, VEC>(x + base + j * inner);
-        float out[VEC];
-#pragma unroll
-        for (int k = 0; k < VEC; k++) {
-            const float v = __fmul_rn(raw_at<T, VEC>(r, k), scale);
-            out[k] = is_log ? (v - ref[k]) - log_s[k] : normalize<T>(expf(v - ref[k]), (float)s[k], inv_s[k]);
-        }
-        store_vec<T, VEC>(y + base + j * inner, out);
+        const float v = scaled(j);
+        y[base + j * inner] =
+            fk::from_f32<T>(is_log ? (v - ref) - log_s : normalize<T>(expf(v - ref), (float)s, inv_s));
     }
 }
 
-template <typename T, int VEC>
+template <typename T>
 __global__ void __launch_bounds__(1024)
 softmax_bwd_cols(const T *__restrict__ dy, const T *__restrict__ x, const float *__restrict__ row_max,
                  T *__restrict__ dx, int64_t columns, int64_t n, int64_t inner, float scale,
@@ -1960,53 +1936,34 @@ softmax_bwd_cols(const T *__restrict__ dy, const T *__restrict__ x, const float 
     fk::grid_dependency_sync();
     __shared__ Acc<T> part_z[32][kColsX], part_a[32][kColsX];
     const int tx = threadIdx.x, ty = threadIdx.y, ny = blockDim.y;
-    const int64_t column = ((int64_t)blockIdx.x * kColsX + tx) * VEC;
+    const int64_t column = (int64_t)blockIdx.x * kColsX + tx;
     const bool active = column < columns;
     const int64_t o = column / inner, base = o * n * inner + (column - o * inner);
-    float ref[VEC];
-#pragma unroll
-    for (int k = 0; k < VEC; k++) ref[k] = active ? exp_ref(row_max[column + k]) : 0.f;
-    auto y_of = [&](const Raw<T, VEC> &rx, int k) { return expf(fmaf(raw_at<T, VEC>(rx, k), scale, -ref[k])); };
+    const float ref = active ? exp_ref(row_max[column]) : 0.f;
+    auto y_of = [&](int64_t j) { return expf(fmaf(fk::to_f32(__ldg(x + base + j * inner)), scale, -ref)); };
+    auto g_of = [&](int64_t j) { return fk::to_f32(__ldg(dy + base + j * inner)); };
 
-    Acc<T> z[VEC], a[VEC];
-#pragma unroll
-    for (int k = 0; k < VEC; k++) z[k] = 0, a[k] = 0;
+    Acc<T> z = 0, a = 0;
     if (active) {
 #pragma unroll kColsUnroll
         for (int64_t j = ty; j < n; j += ny) {
-            const Raw<T, VEC> rx = load_raw<T, VEC>(x + base + j * inner), rg = load_raw<T, VEC>(dy + base + j * inner);
-#pragma unroll
-            for (int k = 0; k < VEC; k++) {
-                const float yv = y_of(rx, k), g = raw_at<T, VEC>(rg, k);
-                z[k] += yv;
-                a[k] += is_log ? (Acc<T>)g : (Acc<T>)g * yv;
-            }
+            const float yv = y_of(j), g = g_of(j);
+            z += yv;
+            a += is_log ? (Acc<T>)g : (Acc<T>)g * yv;
         }
     }
-#pragma unroll
-    for (int k = 0; k < VEC; k++) {
-        part_z[ty][tx] = z[k];
-        part_a[ty][tx] = a[k];
-        __syncthreads();
-        z[k] = 0;
-        a[k] = 0;
-        for (int t = 0; t < ny; t++) z[k] += part_z[t][tx], a[k] += part_a[t][tx];
-        __syncthreads();
-    }
+    part_z[ty][tx] = z;
+    part_a[ty][tx] = a;
+    __syncthreads();
+    z = 0;
+    a = 0;
+    for (int t = 0; t < ny; t++) z += part_z[t][tx], a += part_a[t][tx];
     if (!active) return;
-    BwdRow<T> br[VEC];
-#pragma unroll
-    for (int k = 0; k < VEC; k++) br[k] = BwdRow<T>(z[k], a[k], is_log, scale);
+    const BwdRow<T> br(z, a, is_log, scale);
 #pragma unroll kColsUnroll
     for (int64_t j = ty; j < n; j += ny) {
-        const Raw<T, VEC> rx = load_raw<T, VEC>(x + base + j * inner), rg = load_raw<T, VEC>(dy + base + j * inner);
-        float out[VEC];
-#pragma unroll
-        for (int k = 0; k < VEC; k++) {
-            const float yv = y_of(rx, k), g = raw_at<T, VEC>(rg, k);
-            out[k] = is_log ? br[k].template dx<true>(yv, g) : br[k].template dx<false>(yv, g);
-        }
-        store_vec<T, VEC>(dx + base + j * inner, out);
+        const float yv = y_of(j), g = g_of(j);
+        dx[base + j * inner] = fk::from_f32<T>(is_log ? br.template dx<true>(yv, g) : br.template dx<false>(yv, g));
     }
 }
 
@@ -2426,23 +2383,15 @@ template <int VEC> bool row_packs(int64_t n, bool aligned, bool warp_ragged) {
     return aligned && (n % VEC == 0 || n > kWarpMaxN || (warp_ragged && row_frame<VEC>(n) <= kWarpMaxN));
 }
 
-// Launches a column kernel (launch(VEC, grid, block)) over `columns` columns of n. kColsX threads a
-// CTA along inner, each taking VEC columns: 16-byte accesses where inner is a multiple of a pack,
-// the tensors are aligned (`aligned`) and the CTAs still cover half the SMs, else one column a
-// thread. The threads splitting n: 8, or 32 when there are too few CTAs to fill the GPU, and no
-// more than take kColsUnroll of n each.
-template <typename T, typename F>
-fk_status launch_cols(int64_t columns, int64_t n, int64_t inner, bool aligned, int device, F &&launch) {
-    constexpr int N = fk::Pack<T>::N;
-    const int64_t sms = fk::sm_count(device);
-    auto ctas_of = [&](int64_t vec) { return (columns / vec + kColsX - 1) / kColsX; };
-    auto go = [&](auto vec) {
-        const int64_t ctas = ctas_of(decltype(vec)::value);
-        const int64_t ny = std::max<int64_t>(1, std::min<int64_t>(ctas >= 8 * sms ? 8 : 32, (n + kColsUnroll - 1) / kColsUnroll));
-        return launch(vec, dim3((unsigned)ctas), dim3(kColsX, (unsigned)ny));
-    };
-    if (aligned && inner % N == 0 && 2 * ctas_of(N) >= sms) return go(std::integral_constant<int, N>());
-    return go(std::integral_constant<int, 1>());
+// Launches a looped column kernel over `columns` columns of n: kColsX threads a CTA along inner, and
+// threads splitting n: 8, or 32 when there are too few CTAs to fill the GPU, and no more than take
+// kColsUnroll of n each.
+template <auto kernel, typename... Args>
+fk_status launch_cols(const char *op, int64_t columns, int64_t n, int device, cudaStream_t stream, Args... args) {
+    const int64_t ctas = (columns + kColsX - 1) / kColsX;
+    const int64_t ny = std::max<int64_t>(
+        1, std::min<int64_t>(ctas >= 8 * fk::sm_count(device) ? 8 : 32, (n + kColsUnroll - 1) / kColsUnroll));
+    return fk::Launch(dim3((unsigned)ctas), dim3(kColsX, (unsigned)ny), 0, stream, device)(op, kernel, args...);
 }
 
 // Launches a column-tile kernel through go(kernel)(grid, block, smem, K) over `columns` columns of n, VEC
@@ -2608,7 +2557,7 @@ extern "C" fk_status fk_cuda_softmax_fwd(const void *x, void *y, float *row_max,
         T *yt = (T *)y;
         constexpr int N = fk::Pack<T>::N;
         if (inner > 1) {
-            const bool aligned = fk::aligned16(x) && fk::aligned16(y), packs = aligned && inner % N == 0;
+            const bool packs = fk::aligned16(x) && fk::aligned16(y) && inner % N == 0;
             fk_status status = FK_OK;
             auto tile = [&](auto is_log) {
                 constexpr bool kLog = decltype(is_log)::value;
@@ -2619,12 +2568,8 @@ extern "C" fk_status fk_cuda_softmax_fwd(const void *x, void *y, float *row_max,
                 return packs ? go(std::integral_constant<int, N>()) : go(std::integral_constant<int, 1>());
             };
             if (log ? tile(std::true_type()) : tile(std::false_type())) return status;
-            return launch_cols<T>(outer * inner, n, inner, aligned, device,
-                                  [&](auto vec, dim3 grid, dim3 block) {
-                                      return fk::Launch(grid, block, 0, s, device)(
-                                          op, softmax_fwd_cols<T, decltype(vec)::value>, xt, yt, row_max,
-                                          outer * inner, n, inner, (float)scale, log);
-                                  });
+            return launch_cols<softmax_fwd_cols<T>>(op, outer * inner, n, device, s, xt, yt, row_max, outer * inner,
+                                                    n, inner, (float)scale, log);
         }
         const bool packs = row_packs<N>(n, fk::aligned16(x) && fk::aligned16(y), causal_sq == 0);
         return with_flags(causal_sq, log, [&](auto causal, auto is_log) {
@@ -2650,8 +2595,7 @@ extern "C" fk_status fk_cuda_softmax_bwd(const void *dy, const void *x, const fl
         T *dxt = (T *)dx;
         constexpr int N = fk::Pack<T>::N;
         if (inner > 1) {
-            const bool aligned = fk::aligned16(dy) && fk::aligned16(x) && fk::aligned16(dx),
-                       packs = aligned && inner % N == 0;
+            const bool packs = fk::aligned16(dy) && fk::aligned16(x) && fk::aligned16(dx) && inner % N == 0;
             fk_status status = FK_OK;
             auto tile = [&](auto is_log) {
                 constexpr bool kLog = decltype(is_log)::value;
@@ -2662,12 +2606,8 @@ extern "C" fk_status fk_cuda_softmax_bwd(const void *dy, const void *x, const fl
                 return packs ? go(std::integral_constant<int, N>()) : go(std::integral_constant<int, 1>());
             };
             if (log ? tile(std::true_type()) : tile(std::false_type())) return status;
-            return launch_cols<T>(outer * inner, n, inner, aligned, device,
-                                  [&](auto vec, dim3 grid, dim3 block) {
-                                      return fk::Launch(grid, block, 0, s, device)(
-                                          op, softmax_bwd_cols<T, decltype(vec)::value>, dyt, xt, row_max, dxt,
-                                          outer * inner, n, inner, (float)scale, log);
-                                  });
+            return launch_cols<softmax_bwd_cols<T>>(op, outer * inner, n, device, s, dyt, xt, row_max, dxt,
+                                                    outer * inner, n, inner, (float)scale, log);
         }
         const bool packs = row_packs<N>(n, fk::aligned16(dy) && fk::aligned16(x) && fk::aligned16(dx),
                                       causal_sq == 0 && (!std::is_same_v<T, float> || n <= kRaggedFp32BwdMax));
