@@ -120,15 +120,16 @@ using fk::exp_ftz;
 
 // The fp32 warp backward's exp, where a gradient's cancellation (dx = y (dy - sum dy y)) puts a
 // row's exp errors whole into a small dx: rows one at a time against the tests' 2x-torch bound
-// (20000 draws of each length, benchmarks/row_tails.py, H200) crossed it in 12-18 rows of 64 and 128 and in
-// 4-15 of 96, 127, 197, 257 and 1000 with ex2.approx, and in 0-2 with expf (the worst row at 1.31 of the
-// bound, where torch's own error was lucky), the 99.9th percentile of a length 0.81-0.99 -> 0.72-0.77.
-// The 16-byte instances take expf, and measured level or faster with it (x torch.compile, (16384,
-// 1000) 0.988 -> 0.999, (3000,1000) 1.048 -> 1.069, the rest within 0.4%); the scalar instances
-// (ragged rows past kRaggedFp32BwdMax) keep ex2.approx: expf lost 9% at 257, where half the
-// lanes' slots lie past the row and take an exp too. Elsewhere expf lost: the fp32 column tile
-// 26-37%, the shared-memory backward 1-9% (4096, 50257); their lengths measured 0-1 rows past the
-// bound with ex2.approx. 16-bit gradients round far coarser than either.
+// (20000 draws of each length, benchmarks/row_tails.py, H200) crossed it in 12-18 rows of 64 and
+// 128 and in 4-15 of 96, 127, 197, 257 and 1000 with ex2.approx, and in 0-2 with expf (the worst
+// row at 1.31 of the bound, where torch's own error was lucky), the 99.9th percentile of a length
+// 0.81-0.99 -> 0.72-0.77. The 16-byte instances take expf, and measured level or faster with it (x
+// torch.compile, (16384, 1000) 0.988 -> 0.999, (3000,1000) 1.048 -> 1.069, the rest within 0.4%);
+// the scalar instances (ragged rows past kRaggedFp32BwdMax) keep ex2.approx: expf lost 9% at 257,
+// where half the lanes' slots lie past the row and take an exp too. Elsewhere expf lost: the fp32
+// column tile 37-39%, the shared-memory backward 1-3%; rows of 4096 (the row-block backward)
+// measured none past the bound with ex2.approx, longer rows and columns were not measured. 16-bit
+// gradients round far coarser than either.
 template <typename T, int VEC> __device__ __forceinline__ float exp_warp_bwd(float t) {
     if constexpr (std::is_same_v<T, float> && VEC > 1) return expf(t);
     else return exp_ftz(t);
