@@ -28,7 +28,7 @@
 //                 lane on grids of more than one wave (with_warp_block).
 //   backward, 1025-8192 (16-bit rows of whole packs, unmasked: 16384): one CTA of up to 512
 //                 threads a row, each thread holding 8 elements of x and of dy in registers (16 past
-//                 4096, or 16-bit past 2048 where DRAM is fast: kPack16WideDramPerSm; 32 past
+//                 4096, or 16-bit past 2048 where DRAM is fast: kFastDramPerSm; 32 past
 //                 8192), loaded at once (softmax_bwd_rows_packs; torch.compile's shape, with y
 //                 recomputed).
 //   forward, fp32, 1025-8192: the row-block kernel below, one CTA a row, 16 elements a thread in
@@ -40,8 +40,9 @@
 //                 a cluster of 32 KB CTAs per row, up to 112 KB when 32 KB ones cannot hold it, and
 //                 unmasked forwards up to 224 KB, one CTA an SM, past that; see
 //                 "row slices in shared memory" below; a backward whose x and dy outgrow that
-//                 holds dy in registers, up to 128 KB of x a CTA). H200: 91-101% of copy on the
-//                 issue's 4K-256K rows.
+//                 holds dy in registers, up to 128 KB of x a CTA; unmasked backward CTAs take 128
+//                 threads, 256 where DRAM is slow: kSmemBwdSlowDramThreads). H200: 91-101% of copy
+//                 on the issue's 4K-256K rows.
 //   longer, other K CTAs per row (K = 1, else a thread-block cluster of up to 16 on sm_90), each
 //                 thread holding 64 bytes (backward: 32 of x and 32 of dy) raw in registers per
 //                 chunk, CTAs of up to 512 threads, and K the smallest power of two that leaves a CTA
@@ -1040,6 +1041,16 @@ constexpr int64_t kSmemCtaHugeMax = 224 * 1024;
 // instance for clustered rows only gained 1.4-2.4 points in fastkern-only runs, and with kept bf16
 // y' it took bf16 1024 x 65536 from 95 to 87-88 in the benchmark's own runs).
 template <bool kBackward> constexpr int kSmemThreads = kBackward ? 128 : 256;
+// Unmasked backward rows whose CTAs hold at least 3/4 of kSmemCtaMax (3 or 4 packs of x and of dy
+// a thread) take 256 threads instead on devices whose DRAM streams at most kFastDramPerSm bytes a
+// microsecond per SM (the H100). H100, same-process A/B, five rounds, 256 threads for every
+// unmasked row, x torch.compile: fp32 (4096, 16384) 0.999 -> 1.005x, (2048, 32768) 1.046 ->
+// 1.051x, (1024, 65536) 1.703-1.714 -> 1.712-1.721x, bf16 (2048, 32768) 1.006-1.007 -> 1.009-1.010x,
+// the rest level; but fp32 (16384, 9000) (18 KB CTAs, 2.2 packs a thread) 1.008 -> 0.914x, hence
+// the size line ((8192, 12000), 24 000-byte CTAs just under it, gained 0.3%), and masked rows lost
+// (ragged (4096, 50257) fp32 2.142 -> 1.981x, bf16 1.962 -> 1.919x): they keep 128. On the H200
+// 256 threads lost (fp32 (4096, 16384) 1.016 -> 0.930x, session 28 of the perf log).
+constexpr int kSmemBwdSlowDramThreads = 256;
 // The forward's masked instances (causal or ragged rows) take their thread count at run time: a
 // warp per kMaskedWarpPacks packs of the slice (2.5 a lane), at most kSmemThreads. Their per-warp
 // cost (slice bounds, the edge packs, barriers and reductions) is ~25% above the unmasked one's,
@@ -1355,8 +1366,8 @@ constexpr int kDyRegPacks = 16;
 constexpr int kDyRegThreads = 256, kDyRegWideThreads = 512;
 template <int kLanes> constexpr int64_t kDyRegSliceMax = kLanes * kDyRegPacks * 16;  // 64 / 128 KB
 
-template <typename T, bool kCausal, bool kLog, int kDyRegLanes = 0>
-__global__ void __launch_bounds__(kDyRegLanes ? kDyRegLanes : kSmemThreads<true>, kDyRegLanes == kDyRegThreads ? 2 : 1)
+template <typename T, bool kCausal, bool kLog, int kDyRegLanes = 0, int kSmemLanes = kSmemThreads<true>>
+__global__ void __launch_bounds__(kDyRegLanes ? kDyRegLanes : kSmemLanes, kDyRegLanes == kDyRegThreads ? 2 : 1)
 softmax_bwd_rows_smem(int64_t n, int64_t seg, int cluster_k, int64_t rows, const T *__restrict__ dy,
                       const T *__restrict__ x, const float *__restrict__ row_max, T *__restrict__ dx,
                       float scale, int64_t causal_sq) {
@@ -1367,7 +1378,7 @@ softmax_bwd_rows_smem(int64_t n, int64_t seg, int cluster_k, int64_t rows, const
     __shared__ RowReduceSmem<Acc2<T>> red;
     const Pieces pieces = pieces_of<T, false, true>(seg, cluster_k);
     constexpr bool kDyRegs = kDyRegLanes > 0;
-    constexpr int kLanes = kDyRegs ? kDyRegLanes : kSmemThreads<true>;
+    constexpr int kLanes = kDyRegs ? kDyRegLanes : kSmemLanes;
     const int lane = threadIdx.x, lanes = kLanes;
     const int64_t slice = seg * (int64_t)sizeof(T);  // x slices, then dy slices (unless in registers)
     const int64_t dy_base = slice;
@@ -1487,7 +1498,7 @@ softmax_bwd_rows_smem(int64_t n, int64_t seg, int cluster_k, int64_t rows, const
 // 0.74 -> 0.99x, (65536, 1536) 0.90-0.96 -> 1.003x, bf16 (32768, 2048) 0.97 -> 1.006x, (16384, 3000)
 // 0.98 -> 1.07x. Measured against it: 8 elements a thread for fp32 rows of up to 2048 as 4 (1
 // pack: fp32 (32768, 2048) 0.94-0.95x), 16 for 16-bit rows of up to 4096 (bf16 (16384, 4096)
-// 0.992x; taken since on fast-DRAM devices, see kPack16WideDramPerSm), 1024-thread CTAs (fp32
+// 0.992x; taken since on fast-DRAM devices, see kFastDramPerSm), 1024-thread CTAs (fp32
 // (16384, 4096) 0.915x). Loads: load_pack_kept.
 constexpr int kPackThreads = 512;
 constexpr int kPackElems = 8;  // elements of x (and of dy) a thread, or twice that for long rows
@@ -1515,8 +1526,9 @@ template <typename T, int P> constexpr int kPackCtas = P * fk::Pack<T>::N == kPa
 // (16384, 4096) 0.992-0.995 -> 0.997-0.998x, (32768, 4096) 0.986 -> 0.995x, (16384, 3000) 1.055-1.061
 // -> 1.064-1.072x, (16384, 2500) 1.119 -> 1.168x, (65536, 2560) 1.114 -> 1.134x; H100 (~25 000),
 // where it is not taken: (16384, 4096) 1.002-1.003 -> 1.000-1.001x, (16384, 3000) 0.997 -> 0.993x,
-// (16384, 2500) 1.011 -> 1.008x.
-constexpr int kPack16WideDramPerSm = 30000;
+// (16384, 2500) 1.011 -> 1.008x. The same line splits the shared-memory backward's CTA size
+// (kSmemBwdSlowDramThreads).
+constexpr int kFastDramPerSm = 30000;
 template <typename T, bool kMasked>
 constexpr int64_t kPackRowMaxOf = std::is_same_v<T, float> || kMasked ? kPackRowMax : 2 * kPackRowMax;
 
@@ -2043,7 +2055,7 @@ fk_status launch_rows_block(const char *op, int64_t rows, int64_t n, int64_t fra
 // 0: the CTA kernel takes a warp per warp_packs packs of its slice, up to its fixed thread count.
 // huge: the CTA kernel may take slices of up to kSmemCtaHugeMax (the forward's unmasked instances).
 template <auto warp_kernel, auto cta_kernel, auto dy_reg_kernel, auto dy_reg_wide_kernel, typename T, int kTensors,
-          typename... Args>
+          auto slow_dram_cta_kernel = nullptr, int kCtaThreads = kSmemThreads<kTensors == 2>, typename... Args>
 bool launch_rows_smem(fk_status &status, const char *op, int64_t rows, int64_t n, int64_t frame, int device,
                       cudaStream_t stream, int warp_packs, bool huge, Args... args) {
     constexpr int64_t VEC = fk::Pack<T>::N;
@@ -2065,7 +2077,12 @@ bool launch_rows_smem(fk_status &status, const char *op, int64_t rows, int64_t n
         }
     }
     int64_t k = pow2_ceil((row_bytes + kSmemCtaMax - 1) / kSmemCtaMax);
-    int threads = kSmemThreads<kTensors == 2>;
+    if constexpr (slow_dram_cta_kernel != nullptr)  // CTAs of at least 3/4 kSmemCtaMax, see kSmemBwdSlowDramThreads
+        if (4 * row_bytes >= 3 * k * kSmemCtaMax && fk::dram_bytes_per_us_per_sm(device) <= kFastDramPerSm)
+            return launch_rows_smem<warp_kernel, slow_dram_cta_kernel, dy_reg_kernel, dy_reg_wide_kernel, T, kTensors,
+                                    nullptr, kSmemBwdSlowDramThreads>(status, op, rows, n, frame, device, stream,
+                                                                      warp_packs, huge, args...);
+    int threads = kCtaThreads;
     const int64_t limit = cluster_limit<cta_kernel>(device, threads, (int)kSmemCtaMax);
     if (limit == 0) return false;
     if (k > limit) k = limit;
@@ -2327,9 +2344,9 @@ fk_status launch_bwd_rows(const T *dy, const T *x, const float *row_max, T *dx, 
         if (frame <= (ragged ? kPackRowMaxOf<T, true> : kPackRowMaxOf<T, kCausal>) && (!ragged || !kCausal)) {
             constexpr int P = kPackElems / VEC;
             constexpr int64_t kReach = kPackElems * kPackThreads;  // 8 elements a thread
-            // the device's DRAM rate is read only for the rows it decides (kPack16WideDramPerSm)
+            // the device's DRAM rate is read only for the rows it decides (kFastDramPerSm)
             const bool wide16 = VEC == 8 && frame > kReach / 2 && frame <= kReach &&
-                                fk::dram_bytes_per_us_per_sm(device) > kPack16WideDramPerSm;
+                                fk::dram_bytes_per_us_per_sm(device) > kFastDramPerSm;
             const int64_t wide_from = wide16 ? kReach / 2 : kReach;
             return with_ragged<VEC, kCausal>(ragged, [&](auto rag) {
                 constexpr bool kRag = decltype(rag)::value;
@@ -2346,9 +2363,11 @@ fk_status launch_bwd_rows(const T *dy, const T *x, const float *row_max, T *dx, 
         const int64_t mask_sq = kCausal ? causal_sq : (int64_t)kMasked;
         if constexpr (VEC > 1) {
             fk_status status = FK_OK;
+            constexpr auto kSlowDram = softmax_bwd_rows_smem<T, false, kLog, 0, kSmemBwdSlowDramThreads>;
             if (launch_rows_smem<nullptr, softmax_bwd_rows_smem<T, kMasked, kLog>,
                                  softmax_bwd_rows_smem<T, kMasked, kLog, kDyRegThreads>,
-                                 softmax_bwd_rows_smem<T, kMasked, kLog, kDyRegWideThreads>, T, 2>(
+                                 softmax_bwd_rows_smem<T, kMasked, kLog, kDyRegWideThreads>, T, 2,
+                                 kMasked ? decltype(kSlowDram)(nullptr) : kSlowDram>(
                     status, op, rows, n, frame, device, stream, 0, false, dy, x, row_max, dx, scale, mask_sq))
                 return status;
         }
