@@ -17,11 +17,7 @@ import torch
 import fastkern
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
-from conftest import error_eps  # noqa: E402
-
-
-def row_error(out, ref):
-    return (out.double() - ref).norm(dim=1) / ref.norm(dim=1)
+from conftest import error_eps, row_errors  # noqa: E402
 
 
 def tails(rows, n, dtype, log):
@@ -38,7 +34,7 @@ def tails(rows, n, dtype, log):
     ry = torch_fn(rx, -1)
     (rdx,) = torch.autograd.grad(ry, rx, g.double())
     eps = error_eps(dtype, n)
-    ratios = {what: row_error(o, r.detach()) / (2 * row_error(t, r.detach()) + eps)
+    ratios = {what: row_errors(o, r.detach()) / (2 * row_errors(t, r.detach()) + eps)
               for what, o, t, r in (("out", y, ty, ry), ("grad", dx, tdx, rdx))}
     same = 0
     for i in range(20):

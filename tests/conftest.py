@@ -65,13 +65,16 @@ def error_eps(dtype, numel):
     return eps * max(1.0, 64.0 / max(numel, 1))
 
 
+def row_errors(out, ref):
+    """Each row's relative error of 2-d `out` (all finite) against the float64 reference `ref`."""
+    return (out.double() - ref).norm(dim=1) / ref.norm(dim=1)
+
+
 def rows_over_torch_error(out, torch_out, ref, factor=2.0):
     """How many rows of 2-d `out` (all finite) break the bound that torch_error_bound sets a row
     alone: each row's error against the float64 reference over factor x torch's on that row + eps."""
-    def row_error(o):
-        return (o.double() - ref).norm(dim=1) / ref.norm(dim=1)
-    bound = factor * row_error(torch_out) + error_eps(out.dtype, out.shape[1])
-    return int((row_error(out) > bound).sum())
+    bound = factor * row_errors(torch_out, ref) + error_eps(out.dtype, out.shape[1])
+    return int((row_errors(out, ref) > bound).sum())
 
 
 def assert_within_torch_error(out, torch_out, ref, what, factor=2.0, eps=None):
