@@ -99,6 +99,36 @@ fk_status fk_cuda_softmax_bwd(const void *dy, const void *x, const float *row_ma
                               int64_t causal_sq, int log, fk_dtype dtype, int device,
                               void *stream);
 
+/* ---- Matmul / linear -------------------------------------------------------------------------
+ * For b < batch: C[b] = act(A[b] @ B[b] + bias), fp32 accumulation (fp64 for fp64, CPU only).
+ *   A[b] is (m, k): element (i, p) at a + b * a_batch + i * a_row + p * a_col, and B[b] is (k, n):
+ *   element (p, j) at b + b * b_batch + p * b_row + j * b_col (strides in elements). Each operand is
+ *   row-major (col stride 1) or column-major (row stride 1), e.g. w.t(); a batch stride of 0
+ *   broadcasts the operand. C[b] is (m, n) row-major: c + b * c_batch + i * c_row + j.
+ *   bias: n elements of `dtype`, or NULL. activation: FK_ACT_NONE / FK_ACT_GELU (erf) /
+ *   FK_ACT_GELU_TANH. pre: NULL, or laid out as C: receives A @ B + bias before the activation
+ *   (what the activation's backward recomputes from).
+ *   flags: FK_MM_TF32 lets fp32 inputs use TF32 tensor cores (torch's allow_tf32); FK_MM_FORCE_GENERAL
+ *   makes CUDA take the general sm_80 kernel (tests, A/Bs) even on Hopper.
+ * All pointers are of `dtype`; c / pre never alias a / b / bias. m, n or k may be 0 (k == 0: C = act(bias)). */
+typedef enum { FK_ACT_NONE = 0, FK_ACT_GELU = 1, FK_ACT_GELU_TANH = 2 } fk_activation;
+enum { FK_MM_TF32 = 1, FK_MM_FORCE_GENERAL = 2 };
+typedef struct {
+    const void *a, *b, *bias;
+    void *c, *pre;
+    int64_t batch, m, n, k;
+    int64_t a_batch, a_row, a_col;
+    int64_t b_batch, b_row, b_col;
+    int64_t c_batch, c_row;
+    fk_dtype dtype;
+    int activation;
+    int flags;
+} fk_matmul_args;
+fk_status fk_cpu_matmul(const fk_matmul_args *args, int threads);
+fk_status fk_cuda_matmul(const fk_matmul_args *args, int device, void *stream);
+/* The strategy fk_cuda_matmul would take for `args` on `device` ("wgmma_sm90", "mma_sm80", ...). */
+const char *fk_cuda_matmul_plan(const fk_matmul_args *args, int device);
+
 /* ---- CUDA runtime facts (csrc/cuda/common.cu) ------------------------------------------------- */
 int fk_cuda_device_count(void);                       /* 0 without a driver or a GPU */
 fk_status fk_cuda_device_name(int device, char *buf, int len, int *major, int *minor);
