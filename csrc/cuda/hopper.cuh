@@ -1,0 +1,154 @@
+// Hopper (sm_90a) instruction wrappers shared by the warp-specialized kernels (matmul/, attention/):
+// mbarriers, TMA tensor copies, wgmma fences and smem descriptors, setmaxnreg. One function per
+// instruction, named after it; kernel files hold no asm. The bodies compile to nothing on other
+// targets (dispatch never selects these kernels there).
+#pragma once
+
+#include <cuda.h>
+#include <stdint.h>
+
+#include "common.cuh"
+
+#if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#define FK_SM90A 1
+#else
+#define FK_SM90A 0
+#endif
+
+namespace fk {
+
+__device__ __forceinline__ uint32_t cvta_shared(const void *p) {
+    return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+// ---- mbarrier ------------------------------------------------------------------------------------
+__device__ __forceinline__ void mbar_init(uint64_t *bar, uint32_t count) {
+#if FK_SM90A
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(cvta_shared(bar)), "r"(count));
+#endif
+}
+// Makes the inits above visible to the async proxy (TMA) and the other threads.
+__device__ __forceinline__ void fence_barrier_init() {
+#if FK_SM90A
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void mbar_arrive_expect_tx(uint64_t *bar, uint32_t bytes) {
+#if FK_SM90A
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(cvta_shared(bar)), "r"(bytes)
+                 : "memory");
+#endif
+}
+__device__ __forceinline__ void mbar_arrive(uint64_t *bar) {
+#if FK_SM90A
+    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(cvta_shared(bar)) : "memory");
+#endif
+}
+// Blocks until the phase of parity `phase` has completed.
+__device__ __forceinline__ void mbar_wait(uint64_t *bar, uint32_t phase) {
+#if FK_SM90A
+    asm volatile(
+        "{\n.reg .pred done;\n"
+        "wait_%=:\n"
+        "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+        "@!done bra wait_%=;\n}\n" ::"r"(cvta_shared(bar)),
+        "r"(phase)
+        : "memory");
+#endif
+}
+
+// ---- TMA ---------------------------------------------------------------------------------------
+// Box at coordinates (c0 innermost, c1, c2) of `map` -> smem, completing `bytes` on `bar`.
+__device__ __forceinline__ void tma_load_3d(void *dst, const CUtensorMap *map, uint64_t *bar, int c0, int c1,
+                                            int c2) {
+#if FK_SM90A
+    asm volatile(
+        "cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%3, %4, %5}], [%2];\n" ::"r"(
+            cvta_shared(dst)),
+        "l"(map), "r"(cvta_shared(bar)), "r"(c0), "r"(c1), "r"(c2)
+        : "memory");
+#endif
+}
+// smem box -> the tensor at (c0, c1, c2) of `map` (clipped at its edges), in this thread's bulk group.
+__device__ __forceinline__ void tma_store_3d(const CUtensorMap *map, const void *src, int c0, int c1, int c2) {
+#if FK_SM90A
+    asm volatile("cp.async.bulk.tensor.3d.global.shared::cta.bulk_group [%0, {%2, %3, %4}], [%1];\n" ::"l"(map),
+                 "r"(cvta_shared(src)), "r"(c0), "r"(c1), "r"(c2)
+                 : "memory");
+#endif
+}
+__device__ __forceinline__ void bulk_commit_group() {
+#if FK_SM90A
+    asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
+#endif
+}
+// Waits until at most N of this thread's bulk groups are still reading their shared memory.
+template <int N> __device__ __forceinline__ void bulk_wait_group_read() {
+#if FK_SM90A
+    asm volatile("cp.async.bulk.wait_group.read %0;\n" ::"n"(N) : "memory");
+#endif
+}
+// Waits until at most N of this thread's bulk groups are still in flight (their writes done).
+template <int N> __device__ __forceinline__ void bulk_wait_group() {
+#if FK_SM90A
+    asm volatile("cp.async.bulk.wait_group %0;\n" ::"n"(N) : "memory");
+#endif
+}
+// Orders this thread's generic-proxy shared-memory writes before later async-proxy (TMA) reads.
+__device__ __forceinline__ void fence_proxy_async_shared() {
+#if FK_SM90A
+    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+#endif
+}
+// bar.sync on named barrier `id` (1..15; 0 is __syncthreads) for `count` threads.
+__device__ __forceinline__ void named_barrier_sync(int id, int count) {
+    asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(count) : "memory");
+}
+__device__ __forceinline__ void prefetch_tensormap(const CUtensorMap *map) {
+#if FK_SM90A
+    asm volatile("prefetch.tensormap [%0];\n" ::"l"(map) : "memory");
+#endif
+}
+
+// ---- wgmma -------------------------------------------------------------------------------------
+__device__ __forceinline__ void wgmma_fence() {
+#if FK_SM90A
+    asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void wgmma_commit() {
+#if FK_SM90A
+    asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+#endif
+}
+template <int N> __device__ __forceinline__ void wgmma_wait() {
+#if FK_SM90A
+    asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
+#endif
+}
+// Keeps the compiler from moving accumulator reads / writes across an asynchronous wgmma.
+template <int N> __device__ __forceinline__ void wgmma_fence_operands(float (&d)[N]) {
+#pragma unroll
+    for (int i = 0; i < N; i++) asm volatile("" : "+f"(d[i])::"memory");
+}
+
+// Shared-memory matrix descriptor, 128-byte swizzle: start address, leading and stride byte
+// offsets (16-byte units), swizzle mode 1 in bits 62-63. The tile must sit 1024-byte aligned.
+__device__ __forceinline__ uint64_t smem_desc_sw128(const void *p, uint32_t lbo_bytes, uint32_t sbo_bytes) {
+    return (uint64_t)((cvta_shared(p) & 0x3FFFF) >> 4) | (uint64_t)((lbo_bytes >> 4) & 0x3FFF) << 16 |
+           (uint64_t)((sbo_bytes >> 4) & 0x3FFF) << 32 | 1ull << 62;
+}
+
+// ---- registers ---------------------------------------------------------------------------------
+template <int R> __device__ __forceinline__ void setmaxnreg_inc() {
+#if FK_SM90A
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(R));
+#endif
+}
+template <int R> __device__ __forceinline__ void setmaxnreg_dec() {
+#if FK_SM90A
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(R));
+#endif
+}
+
+}  // namespace fk

@@ -1,0 +1,117 @@
+// Matmul on the GPU: which strategy runs for which problem. First matching row wins.
+//
+// dtype   device   flags / shape                      strategy      tile                    why
+// fp32    any      (TF32 allowed or not)              simt_fp32     128 x 128               exact; TF32 not yet taken
+// 16-bit  sm_90    built for sm_90a, not forced       wgmma_sm90    128 x 128, persistent    TMA + wgmma
+//                  general, operands TMA-describable
+//                  (16-byte aligned base and strides)
+// 16-bit  sm_80+   any                                mma_sm80      128 x 128 when its grid  the general kernel:
+//                                                                   fills the SMs, else      any alignment, and
+//                                                                   64 x 64                  FK_MM_FORCE_GENERAL
+// any     < sm_80  -                                  (refused: RuntimeError)
+//
+// In every row, operands whose base and non-unit strides are 16-byte multiples take cp.async
+// loads (plan.aligned), others element loads into the same pipeline.
+#include <cstring>
+
+#include "matmul.cuh"
+
+namespace fk::mm {
+
+const char *strategy_name(Strategy s) {
+    switch (s) {
+    case Strategy::kMmaSm80: return "mma_sm80";
+    case Strategy::kSimtFp32: return "simt_fp32";
+    case Strategy::kWgmmaSm90: return "wgmma_sm90";
+    default: return "none";
+    }
+}
+
+namespace {
+
+// The Hopper kernel's body exists only in an sm_90a build (FASTKERN_CUDA_ARCHS).
+const bool kBuiltForSm90a = std::strstr(FK_CUDA_ARCHS, "sm_90a") != nullptr;
+
+// A is K-major when its columns (K) are contiguous, B when its rows (K) are.
+bool a_kmajor(const fk_matmul_args &x) { return x.a_col == 1; }
+bool b_kmajor(const fk_matmul_args &x) { return x.b_col != 1 && x.b_row == 1; }
+
+bool operand_aligned(const void *p, int64_t stride, int64_t batch_stride, int elem) {
+    return aligned16(p) && (stride * elem) % 16 == 0 && (batch_stride * elem) % 16 == 0;
+}
+
+Plan plan_matmul(const fk_matmul_args &x, int device) {
+    Plan plan;
+    if (compute_major(device) < 8) return plan;
+    if (x.dtype == FK_FLOAT32) {
+        plan.strategy = Strategy::kSimtFp32;
+        return plan;
+    }
+    plan.aligned = operand_aligned(x.a, a_kmajor(x) ? x.a_row : x.a_col, x.a_batch, 2) &&
+                   operand_aligned(x.b, b_kmajor(x) ? x.b_col : x.b_row, x.b_batch, 2);
+    if (compute_major(device) == 9 && kBuiltForSm90a && plan.aligned && !(x.flags & FK_MM_FORCE_GENERAL)) {
+        plan.strategy = Strategy::kWgmmaSm90;
+        return plan;
+    }
+    plan.strategy = Strategy::kMmaSm80;
+    plan.tile = ((x.m + 127) / 128) * ((x.n + 127) / 128) * x.batch >= sm_count(device) ? 0 : 1;
+    return plan;
+}
+
+fk_status check_args(const fk_matmul_args &x) {
+    if (x.dtype != FK_FLOAT32 && x.dtype != FK_FLOAT16 && x.dtype != FK_BFLOAT16)
+        return fk_fail(FK_ERR_TYPE, "matmul: dtype code %d is not supported on CUDA (float32, float16, "
+                       "bfloat16)", (int)x.dtype);
+    if (x.batch < 0 || x.m < 0 || x.n < 0 || x.k < 0)
+        return fk_fail(FK_ERR_VALUE, "matmul: negative size (batch %lld, m %lld, n %lld, k %lld)",
+                       (long long)x.batch, (long long)x.m, (long long)x.n, (long long)x.k);
+    if (x.a_col != 1 && x.a_row != 1)
+        return fk_fail(FK_ERR_VALUE, "matmul: a must be row- or column-major (strides %lld, %lld)",
+                       (long long)x.a_row, (long long)x.a_col);
+    if (x.b_col != 1 && x.b_row != 1)
+        return fk_fail(FK_ERR_VALUE, "matmul: b must be row- or column-major (strides %lld, %lld)",
+                       (long long)x.b_row, (long long)x.b_col);
+    if (x.activation < FK_ACT_NONE || x.activation > FK_ACT_GELU_TANH)
+        return fk_fail(FK_ERR_VALUE, "matmul: activation code %d is unknown", x.activation);
+    const int64_t tiles = ((x.m + 63) / 64) * ((x.n + 63) / 64);
+    if (tiles > INT32_MAX)
+        return fk_fail(FK_ERR_VALUE, "matmul: %lld x %lld output is too large", (long long)x.m, (long long)x.n);
+    return FK_OK;
+}
+
+Params params_of(const fk_matmul_args &x) {
+    const int elem = fk_dtype_size(x.dtype);
+    auto pair_ok = [&](const void *p) {
+        return p == nullptr || (reinterpret_cast<uintptr_t>(p) % (2 * elem) == 0);
+    };
+    return Params{x.a, x.b, x.bias, x.c, x.pre, x.batch, x.m, x.n, x.k,
+                  x.a_batch, x.a_row, x.a_col, x.b_batch, x.b_row, x.b_col, x.c_batch, x.c_row,
+                  x.activation,
+                  pair_ok(x.c) && pair_ok(x.pre) && x.c_row % 2 == 0 && x.c_batch % 2 == 0, false};
+}
+
+}  // namespace
+}  // namespace fk::mm
+
+extern "C" const char *fk_cuda_matmul_plan(const fk_matmul_args *args, int device) {
+    fk::DeviceGuard guard(device);
+    if (guard.error != cudaSuccess) return "none";
+    return fk::mm::strategy_name(fk::mm::plan_matmul(*args, device).strategy);
+}
+
+extern "C" fk_status fk_cuda_matmul(const fk_matmul_args *args, int device, void *stream) {
+    using namespace fk::mm;
+    const fk_matmul_args &x = *args;
+    fk_status status = check_args(x);
+    if (status != FK_OK || x.batch == 0 || x.m == 0 || x.n == 0) return status;
+    FK_CUDA_ENTER("matmul", device);
+    const Plan plan = plan_matmul(x, device);
+    const Params p = params_of(x);
+    cudaStream_t s = static_cast<cudaStream_t>(stream);
+    switch (plan.strategy) {
+    case Strategy::kSimtFp32: return launch_simt_fp32(plan, p, a_kmajor(x), b_kmajor(x), device, s);
+    case Strategy::kWgmmaSm90: return launch_wgmma_sm90(plan, p, x.dtype, a_kmajor(x), b_kmajor(x), device, s);
+    case Strategy::kMmaSm80: return launch_mma_sm80(plan, p, x.dtype, a_kmajor(x), b_kmajor(x), device, s);
+    default: return fk_fail(FK_ERR_RUNTIME, "matmul: needs a GPU of compute capability 8.0 or newer");
+    }
+}

@@ -1,0 +1,294 @@
+// matmul_wgmma_sm90: the Hopper GEMM for bf16 / fp16 (sm_90a). dispatch.cu row "16-bit, sm_90,
+// TMA-describable operands".
+//
+// Napkin math: 4096^3 is 137 GFLOP: 0.18 ms at the H200's measured ~775 TFLOP/s (cuBLAS). A 128 x
+// 128 CTA tile moves (128 + 128) x 64 x 2 = 32 KB of operands a k-step for 2 x 128^2 x 64 = 2.1
+// MFLOP (64 FLOPs a byte); 6 stages (192 KB) keep ~6 k-steps of TMA latency in flight.
+// Measured (H200, D-73): 4096^3 636 TFLOP/s (0.82x cuBLAS), 8192^3 612 (0.90x); the mainloop alone
+// (epilogue skipped) reached 744 at 4096^3: the epilogue, not overlapped with the next tile's
+// mainloop, is the gap, worst on short K ((8192, 3072, 768) 0.53x).
+//
+// Algorithm (STYLE.md's producer / consumer skeleton): a persistent grid, one CTA an SM, walks the
+// output tiles in grouped order. Warpgroup 0 is the producer: one thread waits for a free stage
+// (empty[slot]), announces its bytes on full[slot] and issues the TMA copies of A's and B's k-tile
+// (128-byte swizzle, zero-filled past the matrix edges, so any M, N, K). Warpgroups 1 and 2 are
+// consumers, each owning 64 rows of the tile: wait full[slot], four wgmma m64n128k16 a stage (K- or
+// M/N-major operands through the descriptors' transpose bits), keep one wgmma group in flight and
+// release the previous stage. The epilogue (bias, pre-activation, GELU) goes through shared memory
+// to TMA stores, or straight from registers where C's rows are not 16-byte aligned.
+#include "../hopper.cuh"
+#include "matmul.cuh"
+#include "wgmma_ops.cuh"
+
+#include <cudaTypedefs.h>
+
+namespace fk::mm {
+namespace {
+
+constexpr int kBM = 128, kBN = 128, kBK = 64, kStages = 6;
+constexpr int kConsumers = 2, kThreads = 128 * (1 + kConsumers);
+constexpr int kBoxBytes = 64 * 64 * 2;                // one 64 x 64 TMA box of 16-bit elements (8 KB)
+constexpr int kStageBytes = (kBM + kBN) * kBK * 2;    // 32 KB
+
+// Named barriers: 0 is __syncthreads; consumer warpgroup c syncs its 128 threads on kConsumer0 + c.
+enum NamedBarrier { kConsumer0 = 1 };
+
+template <typename T> struct Smem {
+    alignas(1024) T a[kStages][kBM * kBK];
+    alignas(1024) T b[kStages][kBN * kBK];
+    alignas(1024) T out[kConsumers][64 * kBN];  // a consumer's 64 x 128 as two swizzled 64 x 64 boxes
+    uint64_t full[kStages], empty[kStages];
+};
+constexpr int kSmemBytes = sizeof(Smem<__half>) + 1024;  // + room to align the base to 1024 bytes
+static_assert(kSmemBytes <= 227 * 1024, "the operand ring and staging fit Hopper's shared memory");
+
+// A ring position: the slot and the parity of its current pass.
+struct Stage {
+    int slot = 0;
+    uint32_t phase = 0;
+    __device__ void next() {
+        if (++slot == kStages) slot = 0, phase ^= 1;
+    }
+};
+
+// Tile `tile` of the persistent walk: its batch, then grouped (tm, tn).
+struct Work {
+    int64_t batch, m0, n0;
+};
+__device__ __forceinline__ Work work_of(int64_t tile, int tiles_m, int tiles_n) {
+    const int64_t per_batch = (int64_t)tiles_m * tiles_n;
+    const TileIndex t = grouped_tile((int)(tile % per_batch), tiles_m, tiles_n, 8);
+    return {tile / per_batch, (int64_t)t.tm * kBM, (int64_t)t.tn * kBN};
+}
+
+template <typename T, bool kAKMajor, bool kBKMajor>
+__device__ __forceinline__ void producer(Smem<T> &s, const CUtensorMap *map_a, const CUtensorMap *map_b,
+                                         const Params &p, int tiles_m, int tiles_n, int k_tiles) {
+    Stage st;
+    const int64_t total = (int64_t)tiles_m * tiles_n * p.batch;
+    for (int64_t tile = blockIdx.x; tile < total; tile += gridDim.x) {
+        const Work w = work_of(tile, tiles_m, tiles_n);
+        const int ca = p.a_batch ? (int)w.batch : 0, cb = p.b_batch ? (int)w.batch : 0;
+        for (int kt = 0; kt < k_tiles; kt++, st.next()) {
+            mbar_wait(&s.empty[st.slot], st.phase ^ 1);  // the first pass finds every slot free
+            mbar_arrive_expect_tx(&s.full[st.slot], kStageBytes);
+            const int k0 = kt * kBK;
+            if constexpr (kAKMajor) {
+                tma_load_3d(s.a[st.slot], map_a, &s.full[st.slot], k0, (int)w.m0, ca);
+            } else {
+#pragma unroll
+                for (int h = 0; h < kBM / 64; h++)
+                    tma_load_3d(s.a[st.slot] + h * 64 * 64, map_a, &s.full[st.slot], (int)w.m0 + 64 * h, k0, ca);
+            }
+            if constexpr (kBKMajor) {
+                tma_load_3d(s.b[st.slot], map_b, &s.full[st.slot], k0, (int)w.n0, cb);
+            } else {
+#pragma unroll
+                for (int h = 0; h < kBN / 64; h++)
+                    tma_load_3d(s.b[st.slot] + h * 64 * 64, map_b, &s.full[st.slot], (int)w.n0 + 64 * h, k0, cb);
+            }
+        }
+    }
+}
+
+// Each consumer writes its 64 x 128 tile (bias added, GELU applied, in T) into its staging buffer
+// in the TMA's 128-byte-swizzled box layout (a 16-byte chunk of row r sits at chunk ^ (r % 8), so
+// the 8 rows a warp writes at once fall in different banks); one thread stores the boxes by TMA
+// (clipped at the matrix edges) and the warpgroup moves on while the copy drains. The
+// pre-activation, when asked, goes first through the same buffer.
+template <typename T>
+__device__ __forceinline__ void epilogue_tma(Smem<T> &s, const CUtensorMap *map_c, const CUtensorMap *map_pre,
+                                             const Params &p, const float (&acc)[kBN / 2], const Work &w, int c,
+                                             int t) {
+    T *out = s.out[c];
+    const T *bias = static_cast<const T *>(p.bias);
+    const int row0 = (t / 32) * 16 + (t % 32) / 4;
+#pragma unroll
+    for (int pass = 0; pass < 2; pass++) {  // 0: the pre-activation (when asked), 1: C
+        if (pass == 0 && !p.pre) continue;
+        if (t == 0) bulk_wait_group_read<0>();  // the buffer's previous store has read it
+        named_barrier_sync(kConsumer0 + c, 128);
+#pragma unroll
+        for (int j = 0; j < kBN / 8; j++) {
+            const int col = 8 * j + 2 * (t % 4);
+            float b0 = 0.0f, b1 = 0.0f;
+            if (bias) {
+                const int64_t n = w.n0 + col;
+                b0 = n < p.n ? to_f32(bias[n]) : 0.0f;
+                b1 = n + 1 < p.n ? to_f32(bias[n + 1]) : 0.0f;
+            }
+#pragma unroll
+            for (int h = 0; h < 2; h++) {
+                float v0 = acc[4 * j + 2 * h] + b0, v1 = acc[4 * j + 2 * h + 1] + b1;
+                if (pass == 1) v0 = activate<T>(v0, p.activation), v1 = activate<T>(v1, p.activation);
+                const int r = row0 + 8 * h, cc = col % 64;
+                const int at = (col / 64) * 64 * 64 + r * 64 + (((cc / 8) ^ (r % 8)) * 8) + cc % 8;
+                T pair[2] = {from_f32<T>(v0), from_f32<T>(v1)};
+                *reinterpret_cast<uint32_t *>(out + at) = *reinterpret_cast<const uint32_t *>(pair);
+            }
+        }
+        fence_proxy_async_shared();
+        named_barrier_sync(kConsumer0 + c, 128);
+        if (t == 0) {
+#pragma unroll
+            for (int box = 0; box < kBN / 64; box++)
+                tma_store_3d(pass == 0 ? map_pre : map_c, out + box * 64 * 64, (int)w.n0 + box * 64,
+                             (int)w.m0 + c * 64, (int)w.batch);
+            bulk_commit_group();
+        }
+    }
+}
+
+template <typename T, bool kAKMajor, bool kBKMajor>
+__device__ __forceinline__ void consumer(Smem<T> &s, const CUtensorMap *map_c, const CUtensorMap *map_pre,
+                                         const Params &p, int tiles_m, int tiles_n, int k_tiles) {
+    const int c = threadIdx.x / 128 - 1, t = threadIdx.x % 128;
+    Stage st;
+    float acc[kBN / 2];
+    const int64_t total = (int64_t)tiles_m * tiles_n * p.batch;
+    for (int64_t tile = blockIdx.x; tile < total; tile += gridDim.x) {
+        const Work w = work_of(tile, tiles_m, tiles_n);
+        int previous = -1;
+        wgmma_fence_operands(acc);
+        for (int kt = 0; kt < k_tiles; kt++, st.next()) {
+            mbar_wait(&s.full[st.slot], st.phase);
+            wgmma_fence();
+#pragma unroll
+            for (int kk = 0; kk < kBK / 16; kk++) {
+                // K-major: 128-byte rows of K, 8-row groups 1024 bytes apart, k16 = 32 bytes along a row.
+                // M/N-major: 64 x 64 boxes (8 KB apart) of 128-byte K rows, k16 = 16 rows = 2048 bytes.
+                const uint64_t da = kAKMajor
+                    ? smem_desc_sw128(s.a[st.slot] + c * 64 * kBK + kk * 16, 16, 1024)
+                    : smem_desc_sw128(s.a[st.slot] + c * 64 * 64 + kk * 16 * 64, kBoxBytes, 1024);
+                const uint64_t db = kBKMajor ? smem_desc_sw128(s.b[st.slot] + kk * 16, 16, 1024)
+                                             : smem_desc_sw128(s.b[st.slot] + kk * 16 * 64, kBoxBytes, 1024);
+                wgmma_m64n128k16<T, !kAKMajor, !kBKMajor>(acc, da, db, kt > 0 || kk > 0);
+            }
+            wgmma_commit();
+            wgmma_wait<1>();  // the previous stage's wgmmas are done: release it
+            if (previous >= 0 && t == 0) mbar_arrive(&s.empty[previous]);
+            previous = st.slot;
+        }
+        wgmma_wait<0>();
+        wgmma_fence_operands(acc);
+        if (previous >= 0 && t == 0) mbar_arrive(&s.empty[previous]);
+        if (k_tiles == 0) {
+#pragma unroll
+            for (int i = 0; i < kBN / 2; i++) acc[i] = 0.0f;
+        }
+        if (p.tma_store) {
+            epilogue_tma<T>(s, map_c, map_pre, p, acc, w, c, t);
+            continue;
+        }
+        // Accumulator layout of m64nN: warp w of the group holds rows 16w + lane / 4 (+ 8), n8 block
+        // j columns 8j + 2 (lane % 4) (+ 1): acc[4j .. 4j + 3].
+        T *cp = static_cast<T *>(p.c) + w.batch * p.c_batch;
+        T *pre = p.pre ? static_cast<T *>(p.pre) + w.batch * p.c_batch : nullptr;
+        const int64_t row = w.m0 + c * 64 + (t / 32) * 16 + (t % 32) / 4;
+#pragma unroll
+        for (int j = 0; j < kBN / 8; j++) {
+            const int64_t col = w.n0 + 8 * j + 2 * (t % 4);
+            store_pair<T>(p, cp, pre, static_cast<const T *>(p.bias), row, col, acc[4 * j], acc[4 * j + 1]);
+            store_pair<T>(p, cp, pre, static_cast<const T *>(p.bias), row + 8, col, acc[4 * j + 2], acc[4 * j + 3]);
+        }
+    }
+    if (p.tma_store && t == 0) bulk_wait_group<0>();  // the last stores finish before the CTA exits
+}
+
+template <typename T, bool kAKMajor, bool kBKMajor>
+__global__ void __launch_bounds__(kThreads, 1)
+    matmul_wgmma_sm90(const __grid_constant__ CUtensorMap map_a, const __grid_constant__ CUtensorMap map_b,
+                      const __grid_constant__ CUtensorMap map_c, const __grid_constant__ CUtensorMap map_pre, Params p) {
+#if FK_SM90A
+    extern __shared__ unsigned char smem_raw[];
+    auto &s = *reinterpret_cast<Smem<T> *>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
+    if (threadIdx.x == 0) {
+        for (int i = 0; i < kStages; i++) mbar_init(&s.full[i], 1), mbar_init(&s.empty[i], kConsumers);
+        fence_barrier_init();
+        prefetch_tensormap(&map_a);
+        prefetch_tensormap(&map_b);
+    }
+    __syncthreads();
+    grid_dependency_sync();
+    const int tiles_m = (int)((p.m + kBM - 1) / kBM), tiles_n = (int)((p.n + kBN - 1) / kBN);
+    const int k_tiles = (int)((p.k + kBK - 1) / kBK);
+    if (threadIdx.x < 128) {
+        setmaxnreg_dec<40>();
+        if (threadIdx.x == 0) producer<T, kAKMajor, kBKMajor>(s, &map_a, &map_b, p, tiles_m, tiles_n, k_tiles);
+    } else {
+        setmaxnreg_inc<232>();
+        consumer<T, kAKMajor, kBKMajor>(s, &map_c, &map_pre, p, tiles_m, tiles_n, k_tiles);
+    }
+#endif
+}
+
+// ---- host: tensor maps and launch ---------------------------------------------------------------
+
+PFN_cuTensorMapEncodeTiled_v12000 encode_fn() {
+    static PFN_cuTensorMapEncodeTiled_v12000 fn = [] {
+        void *ptr = nullptr;
+        cudaDriverEntryPointQueryResult result;
+        if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &ptr, 12000, cudaEnableDefault, &result) !=
+                cudaSuccess ||
+            result != cudaDriverEntryPointSuccess)
+            ptr = nullptr;
+        return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(ptr);
+    }();
+    return fn;
+}
+
+// A 3-d map (inner, outer, batch) of 16-bit elements in 64 x box_outer boxes, 128-byte swizzle; a
+// batch stride of 0 (a broadcast operand) is one batch, always read at batch 0.
+bool encode(CUtensorMap *map, fk_dtype dtype, const void *base, int64_t inner, int64_t outer, int64_t stride,
+            int64_t batch, int64_t batch_stride, int box_outer) {
+    auto fn = encode_fn();
+    if (!fn) return false;
+    const cuuint64_t dims[3] = {(cuuint64_t)inner, (cuuint64_t)outer, (cuuint64_t)(batch_stride ? batch : 1)};
+    const cuuint64_t strides[2] = {(cuuint64_t)stride * 2,
+                                   (cuuint64_t)(batch_stride ? batch_stride : stride * outer) * 2};
+    const cuuint32_t box[3] = {64, (cuuint32_t)box_outer, 1}, elem_strides[3] = {1, 1, 1};
+    return fn(map, dtype == FK_BFLOAT16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16, 3,
+              const_cast<void *>(base), dims, strides, box, elem_strides, CU_TENSOR_MAP_INTERLEAVE_NONE,
+              CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+              CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
+}
+
+template <typename T, bool kAKMajor, bool kBKMajor>
+fk_status launch(const Params &p, fk_dtype dtype, int device, cudaStream_t stream) {
+    CUtensorMap map_a, map_b, map_c = {}, map_pre = {};
+    const bool ok_a = kAKMajor ? encode(&map_a, dtype, p.a, p.k, p.m, p.a_row, p.batch, p.a_batch, kBM)
+                               : encode(&map_a, dtype, p.a, p.m, p.k, p.a_col, p.batch, p.a_batch, 64);
+    const bool ok_b = kBKMajor ? encode(&map_b, dtype, p.b, p.k, p.n, p.b_col, p.batch, p.b_batch, kBN)
+                               : encode(&map_b, dtype, p.b, p.n, p.k, p.b_row, p.batch, p.b_batch, 64);
+    if (!ok_a || !ok_b) return fk_fail(FK_ERR_RUNTIME, "matmul: cuTensorMapEncodeTiled failed");
+    // C (and pre) through TMA stores when their rows are 16-byte aligned; else stores from registers.
+    Params q = p;
+    q.tma_store = aligned16(p.c) && (p.pre == nullptr || aligned16(p.pre)) && (p.c_row * 2) % 16 == 0 &&
+                  (p.c_batch * 2) % 16 == 0 && encode(&map_c, dtype, p.c, p.n, p.m, p.c_row, p.batch, p.c_batch, 64) &&
+                  (p.pre == nullptr || encode(&map_pre, dtype, p.pre, p.n, p.m, p.c_row, p.batch, p.c_batch, 64));
+    constexpr auto kernel = matmul_wgmma_sm90<T, kAKMajor, kBKMajor>;
+    cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes);
+    if (e != cudaSuccess) return cuda_status(e, "matmul");
+    const int64_t tiles = ((p.m + kBM - 1) / kBM) * ((p.n + kBN - 1) / kBN) * p.batch;
+    const unsigned grid = (unsigned)std::min<int64_t>(tiles, sm_count(device));
+    return Launch(dim3(grid), dim3(kThreads), kSmemBytes, stream, device)("matmul", kernel, map_a, map_b, map_c,
+                                                                          map_pre, q);
+}
+
+template <typename T>
+fk_status launch_majors(const Params &p, fk_dtype dtype, bool a_kmajor, bool b_kmajor, int device, cudaStream_t s) {
+    if (a_kmajor)
+        return b_kmajor ? launch<T, true, true>(p, dtype, device, s) : launch<T, true, false>(p, dtype, device, s);
+    return b_kmajor ? launch<T, false, true>(p, dtype, device, s) : launch<T, false, false>(p, dtype, device, s);
+}
+
+}  // namespace
+
+// 2 dtypes x 4 operand majors = 8 instances.
+fk_status launch_wgmma_sm90(const Plan &, const Params &p, fk_dtype dtype, bool a_kmajor, bool b_kmajor,
+                            int device, cudaStream_t stream) {
+    if (dtype == FK_BFLOAT16) return launch_majors<__nv_bfloat16>(p, dtype, a_kmajor, b_kmajor, device, stream);
+    return launch_majors<__half>(p, dtype, a_kmajor, b_kmajor, device, stream);
+}
+
+}  // namespace fk::mm
