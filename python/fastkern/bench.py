@@ -51,7 +51,7 @@ def release_kept_l2_lines(device):
     Kernels that load under evict_last (Inductor's softmax, and ours) leave lines that ordinary
     traffic does not evict. On an H100 they moved the next kernel by up to 4 points of copy: our bf16
     (4096, 16384) softmax forward ran at 94% after our own kernels and 90% after torch.compile's, and
-    at 94% again once they were released (notes/perf-log.md, session 27)."""
+    at 94% again once they were released (docs/decisions.md, D-71)."""
     if device.type != "cuda":
         return
     import ctypes
