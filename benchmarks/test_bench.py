@@ -4,11 +4,14 @@ Each suite case fails only if fastkern is slower than half the best peer measure
 (GPU only): a guard against regressions, not a noisy gate. The tables and JSON come from
 `python -m fastkern.bench`; this file only checks them.
 """
+import json
+from pathlib import Path
+
 import pytest
 import torch
 
 import fastkern
-from fastkern import bench
+from fastkern import bench, bench_report
 
 needs_gpu = pytest.mark.skipif(not (fastkern.cuda_available() and torch.cuda.is_available()),
                                reason="benchmarks time CUDA kernels")
@@ -48,3 +51,37 @@ def test_every_sample_starts_with_kept_l2_lines_released(monkeypatch):
     bench.time_ms(lambda: events.append("call"), [()], torch.device("cpu"), repeats=3)
     samples = "".join("r" if e == "release" else "c" for e in events)
     assert samples == "r" + "c" + ("r" + "c" * 10) * 3
+
+
+KEPT_RUNS = sorted((Path(__file__).parent / "results").glob("bench-*.json"))
+
+
+@pytest.mark.parametrize("path", KEPT_RUNS, ids=lambda p: p.name)
+def test_markdown_table_of_a_saved_run(path, capsys):
+    """--markdown FILE.json prints the README's headline table from the file, timing nothing: one
+    row per op, dtype and direction at the headline shapes, figures as the JSON has them."""
+    report = json.loads(path.read_text())
+    bench.main(["--markdown", str(path)])
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert lines[0].startswith(report["device"]) and path.name in lines[0]
+    rows = [line for line in lines[4:] if line.startswith("| ")]
+    cases = bench_report.headline_cases(report)
+    assert len(rows) == len(cases) == len(bench_report.HEADLINE) * 2 - 2  # bias+GELU, causal: bf16 only
+    assert len({(c["case"]) for c in cases}) == len(cases)
+    for row, case in zip(rows, cases):
+        cells = [cell.strip() for cell in row.strip("|").split("|")]
+        assert cells[0] in case["case"] and cells[2] in case["case"]
+        assert cells[3] == f"{case['ms']['fastkern'] * 1e3:.1f}"
+        assert cells[6] == f"{case['speedup_vs']['torch']:.3f}x"
+        assert cells[8] == f"{case['pct_of_copy']:.1f}"
+
+
+def test_markdown_of_a_fresh_run(monkeypatch, capsys):
+    """--markdown without a file prints the table of the run it makes (here a saved report stands in
+    for the run)."""
+    report = json.loads(KEPT_RUNS[0].read_text())
+    monkeypatch.setattr(bench, "run", lambda suites, *args: {**report, "cases": [
+        c for c in report["cases"] if c["suite"] in suites]})
+    bench.main(["gelu", "--markdown"])
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| gelu")]
+    assert len(rows) == 4

@@ -1,10 +1,12 @@
-"""`python -m fastkern.bench [gelu|softmax|all] [--out FILE] [--quick]`: fastkern against its peers.
+"""`python -m fastkern.bench [gelu|softmax|all] [--out FILE] [--quick] [--markdown [FILE.json]]`: fastkern against its peers.
 
 Every case is timed in one process next to its peers (torch eager, torch.compile, Triton where
 importable) and next to the device's own ceiling, measured in the same run: a device-to-device
 copy, counting bytes read plus written. Each case reports ms, GB/s over the fewest bytes the op must
 move, percent of that copy bandwidth, and the ratio of each peer's time to fastkern's (> 1: fastkern
-is faster). Results go to stdout as a table and, with --out, to a JSON file.
+is faster). Results go to stdout as a table and, with --out, to a JSON file. --markdown prints the
+README's results table of headline cases instead (bench_report.py): from FILE.json when given, with
+nothing timed, else from this run.
 
 Each implementation of a case is timed twice, in the listed order and then in reverse, and keeps
 its faster time (see time_impls). On a GPU every implementation is timed the same way: its calls
@@ -27,6 +29,7 @@ import torch
 import torch.nn.functional as F
 
 import fastkern
+from fastkern import bench_report
 
 try:
     import triton
@@ -51,7 +54,7 @@ def release_kept_l2_lines(device):
     Kernels that load under evict_last (Inductor's softmax, and ours) leave lines that ordinary
     traffic does not evict. On an H100 they moved the next kernel by up to 4 points of copy: our bf16
     (4096, 16384) softmax forward ran at 94% after our own kernels and 90% after torch.compile's, and
-    at 94% again once they were released (notes/perf-log.md, session 27)."""
+    at 94% again once they were released (docs/decisions.md, D-71)."""
     if device.type != "cuda":
         return
     import ctypes
@@ -419,13 +422,21 @@ def main(argv=None):
     parser.add_argument("--device", help="cuda or cpu (default: cuda when available)")
     parser.add_argument("--quick", action="store_true", help="smaller sizes, for a smoke run")
     parser.add_argument("--only", help="run only the cases whose name contains this text")
+    parser.add_argument("--markdown", nargs="?", const="", metavar="FILE.json",
+                        help="print the README's headline table (Markdown): of FILE.json if given, "
+                             "else of this run")
     args = parser.parse_args(argv)
+    if args.markdown:
+        with open(args.markdown) as f:
+            report = json.load(f)
+        print(bench_report.markdown(report, os.path.basename(args.markdown)))
+        return report
     suites = list(SUITES) if args.suite == "all" else [args.suite]
     report = run(suites, args.device, args.quick, args.only)
     if args.out:
         with open(args.out, "w") as f:
             json.dump(report, f, indent=1)
-    print(format_table(report))
+    print(bench_report.markdown(report, args.out) if args.markdown is not None else format_table(report))
     return report
 
 
