@@ -64,6 +64,8 @@ def _check(a, b, bias, activation, op="matmul", names=("a", "b")):
 def _layout(rows, cols, sr, sc):
     """(row stride, col stride) to pass for a (rows, cols) matrix with strides (sr, sc) when it is
     row- or column-major with non-overlapping lines (what fastkern.h takes), else None."""
+    if rows == 0 or cols == 0:
+        return max(cols, 1), 1
     if (sc == 1 or cols <= 1) and (rows <= 1 or sr >= max(cols, 1)):
         return (sr if rows > 1 else max(cols, 1)), 1
     if (sr == 1 or rows <= 1) and (cols <= 1 or sc >= max(rows, 1)):
