@@ -167,11 +167,6 @@ def _mm(a, b, bias=None, activation="none"):
     return _matmul_op(a, b, bias, activation)
 
 
-def _sum_to(t, shape):
-    """The gradient of an operand of `shape` that was broadcast to t.shape."""
-    return t if t.shape == shape else t.sum_to_size(shape)
-
-
 def _setup_context(ctx, inputs, output):
     a, b, bias, activation = inputs
     ctx.save_for_backward(a, b, bias, output[1] if activation != "none" else None)
@@ -190,14 +185,27 @@ def _backward(ctx, grad, grad_pre=None):
     elif need_bias:
         dbias = grad.sum(dim=tuple(range(grad.dim() - 1)))
     da = db = None
+    batch, (m, n), k = grad.shape[:-2], grad.shape[-2:], a.shape[-1]
+    # An operand broadcast along every batch dim gets one GEMM whose reduction runs over the batch
+    # too (its sum then rounds once, in the fp32 accumulator); a partly broadcast one a batched
+    # GEMM summed afterwards.
     if need_a:
-        da = _sum_to(_mm(grad, b.transpose(-1, -2))[0], a.shape)
-    if need_b:
-        if b.dim() == 2 and a.dim() > 2:  # rows folded: one (k, rows) @ (rows, n) GEMM
-            k, n = b.shape
-            db = _mm(a.reshape(-1, k).transpose(0, 1), grad.reshape(-1, n))[0]
+        if a.shape[:-2] == batch:
+            da = _mm(grad, b.transpose(-1, -2))[0]
+        elif all(size == 1 for size in a.shape[:-2]):  # (m, batch * n) @ (batch * n, k)
+            rows = grad.movedim(-2, 0).reshape(m, -1)
+            cols = b.expand(*batch, k, n).transpose(-1, -2).reshape(-1, k)
+            da = _mm(rows, cols)[0].view(a.shape)
         else:
-            db = _sum_to(_mm(a.transpose(-1, -2), grad)[0], b.shape)
+            da = _mm(grad, b.transpose(-1, -2))[0].sum_to_size(a.shape)
+    if need_b:
+        if b.shape[:-2] == batch:
+            db = _mm(a.transpose(-1, -2), grad)[0]
+        elif all(size == 1 for size in b.shape[:-2]):  # (k, batch * m) @ (batch * m, n)
+            rows = a.expand(*batch, m, k).reshape(-1, k).transpose(0, 1)
+            db = _mm(rows, grad.reshape(-1, n))[0].view(b.shape)
+        else:
+            db = _mm(a.transpose(-1, -2), grad)[0].sum_to_size(b.shape)
     return da, db, (dbias if need_bias else None), None
 
 
