@@ -47,11 +47,16 @@ def _check(a, b, bias, activation, op="matmul", names=("a", "b")):
     if b.shape[-2] != k:
         raise ValueError(f"fastkern.{op}: inner dims differ: {na} is {tuple(a.shape)} and {nb} is "
                          f"{tuple(b.shape)} ({na}.shape[-1] {k} != {nb}.shape[-2] {b.shape[-2]})")
-    try:
-        batch = torch.broadcast_shapes(a.shape[:-2], b.shape[:-2])
-    except RuntimeError:
-        raise ValueError(f"fastkern.{op}: batch dims of {na} {tuple(a.shape[:-2])} and {nb} "
-                         f"{tuple(b.shape[:-2])} do not broadcast") from None
+    if b.dim() == 2:  # the common cases skip broadcast_shapes (~5 us a call)
+        batch = a.shape[:-2]
+    elif a.dim() == 2:
+        batch = b.shape[:-2]
+    else:
+        try:
+            batch = torch.broadcast_shapes(a.shape[:-2], b.shape[:-2])
+        except RuntimeError:
+            raise ValueError(f"fastkern.{op}: batch dims of {na} {tuple(a.shape[:-2])} and {nb} "
+                             f"{tuple(b.shape[:-2])} do not broadcast") from None
     if bias is not None:
         B.check_tensor(bias, op, "bias")
         if bias.shape != (n,):
@@ -94,10 +99,13 @@ def _operand(t, batch):
     broadcasting, so a broadcast operand is never materialized unless its batch dims cannot
     collapse into one stride)."""
     rows, cols = t.shape[-2], t.shape[-1]
-    strides = _layout(rows, cols, t.stride(-2), t.stride(-1))
+    stride = t.stride()
+    strides = _layout(rows, cols, stride[-2], stride[-1])
     if strides is None:
         t = t.contiguous()
-        strides = _layout(rows, cols, t.stride(-2), t.stride(-1))
+        strides = _layout(rows, cols, cols, 1)
+    if not batch:
+        return t, 0, *strides
     t = t.expand(*batch, rows, cols)
     step = _batch_stride(batch, t.stride()[:-2])
     if step is None:  # a copy, row-major whatever the layout was
@@ -132,16 +140,19 @@ def _arguments(a, b, bias, plan, want_pre):
             n_batch *= size
         a_args, b_args = _operand(a, batch), _operand(b, batch)
     out = torch.empty(*batch, m, n, dtype=a.dtype, device=a.device)
-    pre = torch.empty_like(out) if want_pre and act else out.new_empty(0)
+    # pre: written with an activation when wanted; an empty stand-in for the op's second output
+    # otherwise, and none at all on the direct path (want_pre=False)
+    pre = torch.empty_like(out) if want_pre and act else (out.new_empty(0) if want_pre else None)
     bias = None if bias is None else B.dense(bias)
     args = (a_args[0].data_ptr(), b_args[0].data_ptr(), B.ptr(bias), out.data_ptr(),
-            pre.data_ptr() if pre.numel() else 0, n_batch, m_run, n, k, *a_args[1:], *b_args[1:],
+            pre.data_ptr() if pre is not None and pre.numel() else 0, n_batch, m_run, n, k,
+            *a_args[1:], *b_args[1:],
             0 if rows_folded else m * n, n, code, act, _flags(a))
     return out, pre, args, (a_args[0], b_args[0], bias)
 
 
 def _launch(a, b, bias, plan, want_pre=True):
-    """(out, pre) for validated inputs; pre is empty without an activation or without want_pre."""
+    """(out, pre) for validated inputs; pre is empty without an activation, None without want_pre."""
     out, pre, args, _keep = _arguments(a, b, bias, plan, want_pre)
     if out.numel():
         device, stream = B.launch_args(out)
