@@ -110,7 +110,9 @@ fk_status fk_cuda_softmax_bwd(const void *dy, const void *x, const float *row_ma
  *   (what the activation's backward recomputes from).
  *   flags: FK_MM_TF32 lets fp32 inputs use TF32 tensor cores (torch's allow_tf32); FK_MM_FORCE_GENERAL
  *   makes CUDA take the general sm_80 kernel (tests, A/Bs) even on Hopper.
- * All pointers are of `dtype`; c / pre never alias a / b / bias. m, n or k may be 0 (k == 0: C = act(bias)). */
+ * All pointers are of `dtype`; c / pre never alias a / b / bias. m, n or k may be 0 (k == 0: C = act(bias)).
+ * fk_cpu_matmul is the one CPU entry point that allocates: each thread mallocs its packing buffers
+ * (~k x 400 + 37K floats) and frees them before returning (FK_ERR_RUNTIME if malloc fails). */
 typedef enum { FK_ACT_NONE = 0, FK_ACT_GELU = 1, FK_ACT_GELU_TANH = 2 } fk_activation;
 enum { FK_MM_TF32 = 1, FK_MM_FORCE_GENERAL = 2 };
 typedef struct {

@@ -174,6 +174,69 @@ static PyObject *py_softmax_bwd(PyObject *self, PyObject *args) {
     return finish(status);
 }
 
+/* ---- matmul ----------------------------------------------------------------------------------- */
+
+/* Parses the fk_matmul_args fields shared by matmul and matmul_plan (in fastkern.h's order); the
+ * stream is parsed too when `stream` is not NULL. */
+static int parse_matmul(PyObject *args, fk_matmul_args *g, int *device, unsigned long long *stream) {
+    unsigned long long a, b, bias, c, pre;
+    long long batch, m, n, k, a_batch, a_row, a_col, b_batch, b_row, b_col, c_batch, c_row;
+    int dtype, activation, flags;
+    int ok = stream ? PyArg_ParseTuple(args, "KKKKKLLLLLLLLLLLLiiiiK", &a, &b, &bias, &c, &pre,
+                                       &batch, &m, &n, &k, &a_batch, &a_row, &a_col, &b_batch,
+                                       &b_row, &b_col, &c_batch, &c_row, &dtype, &activation,
+                                       &flags, device, stream)
+                    : PyArg_ParseTuple(args, "KKKKKLLLLLLLLLLLLiiii", &a, &b, &bias, &c, &pre,
+                                       &batch, &m, &n, &k, &a_batch, &a_row, &a_col, &b_batch,
+                                       &b_row, &b_col, &c_batch, &c_row, &dtype, &activation,
+                                       &flags, device);
+    if (!ok) return 0;
+    *g = (fk_matmul_args){PTR(a), PTR(b), PTR(bias), PTR(c), PTR(pre), batch, m, n, k, a_batch,
+                          a_row, a_col, b_batch, b_row, b_col, c_batch, c_row, (fk_dtype)dtype,
+                          activation, flags};
+    return 1;
+}
+
+/* matmul(a, b, bias, c, pre, batch, m, n, k, a_batch, a_row, a_col, b_batch, b_row, b_col,
+ *        c_batch, c_row, dtype, activation, flags, device, stream) */
+static PyObject *py_matmul(PyObject *self, PyObject *args) {
+    (void)self;
+    fk_matmul_args g;
+    int device;
+    unsigned long long stream;
+    if (!parse_matmul(args, &g, &device, &stream)) return NULL;
+    fk_status status;
+    if (device < 0) {
+        Py_BEGIN_ALLOW_THREADS
+        status = fk_cpu_matmul(&g, cpu_threads(stream));
+        Py_END_ALLOW_THREADS
+    } else {
+#if FK_HAS_CUDA
+        status = fk_cuda_matmul(&g, device, PTR(stream));
+#else
+        return no_cuda("matmul");
+#endif
+    }
+    return finish(status);
+}
+
+/* matmul_plan(... matmul's arguments without the stream) -> the CUDA strategy name ("cpu" for
+ * device < 0) */
+static PyObject *py_matmul_plan(PyObject *self, PyObject *args) {
+    (void)self;
+    fk_matmul_args g;
+    int device;
+    if (!parse_matmul(args, &g, &device, NULL)) return NULL;
+    if (device < 0) return PyUnicode_FromString("cpu");
+#if FK_HAS_CUDA
+    const char *plan = fk_cuda_matmul_plan(&g, device);
+    if (!plan) return raise_status(FK_ERR_RUNTIME);
+    return PyUnicode_FromString(plan);
+#else
+    return no_cuda("matmul");
+#endif
+}
+
 /* build_info() -> dict: version, cuda (compiled in), archs, devices [(name, major, minor)] */
 static PyObject *py_build_info(PyObject *self, PyObject *noargs) {
     (void)self;
@@ -211,6 +274,8 @@ static PyMethodDef methods[] = {
      "fp32 workspace elements the CUDA GELU bias gradient needs."},
     {"softmax_fwd", py_softmax_fwd, METH_VARARGS, "Softmax / log-softmax forward on raw pointers."},
     {"softmax_bwd", py_softmax_bwd, METH_VARARGS, "Softmax / log-softmax backward on raw pointers."},
+    {"matmul", py_matmul, METH_VARARGS, "C = act(A @ B + bias) (and its pre-activation) on raw pointers."},
+    {"matmul_plan", py_matmul_plan, METH_VARARGS, "The CUDA strategy matmul would take ('cpu' on CPU)."},
     {"build_info", py_build_info, METH_NOARGS, "Version, CUDA support, archs and visible devices."},
     {NULL, NULL, 0, NULL},
 };

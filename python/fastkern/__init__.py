@@ -1,13 +1,16 @@
-"""fastkern: fused GELU, softmax and attention kernels for PyTorch, written in C and CUDA C.
+"""fastkern: fused GELU, matmul / linear, softmax and attention kernels for PyTorch, in C and
+CUDA C.
 
     import fastkern
     y = fastkern.gelu(x, approximate="tanh", bias=b)
     p = fastkern.softmax(scores, dim=-1, scale=0.125, causal=True)
+    h = fastkern.linear(x, w, b, activation="gelu_tanh")
 
 Each function matches the torch one it replaces; fastkern.nn has drop-in modules.
 """
 from ._backend import BUILD_INFO
 from .ops.gelu import gelu
+from .ops.matmul import linear, matmul
 from .ops.softmax import log_softmax, softmax
 from . import nn
 
@@ -19,4 +22,5 @@ def cuda_available():
     return BUILD_INFO["cuda"] and len(BUILD_INFO["devices"]) > 0
 
 
-__all__ = ["gelu", "softmax", "log_softmax", "nn", "cuda_available", "BUILD_INFO", "__version__"]
+__all__ = ["gelu", "matmul", "linear", "softmax", "log_softmax", "nn", "cuda_available", "BUILD_INFO",
+           "__version__"]

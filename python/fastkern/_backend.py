@@ -22,6 +22,7 @@ except AttributeError:  # pragma: no cover - older or CPU-only torch builds
 
 
 _Tensor = torch.Tensor
+_Parameter = torch.nn.Parameter  # a plain tensor to the dispatcher (its torch_function is disabled)
 _is_compiling = torch.compiler.is_compiling
 _functorch_level = torch._C._functorch.peek_interpreter_stack
 _is_wrapped = torch._C._functorch.is_functorch_wrapped_tensor
@@ -41,7 +42,7 @@ def route(*tensors):
     grad = False
     for t in tensors:
         if t is not None:
-            if type(t) is not _Tensor or _is_wrapped(t):
+            if (type(t) is not _Tensor and type(t) is not _Parameter) or _is_wrapped(t):
                 return OP
             grad = grad or t.requires_grad
     if _get_current_dispatch_mode() is not None or _functorch_level() is not None:

@@ -1,7 +1,9 @@
 """Drop-in modules for the torch.nn ones fastkern replaces, and a helper that swaps them in."""
 import torch
 
-from .ops.gelu import gelu
+from . import _backend as B
+from .ops.gelu import _gelu_backward, _gelu_backward_op, gelu
+from .ops.matmul import _mm, linear
 from .ops.softmax import log_softmax, softmax
 
 
@@ -40,6 +42,91 @@ class LogSoftmax(Softmax):
         return log_softmax(input, _legacy_dim(self.dim, input))
 
 
+class Linear(torch.nn.Linear):
+    """fastkern's torch.nn.Linear: same constructor, parameters, initialisation, state_dict and
+    repr. `activation` (None, 'gelu' or 'gelu_tanh') fuses a GELU after it (swap_modules sets it
+    for a Linear followed by a GELU in a Sequential)."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, device=None,
+                 dtype=None, *, activation=None) -> None:
+        super().__init__(in_features, out_features, bias, device, dtype)
+        self.activation = activation
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        return linear(input, self.weight, self.bias, activation=self.activation)
+
+    def extra_repr(self) -> str:
+        base = super().extra_repr()
+        return base if self.activation is None else f"{base}, activation={self.activation!r}"
+
+
+_MLP_ACTIVATIONS = {"none": "gelu", "tanh": "gelu_tanh"}
+
+
+class _FusedMLPFunction(torch.autograd.Function):
+    """y = gelu(x W1^T + b1) W2^T + b2 saving x and h = x W1^T + b1 only (not gelu(h)): the first
+    matmul writes gelu(h) and h in one kernel, and the backward recomputes gelu(h) for
+    dW2 = dY^T gelu(h) (into a temporary for now; a fused recompute-in-the-GEMM epilogue would
+    avoid that buffer) and forms d_h = (dY W2) * gelu'(h) with the GELU backward kernel."""
+
+    @staticmethod
+    def forward(ctx, x, w1, b1, w2, b2, approximate):
+        x2 = x.reshape(-1, x.shape[-1])
+        g, h = _mm(x2, w1.t(), b1, _MLP_ACTIVATIONS[approximate])
+        y = _mm(g, w2.t(), b2)[0]
+        ctx.save_for_backward(x, w1, w2, h)
+        ctx.approximate, ctx.has_b1, ctx.has_b2 = approximate, b1 is not None, b2 is not None
+        return y.view(*x.shape[:-1], w2.shape[0])
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, w1, w2, h = ctx.saved_tensors
+        need_x, need_w1, need_b1, need_w2, need_b2 = ctx.needs_input_grad[:5]
+        x2, dy2 = x.reshape(-1, x.shape[-1]), dy.reshape(-1, dy.shape[-1])
+        dx = dw1 = db1 = dw2 = db2 = None
+        if need_w2:
+            dw2 = _mm(dy2.t(), gelu(h, ctx.approximate))[0]  # recomputed gelu(h): a temporary
+        if need_b2 and ctx.has_b2:
+            db2 = dy2.sum(0)
+        if need_x or need_w1 or need_b1:
+            dg = _mm(dy2, w2)[0]
+            need_b1 = need_b1 and ctx.has_b1
+            zero = h.new_zeros(h.shape[-1]) if need_b1 else None  # makes the kernel sum db1
+            backward = _gelu_backward if B.plain_eager(dg, h) else _gelu_backward_op
+            dh, db1 = backward(dg, h, zero, ctx.approximate, need_b1)
+            if need_w1:
+                dw1 = _mm(dh.t(), x2)[0]
+            if need_x:
+                dx = _mm(dh, w1)[0].view(x.shape)
+        return dx, dw1, (db1 if need_b1 else None), dw2, db2, None
+
+
+class FusedMLP(torch.nn.Module):
+    """Linear -> GELU -> Linear with nn.Sequential(Linear, GELU, Linear)'s parameters, init and
+    state_dict keys ("0.weight", "0.bias", "2.weight", "2.bias"); autograd saves the input and the
+    pre-activation only."""
+
+    def __init__(self, in_features: int, hidden_features: int, out_features: int, bias: bool = True,
+                 approximate: str = "tanh", device=None, dtype=None) -> None:
+        super().__init__()
+        if approximate not in _MLP_ACTIVATIONS:
+            raise ValueError(f"fastkern.nn.FusedMLP: approximate must be 'none' or 'tanh', got "
+                             f"{approximate!r}")
+        self.approximate = approximate
+        # registered as "0", "1", "2" so the state_dict is the Sequential's, created in its order
+        self.add_module("0", torch.nn.Linear(in_features, hidden_features, bias, device, dtype))
+        self.add_module("1", torch.nn.GELU(approximate))
+        self.add_module("2", torch.nn.Linear(hidden_features, out_features, bias, device, dtype))
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        fc1, fc2 = self._modules["0"], self._modules["2"]
+        args = (input, fc1.weight, fc1.bias, fc2.weight, fc2.bias)
+        if B.route(*args) == B.DIRECT:  # no autograd: two fused linears, nothing saved
+            h = linear(input, fc1.weight, fc1.bias, activation=_MLP_ACTIVATIONS[self.approximate])
+            return linear(h, fc2.weight, fc2.bias)
+        return _FusedMLPFunction.apply(*args, self.approximate)
+
+
 def _legacy_dim(dim, input):
     # torch.nn.Softmax(dim=None) reduces dim 0 of 0-, 1- and 3-d inputs and dim 1 otherwise
     if dim is not None:
@@ -49,6 +136,11 @@ def _legacy_dim(dim, input):
 
 def _replacement(module):
     kind = type(module)
+    if kind is torch.nn.Linear:
+        new = Linear(module.in_features, module.out_features, module.bias is not None, "meta",
+                     module.weight.dtype)
+        new.weight, new.bias = module.weight, module.bias  # the same Parameters, not copies
+        return new.train(module.training)
     if kind is torch.nn.GELU:
         return GELU(module.approximate)
     if kind is torch.nn.Softmax:
@@ -58,12 +150,26 @@ def _replacement(module):
     return None
 
 
-def swap_modules(model: torch.nn.Module) -> torch.nn.Module:
-    """Replaces, in place, every torch.nn module that fastkern has a drop-in for; returns model."""
+def _hooked(module):
+    return bool(module._forward_hooks or module._forward_pre_hooks or module._backward_hooks)
+
+
+def swap_modules(model: torch.nn.Module, fuse: bool = True) -> torch.nn.Module:
+    """Replaces, in place, every torch.nn module that fastkern has a drop-in for; returns model.
+    With `fuse`, a Linear directly followed by a GELU inside an nn.Sequential becomes one Linear
+    with a fused activation, the GELU an nn.Identity (state_dict keys are unchanged)."""
     for name, child in model.named_children():
         new = _replacement(child)
         if new is not None:
             setattr(model, name, new)
         else:
-            swap_modules(child)
+            swap_modules(child, fuse)
+    if fuse and isinstance(model, torch.nn.Sequential):
+        names = list(model._modules)
+        for first, second in zip(names, names[1:]):
+            lin, act = model._modules[first], model._modules[second]
+            if (type(lin) is Linear and lin.activation is None and type(act) in (torch.nn.GELU, GELU)
+                    and not _hooked(lin) and not _hooked(act)):
+                lin.activation = _MLP_ACTIVATIONS[act.approximate]
+                model._modules[second] = torch.nn.Identity()
     return model

@@ -1,0 +1,467 @@
+"""fastkern.matmul / linear / nn.Linear / nn.FusedMLP: values and gradients against float64,
+layouts, broadcasting, autograd, compile, graphs, modules and bad input."""
+import itertools
+import os
+import random
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import fastkern
+from fastkern.ops import matmul as mm_ops
+from conftest import (CUDA, DEVICE_DTYPES, DEVICES, assert_within_torch_error, misaligned, needs_cuda,
+                      on_cpu_threads)
+
+ACTIVATIONS = [None, "gelu", "gelu_tanh"]
+SIZES = [1, 7, 16, 127, 128, 1000, 1793, 4096]
+CPU_MAX_MNK = 2**28  # beyond this a CPU case (and its float64 reference) costs seconds
+
+
+def _grid():
+    """A fixed sample of (m, n, k) from SIZES: every size appears in each position, most cases
+    small; the CPU runs those with m * n * k <= CPU_MAX_MNK."""
+    rng = random.Random(1234)
+    shapes = {(s, s, s) for s in (1, 7, 128)} | {(1000, 7, 1793), (7, 4096, 16), (1793, 1, 127),
+                                                  (127, 1000, 128), (16, 127, 4096), (4096, 16, 7)}
+    while len(shapes) < 16:
+        shapes.add(tuple(rng.choice(SIZES) for _ in range(3)))
+    return sorted(shapes)
+
+
+def make(shape, dtype, device, requires_grad=False):
+    return torch.randn(shape, device=device).to(dtype).requires_grad_(requires_grad)
+
+
+def layout(t, major):
+    """`t` (…, r, c) with the same values, its matrices row-major ("row"), column-major ("col") or
+    at a storage offset of one element ("mis")."""
+    if major == "col":
+        return t.transpose(-1, -2).contiguous().transpose(-1, -2)
+    if major == "mis":
+        out = misaligned(t.shape, t.dtype, t.device)
+        return out.copy_(t)
+    return t
+
+
+def torch_forward(a, b, bias, activation):
+    out = torch.matmul(a, b)
+    if bias is not None:
+        out = out + bias
+    if activation is not None:
+        out = F.gelu(out, approximate="tanh" if activation == "gelu_tanh" else "none")
+    return out
+
+
+def check(a, b, bias, activation, grads=True):
+    """fastkern vs torch (same dtype) vs float64, forward and (with grads) every input's gradient,
+    under the 2x-torch-error rule."""
+    leaves = [t.detach().requires_grad_(grads) if t is not None else None for t in (a, b, bias)]
+    out = fastkern.matmul(leaves[0], leaves[1], bias=leaves[2], activation=activation)
+    expect_shape = torch.matmul(a.detach().to("meta"), b.detach().to("meta")).shape
+    assert out.shape == expect_shape and out.dtype == a.dtype
+    grad = torch.randn_like(out) if grads else None
+
+    def reference(dtype):
+        ins = [None if t is None else t.detach().to(dtype).requires_grad_(grads) for t in (a, b, bias)]
+        o = torch_forward(*ins, activation)
+        gs = torch.autograd.grad(o, [t for t in ins if t is not None], grad.to(dtype)) if grads else ()
+        return o, gs
+
+    t_out, t_grads = reference(a.dtype)
+    r_out, r_grads = reference(torch.float64)
+    assert_within_torch_error(out, t_out, r_out, "output")
+    if grads:
+        ours = torch.autograd.grad(out, [t for t in leaves if t is not None], grad)
+        for name, g, tg, rg in zip(("a", "b", "bias"), ours, t_grads, r_grads):
+            assert g.shape == tg.shape and g.dtype == a.dtype
+            assert_within_torch_error(g, tg, rg, f"grad {name}")
+
+
+@pytest.mark.parametrize("device,dtype", DEVICE_DTYPES)
+@pytest.mark.parametrize("mnk", _grid(), ids=lambda s: "x".join(map(str, s)))
+def test_matches_float64_reference(device, dtype, mnk, poison):
+    m, n, k = mnk
+    if device == "cpu" and (m * n * k > CPU_MAX_MNK or (dtype == torch.float64 and m * n * k > 2**24)):
+        pytest.skip("too large for the CPU suite")
+    i = SIZES.index(m) + 3 * SIZES.index(n) + 5 * SIZES.index(k)  # rotate options over the grid
+    activation, with_bias = ACTIVATIONS[i % 3], i % 2 == 0
+    majors = list(itertools.product(("row", "col", "mis"), repeat=2))[i % 9]
+    a, b = layout(make((m, k), dtype, device), majors[0]), layout(make((k, n), dtype, device), majors[1])
+    bias = make((n,), dtype, device) if with_bias else None
+    check(a, b, bias, activation, grads=m * n * k <= 2**24)
+
+
+@pytest.mark.parametrize("device,dtype", DEVICE_DTYPES)
+@pytest.mark.parametrize("majors", list(itertools.product(("row", "col", "mis"), repeat=2)), ids="-".join)
+def test_operand_layouts(device, dtype, majors, poison):
+    """Every combination of row-major, column-major and misaligned operands, batched, with a
+    bias and each activation in turn; view operands are read in place (no copy)."""
+    a = layout(make((3, 67, 45), dtype, device), majors[0])
+    b = layout(make((3, 45, 38), dtype, device), majors[1])
+    bias = make((38,), dtype, device)
+    check(a, b, bias, ACTIVATIONS[len(majors[0] + majors[1]) % 3])
+
+
+BROADCAST_CASES = [
+    ((3, 17, 9), (9, 5)),            # b 2-D: a's batch folds into rows
+    ((2, 3, 17, 9), (9, 5)),
+    ((3, 17, 9), (3, 9, 5)),
+    ((2, 1, 7, 9), (3, 9, 5)),       # both broadcast
+    ((7, 9), (4, 9, 5)),             # a 2-D, b batched
+    ((1, 7, 9), (4, 9, 5)),
+    ((4, 7, 9), (1, 9, 5)),
+    ((9,), (9, 5)), ((3, 7, 9), (9,)), ((9,), (9,)), ((9,), (2, 9, 5)),  # 1-D like torch.matmul
+]
+
+
+@pytest.mark.parametrize("device,dtype", DEVICE_DTYPES)
+@pytest.mark.parametrize("shapes", BROADCAST_CASES, ids=str)
+def test_batch_broadcasting_and_1d(device, dtype, shapes, poison):
+    a, b = make(shapes[0], dtype, device), make(shapes[1], dtype, device)
+    bias = make(shapes[1][-1:], dtype, device) if len(shapes[1]) > 1 else None
+    check(a, b, bias, "gelu_tanh" if bias is not None else None)
+
+
+@pytest.mark.parametrize("device,dtype", DEVICE_DTYPES)
+def test_column_major_batched_a_with_2d_b(device, dtype):
+    """a = x.mT of a batched x cannot fold its batch into rows: the batched kernel (b's batch
+    stride 0) runs instead, on the views as they are."""
+    a = make((3, 9, 17), dtype, device).transpose(-1, -2)
+    check(a, make((9, 5), dtype, device), make((5,), dtype, device), "gelu")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("activation", ACTIVATIONS)
+def test_k_zero_and_empty(device, activation):
+    a, b, bias = torch.randn(4, 0, device=device), torch.randn(0, 6, device=device), torch.randn(6, device=device)
+    assert torch.allclose(fastkern.matmul(a, b, bias=bias, activation=activation),
+                          torch_forward(a, b, bias, activation), rtol=1e-6, atol=1e-7)
+    assert torch.equal(fastkern.matmul(a, b), torch.zeros(4, 6, device=device))
+    for sa, sb in [((0, 5), (5, 6)), ((4, 5), (5, 0)), ((0, 4, 5), (5, 6))]:
+        x = torch.randn(sa, device=device, requires_grad=True)
+        w = torch.randn(sb, device=device, requires_grad=True)
+        out = fastkern.matmul(x, w, activation=activation)
+        assert out.shape == torch.matmul(x, w).shape
+        out.sum().backward()
+        assert torch.equal(x.grad, torch.zeros_like(x)) and torch.equal(w.grad, torch.zeros_like(w))
+
+
+@pytest.mark.parametrize("activation", ACTIVATIONS)
+def test_gradcheck_float64(activation):
+    x = torch.randn(2, 5, 6, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(7, 6, dtype=torch.float64, requires_grad=True)
+    bias = torch.randn(7, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda x, w, b: fastkern.linear(x, w, b, activation=activation),
+                                    (x, w, bias))
+    a = torch.randn(2, 1, 4, 5, dtype=torch.float64, requires_grad=True)
+    b = torch.randn(3, 5, 6, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda a, b: fastkern.matmul(a, b, activation=activation), (a, b))
+    v = torch.randn(5, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda v, b: fastkern.matmul(v, b), (v, b))
+
+
+def test_autograd_saves_pre_activation_not_output():
+    x = torch.randn(8, 16, requires_grad=True)
+    w = torch.randn(32, 16, requires_grad=True)
+    b = torch.randn(32, requires_grad=True)
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        y = fastkern.linear(x, w, b, activation="gelu")
+    assert len(saved) == 4 and saved[0] is x and saved[2] is b
+    pre = saved[3]
+    assert torch.allclose(pre, x @ w.t() + b, atol=1e-5) and not torch.allclose(pre, y)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_opcheck(device):
+    a = torch.randn(2, 5, 12, device=device, requires_grad=True)
+    b = torch.randn(12, 7, device=device, requires_grad=True)
+    bias = torch.randn(7, device=device, requires_grad=True)
+    for args in [(a, b, bias, "gelu"), (a, b, None, "none"), (a, b.t().contiguous().t(), bias, "gelu_tanh"),
+                 (a[0], torch.randn(3, 12, 7, device=device), None, "none")]:
+        torch.library.opcheck(torch.ops.fastkern.matmul.default, args)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_compile_fullgraph_matches_eager(device):
+    torch._dynamo.reset()
+    x = torch.randn(4, 16, 32, device=device, requires_grad=True)
+    w1, b1 = torch.randn(64, 32, device=device, requires_grad=True), torch.randn(64, device=device, requires_grad=True)
+    w2 = torch.randn(3, 64, 8, device=device, requires_grad=True)
+
+    def f(x, w1, b1, w2):
+        h = fastkern.linear(x, w1, b1, activation="gelu_tanh")
+        return fastkern.matmul(h.unsqueeze(1), w2, activation="gelu").sum()
+
+    compiled = torch.compile(f, fullgraph=True)
+    inputs = (x, w1, b1, w2)
+    g_eager = torch.autograd.grad(f(*inputs), inputs)
+    g_compiled = torch.autograd.grad(compiled(*inputs), inputs)
+    for a, b in zip(g_eager, g_compiled):
+        assert torch.allclose(a, b, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("kernel", ["avx512", "avx2", "generic"])
+def test_every_cpu_micro_kernel(kernel, monkeypatch, poison):
+    """FASTKERN_CPU_MATMUL_KERNEL picks a narrower micro-kernel (a machine without AVX-512 falls
+    back to the next one): each meets the error rule on edge-heavy shapes and layouts."""
+    monkeypatch.setenv("FASTKERN_CPU_MATMUL_KERNEL", kernel)
+    for dtype in (torch.float32, torch.bfloat16):
+        a = layout(make((2, 131, 300), dtype, "cpu"), "col")
+        check(a, make((300, 77), dtype, "cpu"), make((77,), dtype, "cpu"), "gelu", grads=False)
+        check(make((29, 600), dtype, "cpu"), layout(make((600, 333), dtype, "cpu"), "col"), None, None,
+              grads=False)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_cpu_threads_give_the_one_thread_results(dtype, poison):
+    a, b, bias = make((2, 300, 257), dtype, "cpu"), make((257, 520), dtype, "cpu"), make((520,), dtype, "cpu")
+
+    def run():
+        return torch.ops.fastkern.matmul.default(a, b, bias, "gelu")
+    one, many = on_cpu_threads(1, run), on_cpu_threads(3, run)
+    for x, y in zip(one, many):
+        assert not y.isnan().any() and torch.equal(x, y)
+
+
+def test_plan_and_flags_cpu(monkeypatch):
+    a, b = torch.randn(4, 8), torch.randn(8, 3)
+    assert mm_ops._plan(a, b) == "cpu"
+    monkeypatch.delenv("FASTKERN_MATMUL_FORCE_GENERAL", raising=False)
+    assert mm_ops._flags(a) == 0
+    monkeypatch.setenv("FASTKERN_MATMUL_FORCE_GENERAL", "1")
+    assert mm_ops._flags(a) == 2
+
+
+def test_views_are_not_copied(monkeypatch):
+    """Row- and column-major operands (w.t(), x.mT) reach the kernel in place."""
+    calls = []
+    real = mm_ops._C.matmul
+    monkeypatch.setattr(mm_ops._C, "matmul", lambda *args: calls.append(args) or real(*args))
+    x, w = torch.randn(3, 5, 8), torch.randn(6, 8)
+    fastkern.linear(x, w)
+    fastkern.matmul(x.transpose(-1, -2), x)
+    (first, second) = calls
+    assert first[0] == x.data_ptr() and first[1] == w.data_ptr()
+    assert first[5:12] == (1, 15, 6, 8, 0, 8, 1) and first[12:15] == (0, 1, 8)  # folded rows, w.t()
+    assert second[0] == x.data_ptr() and second[1] == x.data_ptr()
+    assert second[9:12] == (40, 1, 8) and second[12:15] == (40, 8, 1)  # x.mT column-major
+
+
+# ---- CUDA --------------------------------------------------------------------------------------
+
+@needs_cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("mnk", [(4096, 4096, 4096), (1793, 1000, 127), (7, 4096, 1793), (128, 128, 128)],
+                         ids=lambda s: "x".join(map(str, s)))
+def test_general_kernel_matches_default_cuda(dtype, mnk, monkeypatch):
+    m, n, k = mnk
+    a, b, bias = make((m, k), dtype, "cuda"), make((k, n), dtype, "cuda"), make((n,), dtype, "cuda")
+    default_plan = mm_ops._plan(a, b, bias, "gelu")
+    default = fastkern.matmul(a, b, bias=bias, activation="gelu")
+    monkeypatch.setenv("FASTKERN_MATMUL_FORCE_GENERAL", "1")
+    general_plan = mm_ops._plan(a, b, bias, "gelu")
+    general = fastkern.matmul(a, b, bias=bias, activation="gelu")
+    assert isinstance(default_plan, str) and isinstance(general_plan, str)
+    ref = torch_forward(a.double(), b.double(), bias.double(), "gelu")
+    t_out = torch_forward(a, b, bias, "gelu")
+    assert_within_torch_error(default, t_out, ref, f"default ({default_plan})")
+    assert_within_torch_error(general, t_out, ref, f"general ({general_plan})")
+
+
+@needs_cuda
+def test_cuda_graph_capture_and_replay():
+    x = torch.randn(256, 512, device="cuda", requires_grad=True)
+    w = torch.randn(1024, 512, device="cuda", requires_grad=True)
+    b = torch.randn(1024, device="cuda", requires_grad=True)
+    grad = torch.randn(256, 1024, device="cuda")
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            x.grad = w.grad = b.grad = None
+            fastkern.linear(x, w, b, activation="gelu_tanh").backward(grad)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    x.grad = w.grad = b.grad = None
+    with torch.cuda.graph(graph):
+        y = fastkern.linear(x, w, b, activation="gelu_tanh")
+        y.backward(grad)
+    for _ in range(2):
+        with torch.no_grad():
+            for t in (x, w, b, grad):
+                t.copy_(torch.randn_like(t))
+        graph.replay()
+        torch.cuda.synchronize()
+        xr, wr, br = (t.detach().double().requires_grad_() for t in (x, w, b))
+        yr = F.gelu(F.linear(xr, wr, br), approximate="tanh")
+        yr.backward(grad.double())
+        for got, want in ((y, yr), (x.grad, xr.grad), (w.grad, wr.grad), (b.grad, br.grad)):
+            assert torch.allclose(got.double(), want, rtol=1e-2, atol=1e-2)
+
+
+@needs_cuda
+def test_bad_input_cuda():
+    with pytest.raises(ValueError, match=r"fastkern.matmul: b is on cpu but a is on cuda:0"):
+        fastkern.matmul(torch.randn(4, 8, device="cuda"), torch.randn(8, 3))
+    with pytest.raises(TypeError, match=r"a must be a floating-point tensor of dtype float32, float16, "
+                                        r"bfloat16 on cuda, got torch.float64"):
+        fastkern.matmul(torch.randn(4, 8, device="cuda").double(), torch.randn(8, 3, device="cuda").double())
+
+
+# ---- modules -----------------------------------------------------------------------------------
+
+def test_linear_module_is_a_drop_in():
+    torch.manual_seed(7)
+    ref = torch.nn.Linear(48, 24)
+    torch.manual_seed(7)
+    ours = fastkern.nn.Linear(48, 24)
+    assert repr(ours) == repr(ref) == "Linear(in_features=48, out_features=24, bias=True)"
+    assert isinstance(ours, torch.nn.Linear)
+    assert ours.state_dict().keys() == ref.state_dict().keys()
+    for key in ref.state_dict():  # same init (same draws from the same distribution)
+        assert torch.equal(ours.state_dict()[key], ref.state_dict()[key])
+    ours.load_state_dict(ref.state_dict())
+    x = torch.randn(5, 48)
+    assert torch.allclose(ours(x), ref(x), atol=1e-5)
+    nobias = fastkern.nn.Linear(4, 3, bias=False, dtype=torch.float64)
+    assert nobias.bias is None and nobias.weight.dtype == torch.float64
+    assert repr(fastkern.nn.Linear(4, 3, activation="gelu")).endswith("bias=True, activation='gelu')")
+
+
+def test_swap_modules_shares_parameters_and_fuses_gelu():
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU("tanh"), torch.nn.Linear(32, 8))
+    x = torch.randn(3, 16)
+    before, keys, weight = model(x), model.state_dict().keys(), model[0].weight
+    fastkern.nn.swap_modules(model)
+    assert type(model[0]) is fastkern.nn.Linear and model[0].activation == "gelu_tanh"
+    assert type(model[1]) is torch.nn.Identity and type(model[2]) is fastkern.nn.Linear
+    assert model[0].weight is weight and model.state_dict().keys() == keys
+    assert torch.allclose(model(x), before, atol=1e-5)
+    unfused = fastkern.nn.swap_modules(
+        torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU()), fuse=False)
+    assert type(unfused[1]) is fastkern.nn.GELU and unfused[0].activation is None
+
+
+def _saved_bytes(fn):
+    total = [0]
+
+    def pack(t):
+        total[0] += t.numel() * t.element_size()
+        return t
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = fn()
+    return out, total[0]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("approximate", ["none", "tanh"])
+@pytest.mark.parametrize("bias", [True, False], ids=["bias", "nobias"])
+def test_fused_mlp_matches_sequential(device, approximate, bias):
+    torch.manual_seed(3)
+    seq = torch.nn.Sequential(torch.nn.Linear(64, 256, bias), torch.nn.GELU(approximate),
+                              torch.nn.Linear(256, 48, bias)).to(device)
+    torch.manual_seed(3)
+    mlp = fastkern.nn.FusedMLP(64, 256, 48, bias=bias, approximate=approximate, device=device)
+    assert list(mlp.state_dict()) == list(seq.state_dict())
+    for key, value in seq.state_dict().items():
+        assert torch.equal(mlp.state_dict()[key], value)  # same init
+    seq.load_state_dict(mlp.state_dict())
+    mlp.load_state_dict(seq.state_dict())
+    x = torch.randn(4, 30, 64, device=device, requires_grad=True)
+    grad = torch.randn(4, 30, 48, device=device)
+    y_ref, ref_bytes = _saved_bytes(lambda: seq(x))
+    y, our_bytes = _saved_bytes(lambda: mlp(x))
+    assert torch.allclose(y, y_ref, atol=1e-4, rtol=1e-4)
+    assert our_bytes < ref_bytes and ref_bytes - our_bytes >= 4 * 30 * 256 * 4  # gelu(h) not saved
+    params = [x, *seq.parameters()]
+    g_ref = torch.autograd.grad(y_ref, params, grad)
+    g = torch.autograd.grad(y, [x, *mlp.parameters()], grad)
+    for a, b in zip(g, g_ref):
+        assert torch.allclose(a, b, atol=1e-3, rtol=1e-3)
+    with torch.no_grad():
+        assert torch.allclose(mlp(x), y_ref, atol=1e-4, rtol=1e-4)
+
+
+def test_fused_mlp_gradcheck_float64():
+    mlp = fastkern.nn.FusedMLP(6, 9, 4, dtype=torch.float64)
+    x = torch.randn(3, 6, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(mlp, (x,))
+    params = [p.detach().requires_grad_() for p in mlp.parameters()]
+    assert torch.autograd.gradcheck(
+        lambda x, *p: fastkern.nn._FusedMLPFunction.apply(x, *p, "none"), (x, *params))
+
+
+def test_fused_mlp_compile_fullgraph():
+    torch._dynamo.reset()
+    mlp = fastkern.nn.FusedMLP(32, 64, 16)
+    x = torch.randn(8, 32, requires_grad=True)
+    compiled = torch.compile(mlp, fullgraph=True)
+    g_eager = torch.autograd.grad(mlp(x).sum(), [x, *mlp.parameters()])
+    g_compiled = torch.autograd.grad(compiled(x).sum(), [x, *mlp.parameters()])
+    for a, b in zip(g_eager, g_compiled):
+        assert torch.allclose(a, b, atol=1e-5, rtol=1e-5)
+
+
+# ---- bad input ---------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_bad_input(device):
+    a, b = torch.randn(4, 8, device=device), torch.randn(8, 3, device=device)
+    with pytest.raises(ValueError, match=r"fastkern.matmul: inner dims differ: a is \(4, 8\) and b is "
+                                         r"\(7, 3\)"):
+        fastkern.matmul(a, torch.randn(7, 3, device=device))
+    with pytest.raises(TypeError, match=r"fastkern.matmul: b has dtype torch.float16 but a has torch.float32"):
+        fastkern.matmul(a, b.half())
+    with pytest.raises(TypeError, match=r"a must be a floating-point tensor .* got torch.int64"):
+        fastkern.matmul(a.long(), b.long())
+    with pytest.raises(TypeError, match=r"fastkern.matmul: b must be a torch.Tensor, got list"):
+        fastkern.matmul(a, [[1.0]])
+    with pytest.raises(ValueError, match=r"bias must have shape \(3,\), the output's last dim, got \(4,\)"):
+        fastkern.matmul(a, b, bias=torch.randn(4, device=device))
+    with pytest.raises(TypeError, match=r"bias has dtype torch.float64 but a has torch.float32"):
+        fastkern.matmul(a, b, bias=torch.randn(3, device=device, dtype=torch.float64))
+    with pytest.raises(ValueError, match=r"activation must be None, 'gelu' or 'gelu_tanh', got 'relu'"):
+        fastkern.matmul(a, b, activation="relu")
+    with pytest.raises(ValueError, match=r"a and b need at least 1 dim, got 0 and 2"):
+        fastkern.matmul(torch.tensor(1.0, device=device), b)
+    with pytest.raises(ValueError, match=r"batch dims of a \(2,\) and b \(3,\) do not broadcast"):
+        fastkern.matmul(torch.randn(2, 4, 8, device=device), torch.randn(3, 8, 3, device=device))
+    with pytest.raises(ValueError, match=r"a bias needs b with at least 2 dims"):
+        fastkern.matmul(a, b[:, 0], bias=torch.randn(1, device=device))
+    w = torch.randn(3, 8, device=device)
+    with pytest.raises(ValueError, match=r"fastkern.linear: x's last dim 7 != weight's in_features 8"):
+        fastkern.linear(torch.randn(4, 7, device=device), w)
+    with pytest.raises(ValueError, match=r"fastkern.linear: weight must be 2-D"):
+        fastkern.linear(a, w[0])
+    with pytest.raises(ValueError, match=r"fastkern.linear: bias must have shape \(3,\)"):
+        fastkern.linear(a, w, torch.randn(8, device=device))
+    with pytest.raises(TypeError, match=r"fastkern.linear: weight has dtype torch.bfloat16 but x has "
+                                        r"torch.float32"):
+        fastkern.linear(a, w.bfloat16())
+    with pytest.raises(ValueError, match=r"fastkern.linear: activation must be None, 'gelu' or "
+                                         r"'gelu_tanh', got 'tanh'"):
+        fastkern.linear(a, w, activation="tanh")
+    with pytest.raises(ValueError, match=r"fastkern.nn.FusedMLP: approximate must be 'none' or 'tanh'"):
+        fastkern.nn.FusedMLP(4, 8, 4, approximate="erf")
+
+
+def test_c_waist_refuses_bad_strides():
+    """The C entry point checks what the Python layer guarantees (row- or column-major operands)."""
+    a, b, c = torch.randn(4, 8), torch.randn(8, 3), torch.empty(4, 3)
+    args = [a.data_ptr(), b.data_ptr(), 0, c.data_ptr(), 0, 1, 4, 3, 8, 0, 8, 1, 0, 3, 1, 0, 3, 0, 0, 0, -1, 1]
+    bad = list(args)
+    bad[10:12] = [2, 2]
+    with pytest.raises(ValueError, match=r"matmul: a must be row-major .* got a_row 2, a_col 2"):
+        fastkern._C.matmul(*bad)
+    bad = list(args)
+    bad[18] = 5
+    with pytest.raises(ValueError, match=r"matmul: activation must be 0 \(none\), 1 \(gelu\) or 2"):
+        fastkern._C.matmul(*bad)
+    bad = list(args)
+    bad[17] = 9
+    with pytest.raises(TypeError, match=r"matmul: unsupported dtype code 9 on CPU"):
+        fastkern._C.matmul(*bad)
+    fastkern._C.matmul(*args)
+    assert torch.allclose(c, a @ b, atol=1e-5)
