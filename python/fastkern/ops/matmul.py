@@ -93,17 +93,38 @@ def _batch_stride(shape, strides):
     return 0 if stride is None else stride
 
 
+def _padded(t, rows, cols):
+    """A row-major copy of `t`'s matrices whose rows start 16-byte aligned (row stride rounded up
+    to 8 elements), as a view of the same shape."""
+    pad = -(-cols // 8) * 8
+    out = torch.empty(*t.shape[:-1], pad, dtype=t.dtype, device=t.device)[..., :cols]
+    out.copy_(t)
+    return out
+
+
+def _misaligned(t, strides, step=0):
+    """Whether a 16-bit CUDA operand falls off the kernels' fast path: its base or a stride between
+    its rows / columns / matrices is not a multiple of 16 bytes (TMA and cp.async need them)."""
+    return t.is_cuda and t.element_size() == 2 and t.numel() > 0 and (
+        t.data_ptr() % 16 or max(strides) % 8 or step % 8)
+
+
 def _operand(t, batch):
     """(tensor, batch stride, row stride, col stride) of `t` seen as batch + its matrix: the tensor
     itself when its matrices are row- or column-major, else a contiguous copy (copies before
     broadcasting, so a broadcast operand is never materialized unless its batch dims cannot
-    collapse into one stride)."""
+    collapse into one stride). A 16-bit CUDA operand whose rows are not 16-byte aligned (a 1793-wide
+    matrix, an offset view) is copied into padded rows: one pass over it buys the TMA / cp.async
+    kernels, where the element-load path ran at a third of their rate (docs/decisions.md, D-77)."""
     rows, cols = t.shape[-2], t.shape[-1]
     stride = t.stride()
     strides = _layout(rows, cols, stride[-2], stride[-1])
     if strides is None:
         t = t.contiguous()
         strides = _layout(rows, cols, cols, 1)
+    if _misaligned(t, strides, _batch_stride(t.shape[:-2], t.stride()[:-2]) or 0 if t.dim() > 2 else 0):
+        t = _padded(t, rows, cols)
+        strides = _layout(rows, cols, t.stride(-2), 1)
     if not batch:
         return t, 0, *strides
     t = t.expand(*batch, rows, cols)
