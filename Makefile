@@ -8,7 +8,7 @@
 # python/ through PYTHONPATH (and, in .venv, a .pth file), so nothing is pip-installed and no
 # network is needed. FASTKERN_CUDA_ARCHS=native builds only for this machine's GPU (see setup.py).
 PYTHON ?= python3
-HAVE_TORCH := $(shell $(PYTHON) -c "import torch, pytest" >/dev/null 2>&1 && echo yes)
+HAVE_TORCH := $(shell $(PYTHON) -c "import importlib.util as u, sys; sys.exit(not (u.find_spec('torch') and u.find_spec('pytest')))" >/dev/null 2>&1 && echo yes)
 ifeq ($(HAVE_TORCH),yes)
 PY := $(PYTHON)
 ENV :=

@@ -9,10 +9,11 @@ Environment:
                             (default sm_80,sm_90a,compute_90); `native`: only the GPUs of this
                             machine (nvidia-smi's compute capability, 9.0 -> sm_90a), else the default
   FASTKERN_JOBS=N           translation units compiled at once (default: the CPU count)
-  FASTKERN_NVCC_THREADS=N   nvcc --threads: targets of one unit compiled at once (default: as many
-                            as the unit has targets, at most the CPU count)
+  FASTKERN_NVCC_THREADS=N   nvcc --threads: targets of one unit compiled at once (default: all of
+                            them, so the last long unit of a build still fills the cores)
   FASTKERN_NVCC_FLAGS=...   extra nvcc flags (e.g. -Xptxas -v, or -D switches for experiments)
-  FASTKERN_CFLAGS=...       extra gcc flags (make sanitize: -fsanitize=address,undefined ...)
+  FASTKERN_CFLAGS=...       extra gcc flags, FASTKERN_LDFLAGS=... extra link flags (tools/sanitize.sh
+                            sets both to -fsanitize=address,undefined ...)
   CUDA_HOME                 where to find nvcc and libcudart_static.a (else nvcc on PATH)
 
 Incremental: every object lives in build_temp (build/temp.<platform>-<python>/) beside a `.d`
@@ -167,7 +168,7 @@ def kernel_count(obj):
     stubs = set()
     for m in re.finditer(r"(\d+)(__device_stub__)", symbols):  # <length><identifier> (Itanium)
         stubs.add(symbols[m.start(2): m.start(2) + int(m.group(1))])
-    return len(stubs) or None
+    return len(stubs)
 
 
 class BuildFastkern(build_ext):
@@ -186,7 +187,7 @@ class BuildFastkern(build_ext):
         cpus = os.cpu_count() or 2
         jobs = max(1, int(os.environ.get("FASTKERN_JOBS", cpus)))
         gencode = gencode_flags(archs)
-        threads = int(os.environ.get("FASTKERN_NVCC_THREADS", min(len(gencode), cpus) or 1))
+        threads = int(os.environ.get("FASTKERN_NVCC_THREADS", len(gencode) or 1))
         c_flags = C_FLAGS + os.environ.get("FASTKERN_CFLAGS", "").split()
         started = time.time()
 
@@ -208,9 +209,9 @@ class BuildFastkern(build_ext):
             cmd = [nvcc, "-std=c++17", "-O3", "-c", src, "-o", obj, "-MMD", "-MF", obj + ".d",
                    "-Xcompiler", "-fPIC", "-Xcompiler", "-Wall", f'-DFK_CUDA_ARCHS="{archs}"',
                    *gencode, *os.environ.get("FASTKERN_NVCC_FLAGS", "").split()]
-            if threads > 1:
-                cmd[1:1] = ["--threads", str(threads)]
             signature = cmd + [f"# nvcc mtime {os.stat(nvcc).st_mtime_ns}"]  # a new toolkit rebuilds
+            if threads > 1:  # not in the signature: it changes how long, not what
+                cmd[1:1] = ["--threads", str(threads)]
             t0 = time.time()
             if compile_unit(obj, signature, lambda: subprocess.run(cmd, check=True)):
                 count = kernel_count(obj)
