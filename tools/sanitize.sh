@@ -4,7 +4,8 @@
 #
 # cpu: the C code (csrc/*.c, csrc/cpu/*.c) built with AddressSanitizer and UBSan, without CUDA,
 #      into build/sanitize/ (the normal build is untouched), then the CPU tests run on it. Python
-#      itself is not instrumented, so libasan is preloaded; leak checking is off (CPython and torch
+#      itself is not instrumented, so libasan is preloaded (with libstdc++, whose __cxa_throw ASan
+#      must find at start: torch throws C++ exceptions at import); leak checking is off (CPython and torch
 #      keep memory until exit by design); any ASan or UBSan report stops the run and fails it.
 # gpu: only where nvidia-smi sees a GPU and compute-sanitizer exists (else it says so and skips):
 #      the normal build's CUDA kernels under compute-sanitizer, torch's caching allocator off so each
@@ -30,7 +31,7 @@ cpu() {
   cp "$out"/lib/fastkern/_C*.so "$out/site/fastkern/"
   echo "sanitize cpu: the CPU tests under ASan + UBSan"
   CUDA_VISIBLE_DEVICES= PYTHONPATH="$root/$out/site" \
-    LD_PRELOAD="$(gcc -print-file-name=libasan.so)" \
+    LD_PRELOAD="$(gcc -print-file-name=libasan.so) $(gcc -print-file-name=libstdc++.so)" \
     ASAN_OPTIONS=detect_leaks=0:halt_on_error=1:abort_on_error=0:protect_shadow_gap=0 \
     UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1 \
     "$PY" -m pytest -q -p no:cacheprovider tests -k "not cuda"
