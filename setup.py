@@ -32,7 +32,6 @@ import re
 import shlex
 import shutil
 import subprocess
-import sys
 import sysconfig
 import time
 from concurrent.futures import ThreadPoolExecutor
