@@ -1,0 +1,97 @@
+#!/usr/bin/env bash
+# `make sanitize` (tools/sanitize.sh [all|cpu|gpu|memcheck|racecheck|synccheck], default all;
+# PY=the python to use; gpu = memcheck, racecheck, synccheck in turn).
+#
+# cpu: the C code (csrc/*.c, csrc/cpu/*.c) built with AddressSanitizer and UBSan, without CUDA,
+#      into build/sanitize/ (the normal build is untouched), then the CPU tests run on it. Python
+#      itself is not instrumented, so libasan is preloaded (with libstdc++, whose __cxa_throw ASan
+#      must find at start: torch throws C++ exceptions at import); leak checking is off (CPython and torch
+#      keep memory until exit by design); any ASan or UBSan report stops the run and fails it.
+# gpu: only where nvidia-smi sees a GPU and compute-sanitizer exists (else it says so and skips):
+#      the normal build's CUDA kernels under compute-sanitizer, torch's caching allocator off so each
+#      tensor is its own allocation: memcheck on a subset of tests/test_softmax.py and
+#      tests/test_gelu.py that reaches every kernel (both directions, 32- and 16-bit, every row
+#      length of test_rows, the column, causal and misaligned paths), racecheck and synccheck on a
+#      smaller subset (the kernels with shared memory, clusters or barriers). Any error fails.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PY:-python3}
+what=${1:-all}
+root=$PWD
+
+cpu() {
+  local out=build/sanitize
+  local flags="-fsanitize=address,undefined -fno-sanitize-recover=all -fno-omit-frame-pointer -g"
+  echo "sanitize cpu: building the C code with $flags into $out"
+  FASTKERN_CUDA=0 FASTKERN_CFLAGS="$flags" FASTKERN_LDFLAGS="-fsanitize=address,undefined" \
+    "$PY" setup.py -q build_ext --build-temp "$out/temp" --build-lib "$out/lib"
+  # a copy of the package with the sanitized module in it, first on the path
+  rm -rf "$out/site" && mkdir -p "$out/site"
+  cp -r python/fastkern "$out/site/" && rm -f "$out"/site/fastkern/_C*.so
+  cp "$out"/lib/fastkern/_C*.so "$out/site/fastkern/"
+  echo "sanitize cpu: the CPU tests under ASan + UBSan"
+  CUDA_VISIBLE_DEVICES= PYTHONPATH="$root/$out/site" \
+    LD_PRELOAD="$(gcc -print-file-name=libasan.so) $(gcc -print-file-name=libstdc++.so)" \
+    ASAN_OPTIONS=detect_leaks=0:halt_on_error=1:abort_on_error=0:protect_shadow_gap=0 \
+    UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1 \
+    "$PY" -m pytest -q -p no:cacheprovider tests -k "not cuda"
+}
+
+# pytest node ids of the CUDA tests in $1 whose id matches the extended regex $2
+select_tests() {
+  PYTHONPATH="$root/python" "$PY" -m pytest -q --collect-only -p no:cacheprovider "$1" 2>/dev/null | grep -E '::' | grep 'cuda' \
+    | grep -E "$2" || true
+}
+
+# gpu_tests TOOL: the pytest node ids (one a line) that compute-sanitizer's TOOL runs
+gpu_tests() {
+  # memcheck: fp32 and bf16 (fp16 runs the 16-bit code bf16 runs), every length of test_rows with 3
+  # rows (softmax and log) and 1000 rows (softmax), every column shape and dim, the causal masks,
+  # special values, misaligned views, the looped columns and the chained (PDL) calls; GELU's shapes
+  # with and without bias, views and special values
+  local dt='cuda-(float32|bfloat16)'
+  case $1 in
+    memcheck) select_tests tests/test_softmax.py \
+        "test_rows\[(3-[0-9]+-(softmax|log)|1000-[0-9]+-softmax)-$dt\]|test_dims\[.*-softmax-$dt\]|test_scale_and_causal\[0\.125-.*-softmax-$dt\]|test_special_values\[.*-softmax-$dt\]|test_views\[$dt\]|looped_columns|fp32_rows_over_one_wave|chained_calls|column_calls_repeat"
+      select_tests tests/test_gelu.py \
+        "test_matches_float64_reference\[.*-$dt\]|test_views\[.*-$dt\]|chained_calls|special_values" ;;
+    # racecheck / synccheck: a row length for each register, CTA, shared-memory and cluster strategy
+    # (forward and backward), the column tile, its clusters and chunks, the looped columns, and the
+    # row-tiled GELU bias gradient
+    *) select_tests tests/test_softmax.py \
+        "test_rows\[3-(1000|4097|8192|12001|16384|65543|300000|1000003)-softmax-$dt\]|test_dims\[\((3, 1000, 4|2000, 5, 8|6000, 2, 8|20000, 2, 4)\)-(0|1)-softmax-$dt\]|test_looped_columns_cuda\[softmax-torch.float32\]"
+      select_tests tests/test_gelu.py "test_matches_float64_reference\[bias-\(33, 1000\)-tanh-$dt\]" ;;
+  esac
+}
+
+# gpu TOOL: the selected CUDA tests under compute-sanitizer --tool TOOL
+gpu() {
+  local cs c
+  cs=$(command -v compute-sanitizer || true)
+  for c in "${CUDA_HOME:-/usr/local/cuda}"/bin/compute-sanitizer /usr/local/cuda/bin/compute-sanitizer \
+           "${CUDA_HOME:-/usr/local/cuda}"/compute-sanitizer/compute-sanitizer; do
+    [ -n "$cs" ] || [ ! -x "$c" ] || cs=$c
+  done
+  export PYTHONPATH="$root/python"
+  if [ -z "$cs" ] || ! nvidia-smi -L >/dev/null 2>&1; then
+    echo "sanitize gpu: skipped (no GPU or no compute-sanitizer here)"
+    return 0
+  fi
+  "$PY" -c "import fastkern, sys; sys.exit(not fastkern.cuda_available())" \
+    || { echo "sanitize gpu: this build of fastkern has no CUDA kernels (FASTKERN_CUDA)"; return 1; }
+  local tests
+  mapfile -t tests < <(gpu_tests "$1")
+  echo "sanitize gpu: $cs --tool $1 on ${#tests[@]} tests"
+  [ ${#tests[@]} -gt 0 ] || { echo "sanitize gpu: no tests selected"; return 1; }
+  PYTORCH_NO_CUDA_MEMORY_CACHING=1 "$cs" --tool "$1" --error-exitcode 1 --print-limit 20 \
+    "$PY" -m pytest -q -p no:cacheprovider "${tests[@]}"
+}
+
+case $what in
+  cpu) cpu ;;
+  memcheck|racecheck|synccheck) gpu "$what" ;;
+  list) gpu_tests "${2:-memcheck}" ;;  # list [TOOL]: the tests TOOL would run
+  gpu) gpu memcheck && gpu racecheck && gpu synccheck ;;
+  all) cpu && gpu memcheck && gpu racecheck && gpu synccheck ;;
+  *) echo "usage: tools/sanitize.sh [all|cpu|gpu|memcheck|racecheck|synccheck]" >&2; exit 2 ;;
+esac
