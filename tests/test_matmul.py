@@ -270,6 +270,41 @@ def test_general_kernel_matches_default_cuda(dtype, mnk, monkeypatch):
     assert_within_torch_error(general, t_out, ref, f"general ({general_plan})")
 
 
+def _hopper():
+    return CUDA and torch.cuda.get_device_capability() == (9, 0) and "sm_90a" in fastkern.BUILD_INFO["archs"]
+
+
+# csrc/cuda/matmul/dispatch.cu's table, row by row: (dtype, operand view, forced general) -> strategy.
+DISPATCH_ROWS = [
+    (torch.float32, "row", False, lambda: "simt_fp32"),
+    (torch.float32, "col", True, lambda: "simt_fp32"),
+    (torch.bfloat16, "row", False, lambda: "wgmma_sm90" if _hopper() else "mma_sm80"),
+    (torch.float16, "col", False, lambda: "wgmma_sm90" if _hopper() else "mma_sm80"),
+    # a 1793-wide operand is copied into 16-byte aligned rows, so it takes the fast kernel too
+    (torch.bfloat16, "ragged", False, lambda: "wgmma_sm90" if _hopper() else "mma_sm80"),
+    (torch.bfloat16, "row", True, lambda: "mma_sm80"),
+    (torch.float16, "ragged", True, lambda: "mma_sm80"),
+]
+
+
+@needs_cuda
+@pytest.mark.parametrize("dtype,view,forced,strategy", DISPATCH_ROWS,
+                         ids=[f"{str(d)[6:]}-{v}-{'forced' if f else 'auto'}" for d, v, f, _ in DISPATCH_ROWS])
+def test_dispatch_table(dtype, view, forced, strategy, monkeypatch):
+    if forced:
+        monkeypatch.setenv("FASTKERN_MATMUL_FORCE_GENERAL", "1")
+    m, n, k = (257, 1793, 1793) if view == "ragged" else (384, 256, 192)
+    a = make((m, k), dtype, "cuda")
+    b = make((k, n), dtype, "cuda")
+    if view == "col":
+        b = b.t().contiguous().t()
+    bias = make((n,), dtype, "cuda")
+    assert mm_ops._plan(a, b, bias, "gelu_tanh") == strategy()
+    out = fastkern.matmul(a, b, bias=bias, activation="gelu_tanh")
+    ref = torch_forward(a.double(), b.double(), bias.double(), "gelu_tanh")
+    assert_within_torch_error(out, torch_forward(a, b, bias, "gelu_tanh"), ref, strategy())
+
+
 @needs_cuda
 def test_cuda_graph_capture_and_replay():
     x = torch.randn(256, 512, device="cuda", requires_grad=True)

@@ -54,13 +54,15 @@ gpu_tests() {
     memcheck) select_tests tests/test_softmax.py \
         "test_rows\[(3-[0-9]+-(softmax|log)|1000-[0-9]+-softmax)-$dt\]|test_dims\[.*-softmax-$dt\]|test_scale_and_causal\[0\.125-.*-softmax-$dt\]|test_special_values\[.*-softmax-$dt\]|test_views\[$dt\]|looped_columns|fp32_rows_over_one_wave|chained_calls|column_calls_repeat"
       select_tests tests/test_gelu.py \
-        "test_matches_float64_reference\[.*-$dt\]|test_views\[.*-$dt\]|chained_calls|special_values" ;;
+        "test_matches_float64_reference\[.*-$dt\]|test_views\[.*-$dt\]|chained_calls|special_values"
+      select_tests tests/test_matmul.py "test_dispatch_table|test_operand_layouts\[.*-$dt\]|test_k_zero" ;;
     # racecheck / synccheck: a row length for each register, CTA, shared-memory and cluster strategy
     # (forward and backward), the column tile, its clusters and chunks, the looped columns, and the
     # row-tiled GELU bias gradient
     *) select_tests tests/test_softmax.py \
         "test_rows\[3-(1000|4097|8192|12001|16384|65543|300000|1000003)-softmax-$dt\]|test_dims\[\((3, 1000, 4|2000, 5, 8|6000, 2, 8|20000, 2, 4)\)-(0|1)-softmax-$dt\]|test_looped_columns_cuda\[softmax-torch.float32\]"
-      select_tests tests/test_gelu.py "test_matches_float64_reference\[bias-\(33, 1000\)-tanh-$dt\]" ;;
+      select_tests tests/test_gelu.py "test_matches_float64_reference\[bias-\(33, 1000\)-tanh-$dt\]"
+      select_tests tests/test_matmul.py "test_dispatch_table" ;;
   esac
 }
 
