@@ -1,4 +1,4 @@
-"""Builds fastkern._C with setuptools alone: gcc for csrc/**/*.c, nvcc for csrc/cuda/*.cu.
+"""Builds fastkern._C with setuptools alone: gcc for csrc/**/*.c, nvcc for csrc/cuda/**/*.cu.
 
 Environment:
   FASTKERN_CUDA=auto|0|1    build the CUDA kernels when nvcc is found (auto), never, or always
@@ -76,7 +76,7 @@ class BuildFastkern(build_ext):
     def build_extension(self, ext):
         cuda_home = find_cuda_home()
         sources = [s for s in ext.sources if s.endswith(".c")]
-        cuda_sources = sorted(glob.glob(os.path.join("csrc", "cuda", "*.cu"))) if cuda_home else []
+        cuda_sources = sorted(glob.glob("csrc/cuda/**/*.cu", recursive=True)) if cuda_home else []
         macros = list(ext.define_macros) + ([("FASTKERN_WITH_CUDA", "1")] if cuda_home else [])
         include_dirs = [sysconfig.get_paths()["include"]]
         archs = os.environ.get("FASTKERN_CUDA_ARCHS", DEFAULT_ARCHS)

@@ -1,0 +1,192 @@
+// rows_packs: the backward of rows of 1025-8192 elements (16-bit rows of whole packs, unmasked:
+// 16384), one CTA a row, the row in registers.
+//
+// Table rows: backward, inner == 1, 16-byte accesses, frame 1025-8192 (16384), not causal-and-ragged.
+// Bytes: 2 reads + 1 write an element: bf16 (16384, 4096) moves 403 MB, 96 us at 4.2 TB/s.
+// Algorithm: each thread loads kPackElems (x2 past 4096 or, on fast-DRAM cards, 16-bit past 2048;
+//   x4 past 8192) elements of x and of dy at once, keeps its y' in registers, and the CTA
+//   (ceil(frame / elements) threads, up to 512) reduces the row's two sums once; dx in one pass.
+// Why: torch.compile's shape (up to 512 threads a row, 8 elements a thread) with y recomputed;
+// H200 against the shared-memory kernels, x torch.compile: fp32 (16384, 4096) 0.983 -> 1.006x,
+// (131072, 1100) 0.74 -> 0.99x, bf16 (16384, 3000) 0.98 -> 1.07x.
+#include "softmax.cuh"
+
+namespace fk::softmax {
+namespace {
+
+// Each thread loads kPackElems elements of x and of dy (P = kPackElems / VEC 16-byte packs of
+// each) at once, keeps its y' in registers, and the CTA (ceil(n / kPackElems) threads, up to
+// kPackThreads) reduces the row's two sums once; rows too long for 8 elements a thread take 16
+// (16-bit rows too long for that 32, see kPackRowMaxOf).
+// It replaces the shared-memory kernels' warp-per-row and 128-thread CTA-per-row shapes for these
+// rows: those put 4-8x the elements on a thread, so a CTA spent longer computing after its data
+// had landed, and more CTAs an SM were needed to keep DRAM busy. This is torch.compile's shape
+// (a CTA of up to 512 threads a row, 8 elements a thread a pass), with y recomputed. H200,
+// same-process A/B against the shared-memory kernels, x torch.compile: fp32 (16384, 4096) 0.983
+// -> 1.006-1.009x, bf16 0.979-0.981 -> 0.996-1.000x; outside the issue's shapes fp32 (131072, 1100)
+// 0.74 -> 0.99x, (65536, 1536) 0.90-0.96 -> 1.003x, bf16 (32768, 2048) 0.97 -> 1.006x, (16384, 3000)
+// 0.98 -> 1.07x. Measured against it: 8 elements a thread for fp32 rows of up to 2048 as 4 (1
+// pack: fp32 (32768, 2048) 0.94-0.95x), 16 for 16-bit rows of up to 4096 (bf16 (16384, 4096)
+// 0.992x; taken since on fast-DRAM devices, see kFastDramPerSm), 1024-thread CTAs (fp32
+// (16384, 4096) 0.915x). Loads: load_pack_kept.
+// CTAs an SM the kernel is compiled for (its register cap): 16-bit 8 elements a thread 4 (32
+// registers), fp32 or 16-bit 16 elements 3 (38-40), fp32 16 elements 2 (62), 16-bit 32 elements 2
+// (62-64).
+template <typename T, int P> constexpr int kPackCtas = P * fk::Pack<T>::N == kPackElems ? (std::is_same_v<T, float> ? 3 : 4)
+                                                     : P * fk::Pack<T>::N == 2 * kPackElems ? (std::is_same_v<T, float> ? 2 : 3)
+                                                     : 2;
+// Unmasked 16-bit rows of 8193-16384 whose rows are whole 16-byte accesses take 4 x kPackElems a
+// thread (two CTAs an SM). H100, same-process A/B against the shared-memory kernels (clusters of two
+// 32 KB CTAs), three calls, % of copy: bf16 (4096, 16384) 99.4-99.9 -> 101.1-102.1 (0.995-0.996 ->
+// 1.018-1.019x torch.compile), (2048, 16384) 96.7-97.3 -> 99.7-101.8, (16384, 9000) 99.0 ->
+// 100.6-100.7, (8192, 12000) 100.1 -> 100.4-100.6; the benchmark's own runs, which time fastkern
+// before torch.compile (worth 1-1.5 points to this kernel, not to torch.compile's), measured bf16
+// (4096, 16384) at 1.002x and 0.998x torch.compile (0.991-1.002x before). Kept on the shared-memory
+// kernels: ragged rows (bf16 (8192, 12001)
+// 97.7 -> 85.4), fp32 rows (1 CTA an SM at 120-128 registers: level to 0.6 below), masked rows
+// (their 32-element instances spilled 8-76 bytes).
+
+template <typename T, int P, bool kCausal, bool kLog, bool kRagged = false>
+__global__ void __launch_bounds__(kPackThreads, (kPackCtas<T, P>))
+softmax_bwd_rows_packs(int64_t n, const T *__restrict__ dy, const T *__restrict__ x,
+                       const float *__restrict__ row_max, T *__restrict__ dx, float scale, int64_t causal_sq) {
+    constexpr int VEC = fk::Pack<T>::N;
+    __shared__ RowReduceSmem<Acc2<T>, kPackThreads / 32> red;
+    fk::grid_dependency_sync();
+    const int64_t row = blockIdx.x;
+    const int lead = kRagged ? row_lead<VEC>(row, n) : 0;  // the row's frame (kRagged: unragged)
+    const int packs = (int)(kRagged ? (lead + n + VEC - 1) / VEC : n / VEC);
+    const int64_t keys = kCausal ? causal_len(row, n, causal_sq) : n;
+    const int64_t dy_keys = kLog ? n : keys;  // log_softmax sums dy over masked keys too
+    const T *xr = x + row * n - lead, *dyr = dy + row * n - lead;
+    // pack i of this thread: threadIdx.x + i * blockDim.x; element k of it is in a length-`len`
+    // prefix of the row when in(i, k, len)
+    auto in = [&](int i, int k, int64_t len) {
+        const int p = threadIdx.x + i * blockDim.x;
+        return p < packs && (!kCausal || (int64_t)p * VEC + k < len);
+    };
+    // Loads under evict_last: fp32, and 16-bit rows of more than 8 elements a thread. H200,
+    // same-process A/B, kept L2 lines released before each sample: bf16 (4096, 16384) 98.9 -> 99.8%
+    // of copy (0.985 -> 0.993x torch.compile), (8192, 8192) 100.7 -> 101.7; (16384, 4096), 8
+    // elements a thread, lost 0.6 with it. H100: bf16 (4096, 16384) 0.9991x torch.compile (12
+    // rounds) -> 1.0026x (10 rounds, 9 ahead), ragged (32768, 4097) 100.7 -> 101.6 (run13 -> run14).
+    constexpr bool kKeep = std::is_same_v<T, float> || P > 1;
+    fk::Pack<T> vx[P], vg[P];
+#pragma unroll
+    for (int i = 0; i < P; i++) {
+        const int64_t at = (int64_t)(threadIdx.x + i * blockDim.x) * VEC;
+        *reinterpret_cast<uint4 *>(&vx[i]) = make_uint4(0, 0, 0, 0);
+        *reinterpret_cast<uint4 *>(&vg[i]) = make_uint4(0, 0, 0, 0);
+        if (in(i, 0, keys)) vx[i] = load_pack_kept<T, kKeep>(xr + at);
+        if (in(i, 0, dy_keys)) vg[i] = load_pack_kept<T, kKeep>(dyr + at);
+    }
+    const float ref = exp_ref(row_max[row]);
+    BwdSums<T, kLog> sums;  // (z, a): sum of y', sum of dy * y' (log: of dy)
+    float yv[P][VEC];
+#pragma unroll
+    for (int i = 0; i < P; i++) {
+        auto add = [&](int k) { sums.add(yv[i][k], in(i, k, dy_keys) ? fk::pack_f32<T>(vg[i], k) : 0.f); };
+#pragma unroll
+        for (int k = 0; k < VEC; k++) {
+            yv[i][k] = in(i, k, keys) ? exp_ftz(fmaf(fk::pack_f32<T>(vx[i], k), scale, -ref)) : 0.f;
+            if (!kRagged) add(k);
+        }
+        if (kRagged) {
+            unragged<VEC>((threadIdx.x + i * blockDim.x) * VEC, lead, lead + (int)n, [&](int k) {
+                yv[i][k] = 0.f;
+                vg[i].v[k] = fk::from_f32<T>(0.f);
+            });
+#pragma unroll
+            for (int k = 0; k < VEC; k++) add(k);
+        }
+    }
+    const Acc2<T> za = row_reduce<SumSum<Acc2<T>>>(sums.value(), red, 1);
+    const BwdRow<T> br(za.x, za.y, kLog, scale);
+    T *dxr = dx + row * n - lead;
+#pragma unroll
+    for (int i = 0; i < P; i++) {
+        if (!in(i, 0, n)) continue;
+        float o[VEC];
+#pragma unroll
+        for (int k = 0; k < VEC; k++)
+            o[k] = in(i, k, keys) ? br.template dx<kLog>(yv[i][k], fk::pack_f32<T>(vg[i], k)) : 0.f;
+        const int j = (threadIdx.x + i * blockDim.x) * VEC;
+        if (kRagged) {
+            store_in<T, VEC, true>(dxr + j, o, j, lead, lead + (int)n);
+        } else {  // one conversion an element, as written before kRagged (registers: see kPackCtas)
+            fk::Pack<T> out;
+#pragma unroll
+            for (int k = 0; k < VEC; k++) out.v[k] = fk::from_f32<T>(o[k]);
+            fk::store_pack(dxr + j, out);
+        }
+    }
+}
+
+
+template <typename T> fk_status launch(const Plan &p, const BwdArgs &a, const void *kernel) {
+    using Kernel = void (*)(int64_t, const T *, const T *, const float *, T *, float, int64_t);
+    const fk::Launch launch(dim3((unsigned)p.grid), dim3(p.block_x), 0, a.stream, a.device);
+    return launch(a.op, (Kernel)kernel, p.n, (const T *)a.dy, (const T *)a.x, a.row_max, (T *)a.dx, a.scale, p.mask_sq);
+}
+
+// The instances: dtype, packs a thread (P), causal, log, ragged.
+#define BWD(T, P, CAUSAL, LOG, RAGGED)                                                          \
+    {instance_key(dtype_of<T>, fk::Pack<T>::N, P, 0, CAUSAL, LOG, RAGGED),                          \
+     (const void *)softmax_bwd_rows_packs<T, P, (bool)CAUSAL, (bool)LOG, (bool)RAGGED>}
+const Instance kInstances[] = {
+    BWD(float, 2, 0, 0, 0),
+    BWD(float, 2, 0, 1, 0),
+    BWD(float, 2, 1, 0, 0),
+    BWD(float, 2, 1, 1, 0),
+    BWD(float, 2, 0, 0, 1),
+    BWD(float, 2, 0, 1, 1),
+    BWD(float, 4, 0, 0, 0),
+    BWD(float, 4, 0, 1, 0),
+    BWD(float, 4, 1, 0, 0),
+    BWD(float, 4, 1, 1, 0),
+    BWD(float, 4, 0, 0, 1),
+    BWD(float, 4, 0, 1, 1),
+    BWD(__half, 1, 0, 0, 0),
+    BWD(__half, 1, 0, 1, 0),
+    BWD(__half, 1, 1, 0, 0),
+    BWD(__half, 1, 1, 1, 0),
+    BWD(__half, 1, 0, 0, 1),
+    BWD(__half, 1, 0, 1, 1),
+    BWD(__half, 2, 0, 0, 0),
+    BWD(__half, 2, 0, 1, 0),
+    BWD(__half, 2, 1, 0, 0),
+    BWD(__half, 2, 1, 1, 0),
+    BWD(__half, 2, 0, 0, 1),
+    BWD(__half, 2, 0, 1, 1),
+    BWD(__half, 4, 0, 0, 0),
+    BWD(__half, 4, 0, 1, 0),
+    BWD(__nv_bfloat16, 1, 0, 0, 0),
+    BWD(__nv_bfloat16, 1, 0, 1, 0),
+    BWD(__nv_bfloat16, 1, 1, 0, 0),
+    BWD(__nv_bfloat16, 1, 1, 1, 0),
+    BWD(__nv_bfloat16, 1, 0, 0, 1),
+    BWD(__nv_bfloat16, 1, 0, 1, 1),
+    BWD(__nv_bfloat16, 2, 0, 0, 0),
+    BWD(__nv_bfloat16, 2, 0, 1, 0),
+    BWD(__nv_bfloat16, 2, 1, 0, 0),
+    BWD(__nv_bfloat16, 2, 1, 1, 0),
+    BWD(__nv_bfloat16, 2, 0, 0, 1),
+    BWD(__nv_bfloat16, 2, 0, 1, 1),
+    BWD(__nv_bfloat16, 4, 0, 0, 0),
+    BWD(__nv_bfloat16, 4, 0, 1, 0),
+};
+#undef BWD
+}  // namespace
+
+const void *rows_packs_kernel(const Plan &p) {
+    return find_instance(kInstances, instance_key(p.dtype, p.vec, p.elems / p.vec, 0, p.masked, p.log, p.ragged));
+}
+
+fk_status launch_rows_packs(const Plan &p, const BwdArgs &a) {
+    const void *kernel = rows_packs_kernel(p);
+    if (!kernel) return no_instance(p, a.op);
+    FK_DISPATCH_CUDA_DTYPE(p.dtype, a.op, return launch<T>(p, a, kernel));
+    return FK_OK;
+}
+
+}  // namespace fk::softmax

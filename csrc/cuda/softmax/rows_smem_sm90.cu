@@ -1,0 +1,623 @@
+// rows_smem (sm_90): rows past 1024 elements whose slices are bulk-copied (cp.async.bulk, the TMA
+// engine) into shared memory, so global memory is read once and a whole slice per CTA is in flight.
+//
+// Table rows: inner == 1, sm_90, every tensor 16-byte aligned, frame > 1024 (forward: 16-bit, and
+// fp32 past 8192; backward: past rows_packs), when a shape below holds the row's slices.
+// Bytes: forward 1 read + 1 write an element, backward 2 + 1: bf16 (4096, 16384) forward moves 268
+// MB, 64 us at 4.2 TB/s; H200 91-101% of copy on the issue's 4K-256K rows.
+// Algorithm: thread 0 starts the CTA's bulk copies, counted on mbarriers (a lone CTA a row in 4
+//   pieces, its first pass starting on the first), and asks L2 for the next wave's slices; passes
+//   read shared memory: forward the exact max, the sum of exp (kept in place of x: fp32, bf16 as
+//   fp16), the write pass; backward the two sums, then dx. Shapes: rows_smem_warp (forward rows of
+//   up to 8 KB, a warp a row, 4 a CTA), rows_smem_cta (K CTAs of <= 32 KB a row, clusters with a
+//   DSMEM exchange; up to 112 KB, or 224 KB for unmasked forwards, where 32 KB ones cannot hold the
+//   row), rows_smem_dyreg (backward: x in shared memory, dy in registers, up to 128 KB of x a CTA).
+// Why: against the register kernels, H100 % of copy, fwd / bwd: bf16 (4096, 50257) 78 / 78 -> 98 / 99,
+// fp32 (1024, 65543) 61 / 56 -> 97 / 100; H200 fp32 (300, 300000) forward 56 -> 90.
+#include "softmax.cuh"
+
+namespace fk::softmax {
+namespace {
+
+// ---- sm_90, rows over 1024 elements: row slices in shared memory, loaded by the copy engine ----
+//
+// Thread 0 of each CTA starts bulk copies (cp.async.bulk, the TMA engine) of its slices into shared
+// memory, counted on mbarriers (a lone CTA per row cuts its copy into 4 pieces, one barrier each,
+// and its first pass starts on the first piece), and, forward or where a CTA holds more than
+// kSmemCtaMax, asks L2 for the slices of the CTA one SM count ahead (prefetch_next_cta); the
+// passes then read shared memory, so global memory is read
+// once and a whole slice per CTA is in flight whatever the registers (the register kernels above
+// hold 32-64 bytes per thread and re-read a second chunk from L2). Two shapes:
+//  - kWarpRows (forward): a CTA of kWarpRows warps takes kWarpRows short rows, a warp each (warp shuffles
+//    only, one mbarrier per row), so a CTA has kWarpRows slices in flight;
+//  - else K CTAs of kSmemThreads per row (a cluster when K > 1; DSMEM exchange of the partials).
+// One CTA per row (or row group): a persistent grid walking rows with a two-stage pipeline
+// measured 25-40% slower on an H200, and so did 256-thread CTAs holding one short row.
+// Forward: the exact max first (a packed max / min of the raw values and one multiply per pack),
+// then the sum of exp relative to it (no online rescaling), then the write pass; fp32 and bf16 keep
+// each exp in place of its x (kKeepExp), fp16 takes its ex2.approx again.
+
+// Slice sizes of the shared-memory kernels, in bytes of all the tensors a CTA holds. Rows up to
+// kSmemWarpRowMax take a warp each; longer ones take K CTAs, K the smallest power of two that
+// brings a CTA to kSmemCtaMax (six CTAs an SM), capped by the cluster limit. Measured on an H200:
+// warps for rows of 8 KB beat 256-thread CTAs (bf16 16384 x 4096 forward 81% of copy against 51%,
+// causal 2048-wide rows 79% against 28%) and lose to them at 16 KB (79-83% against 88-90%).
+// 32 KB CTAs beat 64 KB ones (benchmark runs, two a build): bf16 (256, 262144) forward 88.6-89.0
+// -> 93.7-94.3, fp32 (4096, 16384) / (1024, 65536) forwards 95 -> 97-98, bf16 (4096, 16384)
+// backward 95.7-96.3 -> 97.5-98.3, bf16 (1024, 65536) backward 94.6-95.2 -> 96.7-97.7; others
+// level. 16 KB ones lost up to 7 points (fp32 (1024, 65536) forward 97 -> 91; bf16 (1024, 65536)
+// backward 97 -> 89.6; fp32 (16384, 4096) backward, split in two, 100 -> 95). Rows that a full
+// cluster of kSmemCtaMax CTAs cannot hold take CTAs of up to kSmemCtaBigMax (two an SM), against
+// the register block kernel (H200, % of copy): forward fp32 (300, 300000) 56 -> 90, (256, 400000)
+// 57 -> 83, bf16 (300, 600000) 60 -> 92; backward fp32 (256, 140000) 72 -> 90 and bf16 (300,
+// 300000) 73 -> 92 (those two against dy in registers, below: 2-4 points either way at 100 KB).
+// Forward rows that a full cluster of kSmemCtaBigMax CTAs cannot hold (fp32 past 458752 elements,
+// 16-bit past 917504) take CTAs of up to kSmemCtaHugeMax, one an SM (with the static shared memory,
+// under the 227 KB a CTA may have), when clusters of that many fit, in the unmasked instance: fp32
+// rows of up to 917504 elements, 16-bit of up to 1835008, are then still read once. H100,
+// same-process A/B against the register block kernel, % of copy: fp32 (256, 524288) 68.3 -> 79.3,
+// (128, 600000) 65.5 -> 77.9, (128, 600004) 65.5 -> 76.8, (64, 900000) 61.7 -> 74.4, (256, 917504)
+// 66.5 -> 83.1; bf16 (128, 1048576) 68.3 -> 73.1. The masked instances (ragged rows here), whose
+// warps carry ~25% more work, lost: fp32 (256, 500001) 67.4 -> 60.5, bf16 (128, 1000003) 66.2 ->
+// 60.5; they keep the register block kernel. The L2 prefetch of the next CTAs (29 MB at one CTA an
+// SM) lost up to 15 points on these CTAs, which go without it.
+
+// Threads of a row CTA: 256 forward (128 lost 3 points on bf16 1024 x 65536), 128 backward (H200,
+// backward with 2-CTA clusters: fp32 4096 x 16384 90% of copy against 83% with 256; a 256-thread
+// instance for clustered rows only gained 1.4-2.4 points in fastkern-only runs, and with kept bf16
+// y' it took bf16 1024 x 65536 from 95 to 87-88 in the benchmark's own runs).
+template <bool kBackward> constexpr int kSmemThreads = kBackward ? kSmemBwdThreads : kSmemFwdThreads;
+// Unmasked backward rows whose CTAs hold at least 3/4 of kSmemCtaMax (3 or 4 packs of x and of dy
+// a thread) take 256 threads instead on devices whose DRAM streams at most kFastDramPerSm bytes a
+// microsecond per SM (the H100). H100, same-process A/B, five rounds, 256 threads for every
+// unmasked row, x torch.compile: fp32 (4096, 16384) 0.999 -> 1.005x, (2048, 32768) 1.046 ->
+// 1.051x, (1024, 65536) 1.703-1.714 -> 1.712-1.721x, bf16 (2048, 32768) 1.006-1.007 -> 1.009-1.010x,
+// the rest level; but fp32 (16384, 9000) (18 KB CTAs, 2.2 packs a thread) 1.008 -> 0.914x, hence
+// the size line ((8192, 12000), 24 000-byte CTAs just under it, gained 0.3%), and masked rows lost
+// (ragged (4096, 50257) fp32 2.142 -> 1.981x, bf16 1.962 -> 1.919x): they keep 128. On the H200
+// 256 threads lost (fp32 (4096, 16384) 1.016 -> 0.930x, session 28 of the perf log).
+// The forward's masked instances (causal or ragged rows) take their thread count at run time: a
+// warp per kMaskedWarpPacks packs of the slice (2.5 a lane), at most kSmemThreads. Their per-warp
+// cost (slice bounds, the edge packs, barriers and reductions) is ~25% above the unmasked one's,
+// and with 2 packs a lane (rows of 8-9 KB) it left them issue-bound (ncu, H100, bf16 (32768,
+// 4097): 0.91 warps issued a cycle per scheduler, 174M instructions against 139M for packed 4104
+// rows at 98% of copy). Fewer warps share that cost over more packs: same-process A/B against 8
+// warps, % of copy, H100: bf16 ragged (32768, 4097) 85-86 -> 97, (32768, 4700) 92-95 -> 97-99,
+// (1024, 65543) 97.5 -> 98; 6001 / 8185 / 50257 level. Sweeping the warps of 4097-6001-wide rows
+// (H100) found no single packs-a-lane figure best everywhere (4097: 7 warps 98, 6 warps 93, 5
+// warps 99; 5001: 7 warps 98, 5 warps 96; 4 warps lost 2-10 points), and 2.5 a lane picks 7-8
+// there. The unmasked instances keep a compile-time 256 (a run-time count cost their clustered
+// rows ~1 point).
+// Whether the shared-memory forward keeps each exp in place of its x for the write pass: fp32 as
+// is, bf16 as fp16 (e in [0, 1] at 2^-11 relative error, far below bf16's 2^-8: H200, bf16
+// forwards 0 to +2.4 points of copy, the causal (4, 8, 2048, 2048) one 82 -> 105; worst forward
+// error 1.00 -> 1.09x torch's). fp16 takes its exp again (an fp16-kept y' put fp16 gradients at
+// up to 3.9x torch's error), and so does the bf16 backward (kExpOnce): kept y' with 256-thread
+// clustered CTAs measured +0.4-2.4 in fastkern-only runs but took bf16 (1024, 65536) from 95 to
+// 87-88 in the benchmark's own runs (the two were not measured apart).
+template <typename T> constexpr bool kKeepExp = !std::is_same_v<T, __half>;
+template <typename T> __device__ __forceinline__ void keep_exp(fk::Pack<T> &v, int k, float e) {
+    if constexpr (std::is_same_v<T, float>) v.v[k] = e;
+    else reinterpret_cast<__half *>(&v)[k] = __float2half_rn(e);
+}
+template <typename T> __device__ __forceinline__ float kept_exp(const fk::Pack<T> &v, int k) {
+    if constexpr (std::is_same_v<T, float>) return v.v[k];
+    else return __half2float(reinterpret_cast<const __half *>(&v)[k]);
+}
+// Alignment of the shared-memory slices. The copy engine needs 16 bytes, but slices so aligned began
+// 32-64 bytes into a 128-byte line, after the static shared memory (1312-1856 bytes). H200, same
+// kernels otherwise: 48 bytes in cost one-CTA rows 6-14 points of copy against 32 (fp32 (16384,
+// 4096) backward 100 -> 86), and 128-byte alignment against 48 lifted clustered rows 1-14 (bf16
+// (256, 262144) backward 78 -> 90).
+constexpr int kSliceAlign = 128;
+
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+
+// Copies [src, src + bytes) to shared dst, counted on `bar`; bytes is a multiple of 16.
+// keep: under an L2 evict_last policy (see the backward's copies).
+__device__ __forceinline__ void bulk_load(void *dst, const void *src, uint32_t bytes, uint64_t *bar, bool keep = false) {
+    if (keep) {
+        asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint [%0], [%1], %2, [%3], %4;"
+                     ::"r"(smem_u32(dst)), "l"(src), "r"(bytes), "r"(smem_u32(bar)), "l"(l2_evict_last())
+                     : "memory");
+        return;
+    }
+    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
+                 ::"r"(smem_u32(dst)), "l"(src), "r"(bytes), "r"(smem_u32(bar))
+                 : "memory");
+}
+
+#endif
+
+// Bytes to copy for elements [0, len) of a slice: whole 16-byte packs, never past `cap` elements.
+template <typename T> __device__ __forceinline__ uint32_t slice_bytes(int64_t len, int64_t cap) {
+    constexpr int64_t per = 16 / sizeof(T);
+    if (len > cap) len = cap;
+    if (len < 0) len = 0;
+    return (uint32_t)((len + per - 1) / per * 16);
+}
+
+// One CTA's part of the work: slice `w` of its rows (w: the warp with kWarpRows, else 0) is
+// elements [begin, begin + len) of row `row`'s frame (len <= 0: nothing), from start(t, n) in a
+// tensor t; keys are its elements [lo, keys). Masked instances (kCausal) take ragged rows too
+// (causal_sq 1): their frame starts `lead` elements before the row (row_lead), and lo is the lead
+// in the first slice (lead < VEC <= seg); unmasked, lead and lo are 0 and the frame is the row.
+struct Slice {
+    int64_t row, begin, len, keys;
+    int lo, lead;
+    bool valid;
+    template <typename P> __device__ __forceinline__ P *start(P *t, int64_t n) const { return t + row * n + begin - lead; }
+};
+template <typename T, bool kCausal, bool kWarps, bool kDiv = false>
+__device__ __forceinline__ Slice slice_of(int w, int64_t rows, int64_t n, int64_t seg, int cluster_k,
+                                          int64_t causal_sq, int64_t block = blockIdx.x) {
+    Slice sl;
+    // K is a power of two: a mask and a shift, not 64-bit divisions (a ~100-instruction routine each,
+    // in thread 0's path to its bulk copies). H200, benchmark runs: fp32 (16384, 4096) forward 91 ->
+    // 96% of copy, (256, 262144) 88 -> 92, bf16 (256, 262144) 87 -> 89.6. The backward keeps the
+    // divisions (kDiv): with the mask its bf16 (4096, 16384) fell 96 -> 90 in the benchmark's runs
+    // (not in fastkern-only ones; the same split as an earlier session saw; cause not found).
+    const int rank = kWarps ? 0 : kDiv ? (int)(block % cluster_k) : (int)(block & (cluster_k - 1));
+    sl.row = kWarps ? block * kWarpRows + w : kDiv ? block / cluster_k : block >> (__ffs(cluster_k) - 1);
+    sl.valid = sl.row < rows;
+    const int lead = kCausal ? row_lead<fk::Pack<T>::N>(sl.row, n) : 0;
+    sl.begin = rank * seg;
+    sl.lead = lead;
+    sl.lo = sl.begin < lead ? lead - (int)sl.begin : 0;
+    const int64_t end = min(lead + n, sl.begin + seg);
+    sl.len = sl.valid ? end - sl.begin : 0;
+    sl.keys = sl.valid ? (kCausal ? min(end, lead + causal_len(sl.row, n, causal_sq)) : end) - sl.begin : 0;
+    return sl;
+}
+
+// Packs of a slice the write pass stores: a ragged row's last one in part (store_in).
+template <typename T, bool kCausal> __device__ __forceinline__ int out_packs(const Slice &sl) {
+    return (int)(kCausal ? slice_bytes<T>(sl.len, sl.len) / 16 : sl.len > 0 ? sl.len / fk::Pack<T>::N : 0);
+}
+
+// Copy pieces of a CTA-per-row slice: 4 when the row has one CTA, so its passes start on the
+// first quarter while the rest is in flight (H200, measured when rows of up to 64 KB took one CTA:
+// bf16 (16384, 4096) backward 89 -> 98% of copy, fp32 (4096, 16384) forward / backward 89 -> 94 /
+// 97%); 1 in a cluster (its forward lost 3-5 points with 4) and for the warp-per-row kernels.
+constexpr int kMaxPieces = 4;
+struct Pieces {
+    int count;      // barriers per slice
+    uint32_t bytes; // bytes of each piece but the last: a multiple of 16, count * bytes >= a slice
+};
+template <typename T, bool kWarps, bool kDiv = false> __device__ __forceinline__ Pieces pieces_of(int64_t seg, int cluster_k) {
+    const int count = kWarps || cluster_k > 1 ? 1 : kMaxPieces;
+    if constexpr (kDiv) return {count, (uint32_t)(((seg * (int64_t)sizeof(T) + count - 1) / count + 15) / 16 * 16)};
+    const uint32_t bytes = (uint32_t)seg * (uint32_t)sizeof(T);  // a slice is at most kSmemCtaBigMax
+    return {count, ((count == 1 ? bytes : (bytes + kMaxPieces - 1) / kMaxPieces) + 15) / 16 * 16};
+}
+
+// Thread 0's L2 prefetch (cp.async.bulk.prefetch) of the slices of the CTA one SM count ahead in
+// the grid, which starts while this one runs (six 32 KB CTAs an SM), so that its bulk copies
+// hit L2 and DRAM keeps reading while CTAs wait on their cluster's exchange. H200, against no
+// prefetch: +2.5-4 points of copy on the 16K-256K forwards (bf16 (4096, 16384) 87.7 -> 91.5) and
+// the fp32 (1024, 65536) backward, +0.8-0.9 on the other clustered backwards, others level. With
+// 64 KB CTAs half the distance gained less, 1.5x lost up to 5 points and 3x up to 27 (L2
+// thrashing); with 32 KB ones 2x lost clustered rows up to 19 points; the
+// warp-per-row kernels (causal 2048-wide rows 80.7 -> 75.2) and the register warp kernels (up to
+// 26 points) lost with it, so only CTA-per-row slices take it. With 32 KB CTAs, backward ones of up
+// to kSmemCtaMax (x and dy together) do better without it (H200, benchmark runs, two a build: bf16
+// (4096, 16384) 97.4-97.7 -> 100.5-100.6% of copy, (16384, 4096) 99.2-99.6 -> 100.9-101.2,
+// (1024, 65536) 97.0-97.2 -> 100.4, fp32 (1024, 65536) 98.5-98.6 -> 100.8-101.0, (4096, 16384)
+// 99.9-100.0 -> 100.8-101.0, others level); larger ones keep it (without it bf16 (256, 262144),
+// 64 KB CTAs, 92.6-92.8 -> 90.8-91.1), and so do the forward's (without it -1.5 to -2.5 points).
+template <typename T, bool kCausal, bool kDiv = false, typename Copies>
+__device__ __forceinline__ void prefetch_next_cta(int64_t rows, int64_t n, int64_t seg, int cluster_k,
+                                                  int64_t causal_sq, Copies copies) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    uint32_t sms;
+    asm("mov.u32 %0, %%nsmid;" : "=r"(sms));
+    const int64_t next = (int64_t)blockIdx.x + sms;
+    if (next >= gridDim.x) return;
+    copies(0, slice_of<T, kCausal, false, kDiv>(0, rows, n, seg, cluster_k, causal_sq, next),
+           [&](int64_t, const T *src, uint32_t bytes) {
+               if (bytes)
+                   asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(src), "r"(bytes) : "memory");
+           });
+#endif
+}
+
+// Thread 0 starts the CTA's copies: copies(i, slice, copy) names, for slice i of the CTA, each
+// tensor's copy as copy(shared offset, source, bytes). Each tensor's copy is cut into pieces.count
+// pieces of pieces.bytes at the same offsets, piece c of slice i counted on
+// bar[i * pieces.count + c], so a warp starts on its own row and the passes on the first piece
+// while the rest are in flight. One arrival per barrier announces all its bytes, so no phase completes before
+// its last copy is counted.
+template <typename T, bool kCausal, bool kWarps, bool kDiv = false, typename Copies>
+__device__ __forceinline__ void start_copies(uint64_t *bar, Pieces pieces, unsigned char *smem, int64_t rows,
+                                             int64_t n, int64_t seg, int cluster_k, int64_t causal_sq,
+                                             bool prefetch, Copies copies, bool keep = false) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    if (threadIdx.x != 0) return;
+    for (int i = 0; i < (kWarps ? kWarpRows : 1); i++) {
+        const Slice sl = slice_of<T, kCausal, kWarps, kDiv>(i, rows, n, seg, cluster_k, causal_sq);
+        for (int c = 0; c < pieces.count; c++) {
+            uint64_t *b = &bar[i * pieces.count + c];
+            auto lo = [&](uint32_t bytes) { return min((uint32_t)c * pieces.bytes, bytes); };
+            auto len = [&](uint32_t bytes) { return min(lo(bytes) + pieces.bytes, bytes) - lo(bytes); };
+            uint32_t total = 0;
+            copies(i, sl, [&](int64_t, const T *, uint32_t bytes) { total += len(bytes); });
+            mbar_expect(b, total);
+            copies(i, sl, [&](int64_t offset, const T *src, uint32_t bytes) {
+                if (len(bytes))
+                    bulk_load(smem + offset + lo(bytes), reinterpret_cast<const unsigned char *>(src) + lo(bytes),
+                              len(bytes), b, keep);
+            });
+        }
+    }
+    if (!kWarps && prefetch) prefetch_next_cta<T, kCausal, kDiv>(rows, n, seg, cluster_k, causal_sq, copies);
+#endif
+}
+
+// The first pass over a slice's packs (16-byte units from its start): body(p) for p = first,
+// first + stride, ... < packs, piece by piece, every thread waiting for piece c's barrier before
+// the packs of piece c (so every barrier is waited for and no copy is in flight at exit). The
+// inner loop holds no wait, so its shared-memory loads stay free to be scheduled early (a wait
+// inside the loop cost clustered rows 2-5 points).
+template <int kUnroll, typename Body>
+__device__ __forceinline__ void over_pieces(uint64_t *bar, Pieces pieces, int packs, int first, int stride,
+                                            Body body) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    const int per = (int)(pieces.bytes / 16);  // 32-bit bounds: fp32 (16384, 4096) forward 96 -> 98% of copy
+    int p = first, end = 0;
+    for (int c = 0; c < pieces.count; c++) {
+        mbar_wait(&bar[c]);
+        end = min(packs, end + per);
+#pragma unroll kUnroll
+        for (; p < end; p += stride) body(p);
+    }
+#endif
+}
+
+// Reduction over the lanes that share a slice's row: the warp (kWarps), else the CTA and cluster.
+template <bool kWarps, typename Op, typename V>
+__device__ __forceinline__ V slice_reduce(V v, RowReduceSmem<V> &smem, int cluster_k, bool first = true) {
+    if constexpr (kWarps) return group_reduce<Op>(v, 32);
+    else return row_reduce<Op>(v, smem, cluster_k, first);
+}
+
+template <typename T, bool kCausal, bool kLog, bool kWarps>
+__global__ void __launch_bounds__(kSmemThreads<false>)
+softmax_fwd_rows_smem(int64_t n, int64_t seg, int cluster_k, int64_t rows, const T *__restrict__ x,
+                      T *__restrict__ y, float *__restrict__ row_max, float scale, int64_t causal_sq) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    constexpr int VEC = fk::Pack<T>::N;
+    constexpr bool kExpInPlace = kKeepExp<T> && !kLog;  // log_softmax writes t - log(s), no exp
+    extern __shared__ __align__(kSliceAlign) unsigned char smem_raw[];
+    __shared__ uint64_t bar[kWarps ? kWarpRows : kMaxPieces];
+    __shared__ RowReduceSmem<float2> red;
+    __shared__ RowReduceSmem<Acc2<T>> sum_red;
+    const Pieces pieces = pieces_of<T, kWarps>(seg, cluster_k);
+    kernel_start(bar, kWarps ? kWarpRows : pieces.count, kWarps ? 1 : cluster_k, red, sum_red);
+    const int w = kWarps ? threadIdx.x / 32 : 0;
+    const int lane = kWarps ? threadIdx.x % 32 : threadIdx.x;
+    const int lanes = kWarps ? 32 : kCausal ? (int)blockDim.x : kSmemThreads<false>;  // kMaskedWarpPacks
+    const int64_t slice_bytes_max = seg * (int64_t)sizeof(T);
+    // Copies under an L2 evict_last policy (but for causal rows) measured card by card, kept L2
+    // lines released before each sample: H200, same-process A/B, bf16 (16384, 4096) 92.5 -> 96.2%
+    // of copy, (4096, 16384) 93.8 -> 95.7, fp32 (4096, 16384) 98.0 -> 98.9; H100, benchmark run
+    // against run: fp32 (4096, 16384) 99.3 -> 97.7, (1024, 65536) 99.3 -> 98.1, (256, 262144) 96.8
+    // -> 92.6, bf16 (4096, 16384) 95.8 -> 94.6, (16384, 4096) 96.0 -> 97.0. Not taken.
+    start_copies<T, kCausal, kWarps>(bar, pieces, smem_raw, rows, n, seg, cluster_k, causal_sq,
+                                     slice_bytes_max <= kSmemCtaBigMax,
+                                     [&](int i, const Slice &s, auto copy) {
+                                         copy(i * slice_bytes_max, s.start(x, n), slice_bytes<T>(s.keys, s.len));
+                                     });
+    const Slice sl = slice_of<T, kCausal, kWarps>(w, rows, n, seg, cluster_k, causal_sq);
+    const int packs = (int)(slice_bytes<T>(sl.keys, sl.len) / 16), outs = out_packs<T, kCausal>(sl);
+    fk::Pack<T> *sx = reinterpret_cast<fk::Pack<T> *>(smem_raw + w * slice_bytes_max);
+    // masked (kCausal): packs reaching outside the keys [lo, keys) are zeroed outside them
+    // (zero_outside; packs past the copied ones hold stale values, all zeroed); others go whole
+    const int keys = (int)sl.keys;
+
+    // the exact max first, then each exp once (kept in place of x for the write pass, kKeepExp;
+    // fp16 takes ex2.approx again there), then the write pass
+    float m = -INFINITY;
+    over_pieces<4>(bar + w, pieces, packs, lane, lanes, [&](int p) {
+        const fk::Pack<T> v = sx[p];
+        if (!kCausal || !reaches_out<VEC>(p * VEC, sl.lo, keys)) {
+            m = fmaxf(m, pack_max_scaled<T>(v, scale));
+        } else {
+#pragma unroll
+            for (int k = 0; k < VEC; k++)
+                if (p * VEC + k >= sl.lo && p * VEC + k < keys) m = fmaxf(m, __fmul_rn(fk::pack_f32<T>(v, k), scale));
+        }
+    });
+    m = slice_reduce<kWarps, MaxOnly>(make_float2(m, 0.f), red, cluster_k).x;
+    float s;
+    {
+        const float ref = exp_ref(m);
+        RowSum<T> sum;
+#pragma unroll 4
+        for (int p = lane; p < packs; p += lanes) {
+            fk::Pack<T> v = sx[p];
+            float e[VEC];
+#pragma unroll
+            for (int k = 0; k < VEC; k++) {
+                e[k] = exp_ftz(fmaf(fk::pack_f32<T>(v, k), scale, -ref));
+                if constexpr (!kCausal) sum.add(e[k]);  // unmasked: summed as taken, as measured
+            }
+            if constexpr (kCausal) {
+                zero_outside<VEC>(p * VEC, sl.lo, keys, [&](int k) { e[k] = 0.f; });
+#pragma unroll
+                for (int k = 0; k < VEC; k++) sum.add(e[k]);
+            }
+            if constexpr (kExpInPlace) {
+#pragma unroll
+                for (int k = 0; k < VEC; k++) keep_exp<T>(v, k, e[k]);
+                sx[p] = v;
+            }
+        }
+        s = row_sum(sum, [&](Acc2<T> v) { return slice_reduce<kWarps, SumSum<Acc2<T>>>(v, sum_red, cluster_k, false); });
+    }
+    const float ref = exp_ref(m), inv_s = 1.f / s, log_s = logf(s);
+    if (!sl.valid) return;
+    if (lane == 0 && sl.begin == 0 && row_max) row_max[sl.row] = m;
+    T *yr = sl.start(y, n);
+#pragma unroll 4
+    for (int p = lane; p < outs; p += lanes) {
+        const fk::Pack<T> v = sx[p];
+        float o[VEC];
+#pragma unroll
+        for (int k = 0; k < VEC; k++) {
+            const float t = fmaf(fk::pack_f32<T>(v, k), scale, -ref);
+            const float e = kExpInPlace ? kept_exp<T>(v, k) : exp_ftz(t);
+            o[k] = kLog ? t - log_s : normalize<T>(e, s, inv_s);
+        }
+        if constexpr (kCausal)  // a masked key's output, as for exp 0 (NaN in an all-masked row)
+            zero_outside<VEC>(p * VEC, sl.lo, keys, [&](int k) { o[k] = kLog ? -INFINITY - log_s : normalize<T>(0.f, s, inv_s); });
+        store_in<T, VEC, kCausal, true>(yr + p * VEC, o, p * VEC, sl.lo, (int)sl.len);
+    }
+#endif
+}
+
+// Backward rows whose x and dy outgrow a full cluster's shared memory (kSmemCtaBigMax per CTA) but
+// whose x alone fits in kDyRegSliceMax: x is bulk-copied into shared memory as above and dy held in
+// registers, kDyRegPacks 16-byte packs a thread, loaded once, so both are still read from DRAM
+// once: 256 threads (two CTAs an SM by registers) for slices of up to 64 KB, fp32 rows of 229K-256K
+// elements, 16-bit ones of 459K-512K; 512 threads (one CTA an SM) up to 128 KB, fp32 rows of up to
+// 512K, 16-bit up to 1M. Longer rows take the register block kernel, which re-reads from L2. H200,
+// against that kernel: fp32 (256, 262144) 69 -> 92% of copy; bf16 (256, 524288) 65 -> 87. H100,
+// same-process A/B, the 512-thread instance against it: fp32 (256, 300000) 65 -> 90, (256,
+// 400000) 60 -> 89, (256, 524288) 61 -> 92, (256, 500001) 60 -> 81, (1024, 262145) 75 -> 79;
+// bf16 (256, 1000000) 59 -> 86.
+
+template <typename T, bool kCausal, bool kLog, int kDyRegLanes = 0, int kSmemLanes = kSmemThreads<true>>
+__global__ void __launch_bounds__(kDyRegLanes ? kDyRegLanes : kSmemLanes, kDyRegLanes == kDyRegThreads ? 2 : 1)
+softmax_bwd_rows_smem(int64_t n, int64_t seg, int cluster_k, int64_t rows, const T *__restrict__ dy,
+                      const T *__restrict__ x, const float *__restrict__ row_max, T *__restrict__ dx,
+                      float scale, int64_t causal_sq) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    constexpr int VEC = fk::Pack<T>::N;
+    extern __shared__ __align__(kSliceAlign) unsigned char smem_raw[];
+    __shared__ uint64_t bar[kMaxPieces];
+    __shared__ RowReduceSmem<Acc2<T>> red;
+    const Pieces pieces = pieces_of<T, false, true>(seg, cluster_k);
+    constexpr bool kDyRegs = kDyRegLanes > 0;
+    constexpr int kLanes = kDyRegs ? kDyRegLanes : kSmemLanes;
+    const int lane = threadIdx.x, lanes = kLanes;
+    const int64_t slice = seg * (int64_t)sizeof(T);  // x slices, then dy slices (unless in registers)
+    const int64_t dy_base = slice;
+    // bytes of x and dy for a slice (log_softmax sums dy over masked keys too)
+    auto x_bytes = [](const Slice &s) { return slice_bytes<T>(s.keys, s.len); };
+    auto dy_bytes = [](const Slice &s) { return slice_bytes<T>(kLog ? s.len : s.keys, s.len); };
+    // the L2 prefetch only where a CTA's x and dy come to more than kSmemCtaMax (see
+    // prefetch_next_cta), and not in the dy-register kernel: at two CTAs an SM the CTA one SM count
+    // ahead is mostly running already (H100, same-process A/B without it: fp32 (256, 262144) 88.5
+    // -> 98.7% of copy, (256, 240000) 90.8 -> 97.9, bf16 (256, 524288) 88.5 -> 98.5; prefetching
+    // its dy too had cost 9-20 points). The others' copies run under an L2
+    // evict_last policy, as Triton's first pass loads: H200, same-process A/B against the default,
+    // fp32 (4096, 16384) 1.008 -> 1.015x torch.compile, bf16 0.993 -> 0.994-0.996x, others level
+    // (evict_first had cost 5-8 points).
+    const bool prefetch = !kDyRegs && 2 * slice > kSmemCtaMax;
+    kernel_start(bar, pieces.count, cluster_k, red);
+    start_copies<T, kCausal, false, true>(bar, pieces, smem_raw, rows, n, seg, cluster_k, causal_sq, prefetch,
+                                           [&](int i, const Slice &s, auto copy) {
+                                               copy(i * slice, s.start(x, n), x_bytes(s));
+                                               if (!kDyRegs) copy(dy_base + i * slice, s.start(dy, n), dy_bytes(s));
+                                           }, !prefetch);
+    const Slice sl = slice_of<T, kCausal, false, true>(0, rows, n, seg, cluster_k, causal_sq);
+    const int x_packs = (int)(x_bytes(sl) / 16), dy_packs = (int)(dy_bytes(sl) / 16);
+    const int outs = out_packs<T, kCausal>(sl);
+    // masked (kCausal): packs reaching outside x's keys [lo, keys) (dy's: [lo, dy_keys), log_softmax
+    // sums dy over masked keys too) are zeroed outside them (zero_outside; packs past the copied
+    // ones hold stale values, all zeroed); the others are taken whole
+    const int keys = (int)sl.keys, dy_keys = kLog ? (int)sl.len : keys;
+    fk::Pack<T> *sx = reinterpret_cast<fk::Pack<T> *>(smem_raw);
+    const fk::Pack<T> *sdy = reinterpret_cast<const fk::Pack<T> *>(smem_raw + dy_base);
+    fk::Pack<T> dy_reg[kDyRegs ? kDyRegPacks : 1];  // kDyRegs: pack lane + i * kLanes in dy_reg[i]
+    if constexpr (kDyRegs) {
+        const T *dyr = sl.start(dy, n);
+#pragma unroll
+        for (int i = 0; i < kDyRegPacks; i++)
+            if (lane + i * kLanes < dy_packs) dy_reg[i] = fk::load_pack(dyr + (lane + i * kLanes) * VEC);
+    }
+    const float ref = sl.valid ? exp_ref(row_max[sl.row]) : 0.f;
+    // y' = exp(x * scale - row_max) of element k of a pack v of x: unnormalised, z = sum y'
+    // renormalises it
+    auto y_unnorm = [&](int k, const fk::Pack<T> &v) { return exp_ftz(fmaf(fk::pack_f32<T>(v, k), scale, -ref)); };
+
+    // fp32 keeps each y' in place of its x for the write pass (kExpOnce): one exp per element
+    BwdSums<T, kLog> sums;  // (z, a): sum of y', sum of dy * y' (log: of dy)
+    const int packs = x_packs > dy_packs ? x_packs : dy_packs;
+    auto sum_pack = [&](int p, const fk::Pack<T> &g) {
+        fk::Pack<T> v = sx[p];
+        float yk[VEC], gk[VEC];
+#pragma unroll
+        for (int k = 0; k < VEC; k++) {
+            yk[k] = y_unnorm(k, v);
+            gk[k] = fk::pack_f32<T>(g, k);
+        }
+        if constexpr (kCausal) {
+            zero_outside<VEC>(p * VEC, sl.lo, keys, [&](int k) { yk[k] = 0.f; });
+            zero_outside<VEC>(p * VEC, sl.lo, dy_keys, [&](int k) { gk[k] = 0.f; });
+        }
+#pragma unroll
+        for (int k = 0; k < VEC; k++) {
+            if constexpr (kExpOnce<T>) keep_exp<T>(v, k, yk[k]);
+            sums.add(yk[k], gk[k]);
+        }
+        if constexpr (kExpOnce<T>) sx[p] = v;
+    };
+    if constexpr (kDyRegs) {
+        for (int c = 0; c < pieces.count; c++) mbar_wait(&bar[c]);
+#pragma unroll
+        for (int i = 0; i < kDyRegPacks; i++) {
+            if (lane + i * kLanes < packs) sum_pack(lane + i * kLanes, dy_reg[i]);
+            // the packs look rewritten here, so the write pass converts them again rather than
+            // keeping both passes' fp32 values live (bf16: 128 registers and spills, 46% of copy
+            // at (256, 400000) against fp16's 80%)
+            uint4 &raw = *reinterpret_cast<uint4 *>(&dy_reg[i]);
+            asm volatile("" : "+r"(raw.x), "+r"(raw.y), "+r"(raw.z), "+r"(raw.w));
+        }
+    } else {
+        over_pieces<2>(bar, pieces, packs, lane, lanes, [&](int p) { sum_pack(p, sdy[p]); });
+    }
+    const Acc2<T> za = slice_reduce<false, SumSum<Acc2<T>>>(sums.value(), red, cluster_k);
+    if (!sl.valid) return;
+    const BwdRow<T> br(za.x, za.y, kLog, scale);
+    T *dxr = sl.start(dx, n);
+    auto write_pack = [&](int p, const fk::Pack<T> &g) {
+        const fk::Pack<T> v = sx[p];
+        float o[VEC];
+#pragma unroll
+        for (int k = 0; k < VEC; k++) {
+            const float yk = kExpOnce<T> ? kept_exp<T>(v, k) : y_unnorm(k, v);
+            o[k] = br.template dx<kLog>(yk, fk::pack_f32<T>(g, k));
+        }
+        if constexpr (kCausal) zero_outside<VEC>(p * VEC, sl.lo, keys, [&](int k) { o[k] = 0.f; });
+        store_in<T, VEC, kCausal, true>(dxr + p * VEC, o, p * VEC, sl.lo, (int)sl.len);
+    };
+    if constexpr (kDyRegs) {
+#pragma unroll
+        for (int i = 0; i < kDyRegPacks; i++)
+            if (lane + i * kLanes < outs) write_pack(lane + i * kLanes, dy_reg[i]);
+    } else {
+#pragma unroll 2
+        for (int p = lane; p < outs; p += lanes) write_pack(p, sdy[p]);
+    }
+#endif
+}
+
+
+template <typename T> fk_status launch_fwd(const Plan &p, const FwdArgs &a, const void *kernel) {
+    using Kernel = void (*)(int64_t, int64_t, int, int64_t, const T *, T *, float *, float, int64_t);
+    const fk::Launch launch(dim3((unsigned)p.grid), dim3(p.block_x), p.smem, a.stream, a.device, p.cluster);
+    return launch(a.op, (Kernel)kernel, p.n, p.seg, p.cluster, p.rows, (const T *)a.x, (T *)a.y, a.row_max, a.scale,
+                  p.mask_sq);
+}
+template <typename T> fk_status launch_bwd(const Plan &p, const BwdArgs &a, const void *kernel) {
+    using Kernel = void (*)(int64_t, int64_t, int, int64_t, const T *, const T *, const float *, T *, float, int64_t);
+    const fk::Launch launch(dim3((unsigned)p.grid), dim3(p.block_x), p.smem, a.stream, a.device, p.cluster);
+    return launch(a.op, (Kernel)kernel, p.n, p.seg, p.cluster, p.rows, (const T *)a.dy, (const T *)a.x, a.row_max,
+                  (T *)a.dx, a.scale, p.mask_sq);
+}
+
+// The instances: dtype, masked (causal or ragged), log; forward a warp a row (WARPS) or CTAs of 256
+// threads; backward CTAs of 128 (or 256) threads with x and dy in shared memory, or of 256 / 512
+// threads with dy in registers (DYREG).
+#define KEY(T, STRATEGY, LANES, MASKED, LOG, BACKWARD) \
+    instance_key(dtype_of<T>, fk::Pack<T>::N, 0, LANES, MASKED, LOG, false, (int)Strategy::STRATEGY + 16 * BACKWARD)
+#define FWD_WARPS(T, MASKED, LOG) \
+    {KEY(T, kRowsSmemWarp, 32 * kWarpRows, MASKED, LOG, 0), (const void *)softmax_fwd_rows_smem<T, (bool)MASKED, (bool)LOG, true>}
+#define FWD_CTA(T, MASKED, LOG) \
+    {KEY(T, kRowsSmemCta, kSmemFwdThreads, MASKED, LOG, 0), (const void *)softmax_fwd_rows_smem<T, (bool)MASKED, (bool)LOG, false>}
+#define BWD_CTA(T, THREADS, MASKED, LOG) \
+    {KEY(T, kRowsSmemCta, THREADS, MASKED, LOG, 1), (const void *)softmax_bwd_rows_smem<T, (bool)MASKED, (bool)LOG, 0, THREADS>}
+#define BWD_DYREG(T, THREADS, MASKED, LOG) \
+    {KEY(T, kRowsSmemDyReg, THREADS, MASKED, LOG, 1), (const void *)softmax_bwd_rows_smem<T, (bool)MASKED, (bool)LOG, THREADS>}
+const Instance kInstances[] = {
+    FWD_WARPS(__half, 0, 0),
+    FWD_WARPS(__half, 0, 1),
+    FWD_WARPS(__half, 1, 0),
+    FWD_WARPS(__half, 1, 1),
+    FWD_WARPS(__nv_bfloat16, 0, 0),
+    FWD_WARPS(__nv_bfloat16, 0, 1),
+    FWD_WARPS(__nv_bfloat16, 1, 0),
+    FWD_WARPS(__nv_bfloat16, 1, 1),
+    FWD_CTA(float, 0, 0),
+    FWD_CTA(float, 0, 1),
+    FWD_CTA(float, 1, 0),
+    FWD_CTA(float, 1, 1),
+    FWD_CTA(__half, 0, 0),
+    FWD_CTA(__half, 0, 1),
+    FWD_CTA(__half, 1, 0),
+    FWD_CTA(__half, 1, 1),
+    FWD_CTA(__nv_bfloat16, 0, 0),
+    FWD_CTA(__nv_bfloat16, 0, 1),
+    FWD_CTA(__nv_bfloat16, 1, 0),
+    FWD_CTA(__nv_bfloat16, 1, 1),
+    BWD_CTA(float, kSmemBwdThreads, 0, 0),
+    BWD_CTA(float, kSmemBwdThreads, 0, 1),
+    BWD_CTA(float, kSmemBwdThreads, 1, 0),
+    BWD_CTA(float, kSmemBwdThreads, 1, 1),
+    BWD_CTA(float, kSmemBwdSlowDramThreads, 0, 0),
+    BWD_CTA(float, kSmemBwdSlowDramThreads, 0, 1),
+    BWD_DYREG(float, kDyRegThreads, 0, 0),
+    BWD_DYREG(float, kDyRegThreads, 0, 1),
+    BWD_DYREG(float, kDyRegThreads, 1, 0),
+    BWD_DYREG(float, kDyRegThreads, 1, 1),
+    BWD_DYREG(float, kDyRegWideThreads, 0, 0),
+    BWD_DYREG(float, kDyRegWideThreads, 0, 1),
+    BWD_DYREG(float, kDyRegWideThreads, 1, 0),
+    BWD_DYREG(float, kDyRegWideThreads, 1, 1),
+    BWD_CTA(__half, kSmemBwdThreads, 0, 0),
+    BWD_CTA(__half, kSmemBwdThreads, 0, 1),
+    BWD_CTA(__half, kSmemBwdThreads, 1, 0),
+    BWD_CTA(__half, kSmemBwdThreads, 1, 1),
+    BWD_CTA(__half, kSmemBwdSlowDramThreads, 0, 0),
+    BWD_CTA(__half, kSmemBwdSlowDramThreads, 0, 1),
+    BWD_DYREG(__half, kDyRegThreads, 0, 0),
+    BWD_DYREG(__half, kDyRegThreads, 0, 1),
+    BWD_DYREG(__half, kDyRegThreads, 1, 0),
+    BWD_DYREG(__half, kDyRegThreads, 1, 1),
+    BWD_DYREG(__half, kDyRegWideThreads, 0, 0),
+    BWD_DYREG(__half, kDyRegWideThreads, 0, 1),
+    BWD_DYREG(__half, kDyRegWideThreads, 1, 0),
+    BWD_DYREG(__half, kDyRegWideThreads, 1, 1),
+    BWD_CTA(__nv_bfloat16, kSmemBwdThreads, 0, 0),
+    BWD_CTA(__nv_bfloat16, kSmemBwdThreads, 0, 1),
+    BWD_CTA(__nv_bfloat16, kSmemBwdThreads, 1, 0),
+    BWD_CTA(__nv_bfloat16, kSmemBwdThreads, 1, 1),
+    BWD_CTA(__nv_bfloat16, kSmemBwdSlowDramThreads, 0, 0),
+    BWD_CTA(__nv_bfloat16, kSmemBwdSlowDramThreads, 0, 1),
+    BWD_DYREG(__nv_bfloat16, kDyRegThreads, 0, 0),
+    BWD_DYREG(__nv_bfloat16, kDyRegThreads, 0, 1),
+    BWD_DYREG(__nv_bfloat16, kDyRegThreads, 1, 0),
+    BWD_DYREG(__nv_bfloat16, kDyRegThreads, 1, 1),
+    BWD_DYREG(__nv_bfloat16, kDyRegWideThreads, 0, 0),
+    BWD_DYREG(__nv_bfloat16, kDyRegWideThreads, 0, 1),
+    BWD_DYREG(__nv_bfloat16, kDyRegWideThreads, 1, 0),
+    BWD_DYREG(__nv_bfloat16, kDyRegWideThreads, 1, 1),
+};
+#undef KEY
+#undef FWD_WARPS
+#undef FWD_CTA
+#undef BWD_CTA
+#undef BWD_DYREG
+}  // namespace
+
+const void *rows_smem_kernel(const Plan &p) {
+    return find_instance(kInstances, instance_key(p.dtype, p.vec, 0, p.lanes, p.masked, p.log, false,
+                                                  (int)p.strategy + 16 * p.backward));
+}
+
+fk_status launch_rows_smem(const Plan &p, const FwdArgs &a) {
+    const void *kernel = rows_smem_kernel(p);
+    if (!kernel) return no_instance(p, a.op);
+    FK_DISPATCH_CUDA_DTYPE(p.dtype, a.op, return launch_fwd<T>(p, a, kernel));
+    return FK_OK;
+}
+
+fk_status launch_rows_smem(const Plan &p, const BwdArgs &a) {
+    const void *kernel = rows_smem_kernel(p);
+    if (!kernel) return no_instance(p, a.op);
+    FK_DISPATCH_CUDA_DTYPE(p.dtype, a.op, return launch_bwd<T>(p, a, kernel));
+    return FK_OK;
+}
+
+}  // namespace fk::softmax
