@@ -414,6 +414,22 @@ def test_cpu_threads_give_the_one_thread_results(shape, dim, log, poison):
         assert not b.isnan().any() and torch.equal(a, b)
 
 
+
+@needs_cuda
+@pytest.mark.parametrize("dtype,shape", [(torch.float32, (128, 1)), (torch.float32, (128, 63)),
+                                         (torch.bfloat16, (256, 1017)), (torch.bfloat16, (256, 1025)),
+                                         (torch.float32, (128, 2001)), (torch.bfloat16, (256, 4097)),
+                                         (torch.bfloat16, (256, 12001)), (torch.float32, (128, 250001))], ids=str)
+@pytest.mark.parametrize("log", [False, True], ids=["softmax", "log"])
+def test_ragged_rows_end_at_the_tensors_end_cuda(dtype, shape, log, poison):
+    """Ragged rows (n not a multiple of 16 bytes) read through 16-byte accesses: the last row's last
+    access stops at the tensor's end (every rows_* strategy: lane groups, register rows, row blocks,
+    shared-memory slices and dy in registers). Each tensor here is a multiple of 512 bytes, so it
+    ends where the caching allocator's block does; a read past it shows under compute-sanitizer
+    (PYTORCH_NO_CUDA_MEMORY_CACHING=1), not here: this checks the values around the end."""
+    check((torch.randn(shape, device="cuda") * 4).to(dtype), -1, log)
+
+
 # ---- the dispatch table's bounds (csrc/cuda/softmax/dispatch.cu) ------------------------------------
 # For every row of the table, a shape just inside and one just outside its bounds: the strategy the
 # plan names on sm_90 (H100 / H200) and on sm_80 (no clusters, no bulk copies), the elements a thread

@@ -74,6 +74,8 @@ softmax_fwd_rows_block(int64_t n, int64_t seg, int cluster_k, const T *__restric
     kernel_start(nullptr, 0, cluster_k, smem, sum_smem);
     const int64_t row = blockIdx.x / cluster_k;
     const int rank = blockIdx.x % cluster_k;
+    // the tensor's last row (ragged rows, masked instances): its last access stops at the tensor's end
+    const bool last = kCausal && row == gridDim.x / cluster_k - 1;
     // slices of the row's frame (row_lead): its keys are [lead, lead + causal_len)
     const int lead = kCausal ? row_lead<VEC>(row, n) : 0;
     const int64_t begin = rank * seg, end = min(lead + n, begin + seg);
@@ -97,6 +99,7 @@ softmax_fwd_rows_block(int64_t n, int64_t seg, int cluster_k, const T *__restric
         for (int p = 0; p < P; p++)
             if (p * 32 * VEC < keys.hi) {
                 if constexpr (VEC == 1) raw[p] = load_raw<T, VEC>(xr + start + p * 32 * VEC);
+                else if (kCausal && last) raw[p] = load_until<T, VEC>(xr + start + p * 32 * VEC, x + (row + 1) * n);
                 else raw[p] = load_pack_kept(xr + start + p * 32 * VEC);
             }
     };
@@ -193,6 +196,8 @@ softmax_bwd_rows_block(int64_t n, int64_t seg, int cluster_k, const T *__restric
     kernel_start(nullptr, 0, cluster_k, smem);
     const int64_t row = blockIdx.x / cluster_k;
     const int rank = blockIdx.x % cluster_k;
+    // the tensor's last row (ragged rows, masked instances): its last access stops at the tensor's end
+    const bool last = kCausal && row == gridDim.x / cluster_k - 1;
     // slices of the row's frame (row_lead): its keys are [lead, lead + causal_len)
     const int lead = kCausal ? row_lead<VEC>(row, n) : 0;
     const int64_t begin = rank * seg, end = min(lead + n, begin + seg);
@@ -212,8 +217,13 @@ softmax_bwd_rows_block(int64_t n, int64_t seg, int cluster_k, const T *__restric
         const Span xs = span(start, x_end), dys = span(start, dy_end);
 #pragma unroll
         for (int p = 0; p < P; p++) {
-            if (p * 32 * VEC < xs.hi) raw_x[p] = load_raw<T, VEC>(xr + start + p * 32 * VEC);
-            if (p * 32 * VEC < dys.hi) raw_dy[p] = load_raw<T, VEC>(dyr + start + p * 32 * VEC);
+            if (kCausal && last) {
+                if (p * 32 * VEC < xs.hi) raw_x[p] = load_until<T, VEC>(xr + start + p * 32 * VEC, x + (row + 1) * n);
+                if (p * 32 * VEC < dys.hi) raw_dy[p] = load_until<T, VEC>(dyr + start + p * 32 * VEC, dy + (row + 1) * n);
+            } else {
+                if (p * 32 * VEC < xs.hi) raw_x[p] = load_raw<T, VEC>(xr + start + p * 32 * VEC);
+                if (p * 32 * VEC < dys.hi) raw_dy[p] = load_raw<T, VEC>(dyr + start + p * 32 * VEC);
+            }
         }
     };
     // y' = exp(x * scale - row_max): unnormalised, z = sum y' renormalises it

@@ -77,8 +77,13 @@ softmax_bwd_rows_packs(int64_t n, const T *__restrict__ dy, const T *__restrict_
         const int64_t at = (int64_t)(threadIdx.x + i * blockDim.x) * VEC;
         *reinterpret_cast<uint4 *>(&vx[i]) = make_uint4(0, 0, 0, 0);
         *reinterpret_cast<uint4 *>(&vg[i]) = make_uint4(0, 0, 0, 0);
-        if (in(i, 0, keys)) vx[i] = load_pack_kept<T, kKeep>(xr + at);
-        if (in(i, 0, dy_keys)) vg[i] = load_pack_kept<T, kKeep>(dyr + at);
+        if (kRagged && row == gridDim.x - 1) {  // the tensor's last row: its last pack stops at the end
+            if (in(i, 0, keys)) vx[i] = load_until<T, VEC>(xr + at, x + gridDim.x * n);
+            if (in(i, 0, dy_keys)) vg[i] = load_until<T, VEC>(dyr + at, dy + gridDim.x * n);
+        } else {
+            if (in(i, 0, keys)) vx[i] = load_pack_kept<T, kKeep>(xr + at);
+            if (in(i, 0, dy_keys)) vg[i] = load_pack_kept<T, kKeep>(dyr + at);
+        }
     }
     const float ref = exp_ref(row_max[row]);
     BwdSums<T, kLog> sums;  // (z, a): sum of y', sum of dy * y' (log: of dy)

@@ -205,6 +205,13 @@ template <typename T, bool kWarps, bool kDiv = false> __device__ __forceinline__
 // (1024, 65536) 97.0-97.2 -> 100.4, fp32 (1024, 65536) 98.5-98.6 -> 100.8-101.0, (4096, 16384)
 // 99.9-100.0 -> 100.8-101.0, others level); larger ones keep it (without it bf16 (256, 262144),
 // 64 KB CTAs, 92.6-92.8 -> 90.8-91.1), and so do the forward's (without it -1.5 to -2.5 points).
+// Bytes of [src, src + bytes) before `end` (the tensor's end), in whole 16-byte packs: the copies of
+// the tensor's last slice stop there, and start_copies copies its partial last pack element-wise.
+template <typename T> __device__ __forceinline__ uint32_t bulk_bytes(const T *src, uint32_t bytes, const T *end) {
+    const int64_t left = (int64_t)(end - src) * (int64_t)sizeof(T);
+    return left >= (int64_t)bytes ? bytes : (uint32_t)(left > 0 ? left / 16 * 16 : 0);
+}
+
 template <typename T, bool kCausal, bool kDiv = false, typename Copies>
 __device__ __forceinline__ void prefetch_next_cta(int64_t rows, int64_t n, int64_t seg, int cluster_k,
                                                   int64_t causal_sq, Copies copies) {
@@ -214,15 +221,16 @@ __device__ __forceinline__ void prefetch_next_cta(int64_t rows, int64_t n, int64
     const int64_t next = (int64_t)blockIdx.x + sms;
     if (next >= gridDim.x) return;
     copies(0, slice_of<T, kCausal, false, kDiv>(0, rows, n, seg, cluster_k, causal_sq, next),
-           [&](int64_t, const T *src, uint32_t bytes) {
-               if (bytes)
-                   asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(src), "r"(bytes) : "memory");
+           [&](int64_t, const T *src, uint32_t bytes, const T *end) {
+               const uint32_t whole = bulk_bytes(src, bytes, end);
+               if (whole)
+                   asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(src), "r"(whole) : "memory");
            });
 #endif
 }
 
 // Thread 0 starts the CTA's copies: copies(i, slice, copy) names, for slice i of the CTA, each
-// tensor's copy as copy(shared offset, source, bytes). Each tensor's copy is cut into pieces.count
+// tensor's copy as copy(shared offset, source, bytes, the tensor's end). Each tensor's copy is cut into pieces.count
 // pieces of pieces.bytes at the same offsets, piece c of slice i counted on
 // bar[i * pieces.count + c], so a warp starts on its own row and the passes on the first piece
 // while the rest are in flight. One arrival per barrier announces all its bytes, so no phase completes before
@@ -240,12 +248,23 @@ __device__ __forceinline__ void start_copies(uint64_t *bar, Pieces pieces, unsig
             auto lo = [&](uint32_t bytes) { return min((uint32_t)c * pieces.bytes, bytes); };
             auto len = [&](uint32_t bytes) { return min(lo(bytes) + pieces.bytes, bytes) - lo(bytes); };
             uint32_t total = 0;
-            copies(i, sl, [&](int64_t, const T *, uint32_t bytes) { total += len(bytes); });
+            copies(i, sl, [&](int64_t offset, const T *src, uint32_t bytes, const T *end) {
+                const uint32_t whole = bulk_bytes(src, bytes, end);
+                total += len(whole);
+                // a partial pack at the tensor's end, in this piece: plain loads and shared stores,
+                // which this thread's arrival below releases to the passes waiting on the barrier
+                if (whole < bytes && whole >= lo(bytes) && whole < lo(bytes) + len(bytes)) {
+                    T *dst = reinterpret_cast<T *>(smem + offset + whole);
+                    const T *from = src + whole / sizeof(T);
+                    for (int k = 0; k < 16 / (int)sizeof(T) && from + k < end; k++) dst[k] = from[k];
+                }
+            });
             mbar_expect(b, total);
-            copies(i, sl, [&](int64_t offset, const T *src, uint32_t bytes) {
-                if (len(bytes))
-                    bulk_load(smem + offset + lo(bytes), reinterpret_cast<const unsigned char *>(src) + lo(bytes),
-                              len(bytes), b, keep);
+            copies(i, sl, [&](int64_t offset, const T *src, uint32_t bytes, const T *end) {
+                const uint32_t whole = bulk_bytes(src, bytes, end);
+                if (len(whole))
+                    bulk_load(smem + offset + lo(whole), reinterpret_cast<const unsigned char *>(src) + lo(whole),
+                              len(whole), b, keep);
             });
         }
     }
@@ -305,7 +324,7 @@ softmax_fwd_rows_smem(int64_t n, int64_t seg, int cluster_k, int64_t rows, const
     start_copies<T, kCausal, kWarps>(bar, pieces, smem_raw, rows, n, seg, cluster_k, causal_sq,
                                      slice_bytes_max <= kSmemCtaBigMax,
                                      [&](int i, const Slice &s, auto copy) {
-                                         copy(i * slice_bytes_max, s.start(x, n), slice_bytes<T>(s.keys, s.len));
+                                         copy(i * slice_bytes_max, s.start(x, n), slice_bytes<T>(s.keys, s.len), x + rows * n);
                                      });
     const Slice sl = slice_of<T, kCausal, kWarps>(w, rows, n, seg, cluster_k, causal_sq);
     const int packs = (int)(slice_bytes<T>(sl.keys, sl.len) / 16), outs = out_packs<T, kCausal>(sl);
@@ -417,8 +436,9 @@ softmax_bwd_rows_smem(int64_t n, int64_t seg, int cluster_k, int64_t rows, const
     kernel_start(bar, pieces.count, cluster_k, red);
     start_copies<T, kCausal, false, true>(bar, pieces, smem_raw, rows, n, seg, cluster_k, causal_sq, prefetch,
                                            [&](int i, const Slice &s, auto copy) {
-                                               copy(i * slice, s.start(x, n), x_bytes(s));
-                                               if (!kDyRegs) copy(dy_base + i * slice, s.start(dy, n), dy_bytes(s));
+                                               copy(i * slice, s.start(x, n), x_bytes(s), x + rows * n);
+                                               if (!kDyRegs)
+                                                   copy(dy_base + i * slice, s.start(dy, n), dy_bytes(s), dy + rows * n);
                                            }, !prefetch);
     const Slice sl = slice_of<T, kCausal, false, true>(0, rows, n, seg, cluster_k, causal_sq);
     const int x_packs = (int)(x_bytes(sl) / 16), dy_packs = (int)(dy_bytes(sl) / 16);
@@ -434,7 +454,9 @@ softmax_bwd_rows_smem(int64_t n, int64_t seg, int cluster_k, int64_t rows, const
         const T *dyr = sl.start(dy, n);
 #pragma unroll
         for (int i = 0; i < kDyRegPacks; i++)
-            if (lane + i * kLanes < dy_packs) dy_reg[i] = fk::load_pack(dyr + (lane + i * kLanes) * VEC);
+            if (lane + i * kLanes < dy_packs)  // the tensor's last row: its last pack stops at the end
+                dy_reg[i] = kCausal && sl.row == rows - 1 ? load_until<T, VEC>(dyr + (lane + i * kLanes) * VEC, dy + rows * n)
+                                                          : fk::load_pack(dyr + (lane + i * kLanes) * VEC);
     }
     const float ref = sl.valid ? exp_ref(row_max[sl.row]) : 0.f;
     // y' = exp(x * scale - row_max) of element k of a pack v of x: unnormalised, z = sum y'

@@ -60,11 +60,21 @@ softmax_bwd_rows_warp(int64_t rows, int n, int group_arg, const T *__restrict__ 
         // log_softmax sums dy over masked keys too (their y is 0, not their dy)
         dy_len[r] = row >= rows ? 0 : kLog ? lead[r] + n : valid[r];
         m_saved[r] = row < rows ? row_max[row] : 0.f;
+        const T *xr = x + row * n - lead[r], *dyr = dy + row * n - lead[r];
+        if (kRagged && row == rows - 1) {  // the tensor's last row: its last access stops at the end
 #pragma unroll
-        for (int p = 0; p < P; p++) {
-            const int col = lg.col(p);
-            raw_x[r][p] = load_or_zero<T, VEC>(x + row * n - lead[r] + col, col < valid[r]);
-            raw_dy[r][p] = load_or_zero<T, VEC>(dy + row * n - lead[r] + col, col < dy_len[r]);
+            for (int p = 0; p < P; p++) {
+                const int col = lg.col(p);
+                raw_x[r][p] = load_or_zero_until<T, VEC>(xr + col, col < valid[r], x + rows * n);
+                raw_dy[r][p] = load_or_zero_until<T, VEC>(dyr + col, col < dy_len[r], dy + rows * n);
+            }
+        } else {
+#pragma unroll
+            for (int p = 0; p < P; p++) {
+                const int col = lg.col(p);
+                raw_x[r][p] = load_or_zero<T, VEC>(xr + col, col < valid[r]);
+                raw_dy[r][p] = load_or_zero<T, VEC>(dyr + col, col < dy_len[r]);
+            }
         }
     }
 #pragma unroll

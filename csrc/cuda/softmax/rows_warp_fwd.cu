@@ -33,10 +33,14 @@ softmax_fwd_rows_warp(int64_t rows, int n, int group_arg, const T *__restrict__ 
     for (int r = 0; r < ROWS; r++) {
         const int64_t row = lg.first + r;
         LaneGroup<VEC>::template frame<kRagged, kCausal>(row, rows, n, causal_sq, lead[r], valid[r]);
+        const T *xr = x + row * n - lead[r];
+        if (kRagged && row == rows - 1) {  // the tensor's last row: its last access stops at the end
 #pragma unroll
-        for (int p = 0; p < P; p++) {
-            const int col = lg.col(p);
-            raw[r][p] = load_or_zero<T, VEC>(x + row * n - lead[r] + col, col < valid[r]);
+            for (int p = 0; p < P; p++)
+                raw[r][p] = load_or_zero_until<T, VEC>(xr + lg.col(p), lg.col(p) < valid[r], x + rows * n);
+        } else {
+#pragma unroll
+            for (int p = 0; p < P; p++) raw[r][p] = load_or_zero<T, VEC>(xr + lg.col(p), lg.col(p) < valid[r]);
         }
     }
 #pragma unroll

@@ -110,6 +110,31 @@ template <typename T, int VEC> __device__ __forceinline__ Raw<T, VEC> load_or_ze
     return r;
 }
 
+// The access at p with only its elements before `end` (the tensor's end) read, the rest zeros. A
+// ragged row's last access reaches past the row, so the tensor's last row takes this for its
+// accesses (a per-row or per-CTA test outside the inner loops); every other access loads whole.
+template <typename T, int VEC> __device__ __forceinline__ Raw<T, VEC> load_until(const T *p, const T *end) {
+    if constexpr (VEC == 1) {
+        return __ldg(p);
+    } else {
+        if (p + VEC <= end) return load_raw<T, VEC>(p);
+        Raw<T, VEC> r;
+        *reinterpret_cast<uint4 *>(&r) = make_uint4(0, 0, 0, 0);
+#pragma unroll
+        for (int k = 0; k < VEC; k++)
+            if (p + k < end) r.v[k] = p[k];
+        return r;
+    }
+}
+template <typename T, int VEC>
+__device__ __forceinline__ Raw<T, VEC> load_or_zero_until(const T *p, bool in, const T *end) {
+    Raw<T, VEC> r;
+    if constexpr (VEC == 1) r = T(0.f);
+    else *reinterpret_cast<uint4 *>(&r) = make_uint4(0, 0, 0, 0);
+    if (in) r = load_until<T, VEC>(p, end);
+    return r;
+}
+
 // Converted a 32-bit word at a time (fk::pack_f32): element by element, the zero-filled bf16 loads
 // were moved a 16-bit half at a time (two PRMT an element: the bf16 warp backward of 1000-wide rows
 // took 664 instructions a lane, now 584, and 80 registers, now 64).
@@ -170,8 +195,9 @@ __device__ __forceinline__ void store_in(T *p, const float *v, int j, int lo, in
 // masked ones with causal_sq 1 (every key in; the bulk copies start at the frame, 16-byte aligned);
 // masked ragged rows that a warp holds take the scalar path. The first
 // and last accesses of a row are partly another row's: read, but written element by element
-// (store_in). The tensor's last access may read up to 15 bytes past its end, within its 16-byte
-// block, so within a mapped page (torch's allocator rounds blocks up to 512 bytes). Packed rows
+// (store_in). The tensor's last row reads its last access only up to the tensor's end (load_until;
+// the shared-memory kernels' thread 0 copies that partial pack element by element), so no access
+// passes the tensor's end. Packed rows
 // have lead 0. H200, against the scalar path, x torch.compile: bf16 (4096, 50257) forward 0.71 ->
 // 1.66x, backward 0.75 -> 1.28x; bf16 (131072, 1100) backward 0.67 -> 1.13x. The shared-memory
 // kernels then took long rows from the row-block kernel (H100, % of copy, forward / backward):
