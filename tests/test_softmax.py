@@ -293,9 +293,9 @@ def test_cuda_graph_capture_and_replay():
 @pytest.mark.parametrize("log", [False, True], ids=["softmax", "log"])
 @pytest.mark.parametrize("n", [1000, 1021])
 def test_fp32_rows_over_one_wave_cuda(n, log, poison):
-    """fp32 rows of 513-1024 elements take one-warp CTAs once their grid outgrows one wave of
-    128-thread CTAs (at most 16 an SM): enough rows for that on any GPU, an odd count so the last
-    CTA is partial, packed (1000) and scalar (1021) rows, forward and backward."""
+    """fp32 rows of 513-1024 elements (32 elements a lane) on grids of more than one wave of
+    128-thread CTAs: enough rows for that on any GPU, an odd count so the last CTA is partial,
+    packed (1000) and scalar (1021) rows, forward and backward."""
     rows = 16 * 4 * torch.cuda.get_device_properties(0).multi_processor_count + 3
     check(torch.randn(rows, n, device="cuda") * 4, -1, log)
 
@@ -458,8 +458,8 @@ PLAN_BOUNDS = [
     ("bwd", BF16, (3, 8200), True, True, "rows_smem_cta", "rows_block", None),
     ("bwd", BF16, (3, 1100), True, True, "rows_block", "rows_block", 16),
     ("fwd", F32, (3, 4096), False, True, "rows_block", "rows_block", 16),
-    ("fwd", F32, (3, 4100), False, True, "rows_block", "rows_block", 32),
-    ("fwd", F32, (3, 8192), False, True, "rows_block", "rows_block", 32),
+    ("fwd", F32, (3, 4100), False, True, "rows_block", "rows_block", 16),
+    ("fwd", F32, (3, 8192), False, True, "rows_block", "rows_block", 16),
     ("fwd", F32, (3, 8196), False, True, "rows_smem_cta", "rows_block", None),
     ("fwd", BF16, (3, 4096), False, True, "rows_smem_warp", "rows_block", None),
     ("fwd", BF16, (3, 4104), False, True, "rows_smem_cta", "rows_block", None),

@@ -20,8 +20,6 @@
 //
 // Card rows (DRAM bytes / us / SM, fk::dram_bytes_per_us_per_sm; H100 ~25 000, H200 ~37 000):
 // rows    bwd  16-bit  2049-4096 in rows_packs         DRAM > 30 000              16 elements a thread  D-?
-// rows    bwd  any     unmasked rows_smem_cta, CTAs    DRAM <= 30 000             256 threads (not 128) D-?
-//                      >= 3/4 of 32 KB
 #include <algorithm>
 #include <cstdio>
 #include <type_traits>
@@ -50,8 +48,7 @@ constexpr int64_t kRaggedFp32BwdMax = 64;
 // ---- one function per table row group --------------------------------------------------------------
 
 // rows_warp: the fewest lanes that hold the frame at kBytes a lane (compile-time counts 4-32; rows
-// just past a power of two take half the lanes with 3/2 the elements), 128-thread CTAs, or one-warp
-// CTAs for fp32 rows of 32 elements a lane on grids past a wave.
+// just past a power of two take half the lanes with 3/2 the elements), 128-thread CTAs.
 fk_status plan_rows_warp(const Problem &q, Plan &p, int64_t frame) {
     const int bytes = dtype_bytes(q.dtype), kBytes = q.backward ? 32 : 64;
     const int c0 = p.vec == 1 ? 1 : kBytes / bytes;
@@ -82,11 +79,6 @@ fk_status plan_rows_warp(const Problem &q, Plan &p, int64_t frame) {
         return (q.outer + per_cta - 1) / per_cta;
     };
     p.block_x = kWarpBlock;
-    if (q.dtype == FK_FLOAT32 && c == 32) {
-        const void *kernel = q.backward ? rows_warp_bwd_kernel(p) : rows_warp_fwd_kernel(p);
-        const int occupancy = kernel ? warp_occupancy(kernel, kWarpBlock, q.device) : -1;
-        if (occupancy > 0 && ctas(kWarpBlock) > (int64_t)occupancy * fk::sm_count(q.device)) p.block_x = 32;
-    }
     p.grid = ctas(p.block_x);
     if (p.grid > 0x7fffffff) return fk_fail(FK_ERR_VALUE, "%s: %lld rows exceed the CUDA grid", q.op, (long long)q.outer);
     return FK_OK;
@@ -149,9 +141,6 @@ bool plan_rows_smem(const Problem &q, Plan &p, int64_t frame) {
     int64_t k = pow2_ceil((row_bytes + kSmemCtaMax - 1) / kSmemCtaMax);
     p.strategy = Strategy::kRowsSmemCta;
     p.lanes = q.backward ? kSmemBwdThreads : kSmemFwdThreads;
-    if (q.backward && !p.masked && 4 * row_bytes >= 3 * k * kSmemCtaMax &&
-        fk::dram_bytes_per_us_per_sm(q.device) <= kFastDramPerSm)  // card row
-        p.lanes = kSmemBwdSlowDramThreads;
     int threads = p.lanes;
     const void *cta = rows_smem_kernel(p);
     if (!cta) return false;
@@ -287,7 +276,7 @@ fk_status plan_softmax(const Problem &q, Plan &p) {
         return plan_rows_packs(q, p, frame);
     p.masked = causal || ragged, p.ragged = false, p.mask_sq = causal ? q.causal_sq : (int64_t)p.masked;
     if (!q.backward && fp32 && frame <= kPackRowMax)             // rows_block, fp32 forwards
-        return plan_rows_block(q, p, frame, block_elems(bytes, p.vec, false) * (p.vec > 1 && frame > kWideFwdMin ? 2 : 1));
+        return plan_rows_block(q, p, frame, block_elems(bytes, p.vec, false));
     if (p.vec > 1 && plan_rows_smem(q, p, frame)) return FK_OK;  // rows_smem_warp, _cta, _dyreg
     return plan_rows_block(q, p, frame, block_elems(bytes, p.vec, q.backward));  // rows_block, fallback
 }

@@ -17,12 +17,10 @@ constexpr int kBlockThreads = 512;  // most threads a rows_block CTA: 2 CTAs an 
 constexpr int kCtaChunks = 2;       // chunks a rows_block CTA loops over before rows take a cluster
 constexpr int kMaxCluster = 16;
 // rows_block: elements a thread a chunk, 64 bytes forward, 32 of each of x and dy backward (the
-// scalar path keeps 8 of each); fp32 forwards past kWideFwdMin take kWideFwdElems in 256-thread CTAs.
+// scalar path keeps 8 of each).
 __host__ __device__ constexpr int block_elems(int bytes, int vec, bool backward) {
     return vec == 1 ? 8 : (backward ? 32 : 64) / bytes;
 }
-constexpr int kWideFwdElems = 32;
-constexpr int64_t kWideFwdMin = 4096;
 constexpr int kPackThreads = 512;   // most threads a rows_packs CTA
 constexpr int kPackElems = 8;       // elements of x (and dy) a rows_packs thread, x2 / x4 for long rows
 constexpr int64_t kPackRowMax = 2 * kPackElems * kPackThreads;  // 8192
@@ -31,7 +29,6 @@ constexpr int64_t kSmemCtaMax = 32 * 1024;      // bytes a rows_smem_cta CTA hol
 constexpr int64_t kSmemCtaBigMax = 112 * 1024;  // ... where a full cluster of kSmemCtaMax cannot hold a row
 constexpr int64_t kSmemCtaHugeMax = 224 * 1024; // ... unmasked forwards past that: one CTA an SM
 constexpr int kSmemFwdThreads = 256, kSmemBwdThreads = 128;
-constexpr int kSmemBwdSlowDramThreads = 256;
 constexpr int kMaskedWarpPacks = 80;  // masked rows_smem forwards: a warp per 80 packs (2.5 a lane)
 constexpr int kWarpRows = 4;          // rows (warps) a rows_smem_warp CTA
 constexpr int kDyRegPacks = 16;       // rows_smem_dyreg: packs of dy a thread holds

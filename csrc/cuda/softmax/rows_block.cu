@@ -63,12 +63,11 @@ __device__ __forceinline__ void store_chunk(T *out, Span outs, Value value) {
     }
 }
 
-template <typename T, int VEC, bool kCausal, bool kLog, int C = block_elems_fwd<T, VEC>()>
-__global__ void __launch_bounds__(C == block_elems_fwd<T, VEC>() ? kBlockThreads : 256,
-                                  C == block_elems_fwd<T, VEC>() ? 2 : 3)
+template <typename T, int VEC, bool kCausal, bool kLog>
+__global__ void __launch_bounds__(kBlockThreads, 2)
 softmax_fwd_rows_block(int64_t n, int64_t seg, int cluster_k, const T *__restrict__ x, T *__restrict__ y,
                        float *__restrict__ row_max, float scale, int64_t causal_sq) {
-    constexpr int P = C / VEC;
+    constexpr int C = block_elems_fwd<T, VEC>(), P = C / VEC;
     __shared__ RowReduceSmem<float2> smem;       // the in-register path's max
     __shared__ RowReduceSmem<Acc2<T>> sum_smem;  // its sum; the looped path's (max, sum) pairs
     kernel_start(nullptr, 0, cluster_k, smem, sum_smem);
@@ -100,7 +99,7 @@ softmax_fwd_rows_block(int64_t n, int64_t seg, int cluster_k, const T *__restric
             if (p * 32 * VEC < keys.hi) {
                 if constexpr (VEC == 1) raw[p] = load_raw<T, VEC>(xr + start + p * 32 * VEC);
                 else if (kCausal && last) raw[p] = load_until<T, VEC>(xr + start + p * 32 * VEC, x + (row + 1) * n);
-                else raw[p] = load_pack_kept(xr + start + p * 32 * VEC);
+                else raw[p] = fk::load_pack(xr + start + p * 32 * VEC);
             }
     };
 
@@ -282,7 +281,7 @@ template <typename T> fk_status launch_bwd(const Plan &p, const BwdArgs &a, cons
 
 // The instances: dtype, VEC, elements a thread a chunk, masked (causal or ragged), log.
 #define FWD(T, VEC, C, MASKED, LOG) \
-    {instance_key(dtype_of<T>, VEC, C, 0, MASKED, LOG, false), (const void *)softmax_fwd_rows_block<T, VEC, (bool)MASKED, (bool)LOG, C>}
+    {instance_key(dtype_of<T>, VEC, C, 0, MASKED, LOG, false), (const void *)softmax_fwd_rows_block<T, VEC, (bool)MASKED, (bool)LOG>}
 #define BWD(T, VEC, C, MASKED, LOG) \
     {instance_key(dtype_of<T>, VEC, C, 0, MASKED, LOG, false, 1), (const void *)softmax_bwd_rows_block<T, VEC, (bool)MASKED, (bool)LOG>}
 const Instance kInstances[] = {
@@ -294,10 +293,6 @@ const Instance kInstances[] = {
     FWD(float, 4, 16, 0, 1),
     FWD(float, 4, 16, 1, 0),
     FWD(float, 4, 16, 1, 1),
-    FWD(float, 4, 32, 0, 0),
-    FWD(float, 4, 32, 0, 1),
-    FWD(float, 4, 32, 1, 0),
-    FWD(float, 4, 32, 1, 1),
     FWD(__half, 1, 8, 0, 0),
     FWD(__half, 1, 8, 0, 1),
     FWD(__half, 1, 8, 1, 0),

@@ -28,7 +28,7 @@ namespace {
 // 0.98 -> 1.07x. Measured against it: 8 elements a thread for fp32 rows of up to 2048 as 4 (1
 // pack: fp32 (32768, 2048) 0.94-0.95x), 16 for 16-bit rows of up to 4096 (bf16 (16384, 4096)
 // 0.992x; taken since on fast-DRAM devices, see kFastDramPerSm), 1024-thread CTAs (fp32
-// (16384, 4096) 0.915x). Loads: load_pack_kept.
+// (16384, 4096) 0.915x).
 // CTAs an SM the kernel is compiled for (its register cap): 16-bit 8 elements a thread 4 (32
 // registers), fp32 or 16-bit 16 elements 3 (38-40), fp32 16 elements 2 (62), 16-bit 32 elements 2
 // (62-64).
@@ -65,12 +65,6 @@ softmax_bwd_rows_packs(int64_t n, const T *__restrict__ dy, const T *__restrict_
         const int p = threadIdx.x + i * blockDim.x;
         return p < packs && (!kCausal || (int64_t)p * VEC + k < len);
     };
-    // Loads under evict_last: fp32, and 16-bit rows of more than 8 elements a thread. H200,
-    // same-process A/B, kept L2 lines released before each sample: bf16 (4096, 16384) 98.9 -> 99.8%
-    // of copy (0.985 -> 0.993x torch.compile), (8192, 8192) 100.7 -> 101.7; (16384, 4096), 8
-    // elements a thread, lost 0.6 with it. H100: bf16 (4096, 16384) 0.9991x torch.compile (12
-    // rounds) -> 1.0026x (10 rounds, 9 ahead), ragged (32768, 4097) 100.7 -> 101.6 (run13 -> run14).
-    constexpr bool kKeep = std::is_same_v<T, float> || P > 1;
     fk::Pack<T> vx[P], vg[P];
 #pragma unroll
     for (int i = 0; i < P; i++) {
@@ -81,8 +75,8 @@ softmax_bwd_rows_packs(int64_t n, const T *__restrict__ dy, const T *__restrict_
             if (in(i, 0, keys)) vx[i] = load_until<T, VEC>(xr + at, x + gridDim.x * n);
             if (in(i, 0, dy_keys)) vg[i] = load_until<T, VEC>(dyr + at, dy + gridDim.x * n);
         } else {
-            if (in(i, 0, keys)) vx[i] = load_pack_kept<T, kKeep>(xr + at);
-            if (in(i, 0, dy_keys)) vg[i] = load_pack_kept<T, kKeep>(dyr + at);
+            if (in(i, 0, keys)) vx[i] = fk::load_pack(xr + at);
+            if (in(i, 0, dy_keys)) vg[i] = fk::load_pack(dyr + at);
         }
     }
     const float ref = exp_ref(row_max[row]);

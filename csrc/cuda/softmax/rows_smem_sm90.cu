@@ -114,14 +114,7 @@ constexpr int kSliceAlign = 128;
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
 
 // Copies [src, src + bytes) to shared dst, counted on `bar`; bytes is a multiple of 16.
-// keep: under an L2 evict_last policy (see the backward's copies).
-__device__ __forceinline__ void bulk_load(void *dst, const void *src, uint32_t bytes, uint64_t *bar, bool keep = false) {
-    if (keep) {
-        asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint [%0], [%1], %2, [%3], %4;"
-                     ::"r"(smem_u32(dst)), "l"(src), "r"(bytes), "r"(smem_u32(bar)), "l"(l2_evict_last())
-                     : "memory");
-        return;
-    }
+__device__ __forceinline__ void bulk_load(void *dst, const void *src, uint32_t bytes, uint64_t *bar) {
     asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
                  ::"r"(smem_u32(dst)), "l"(src), "r"(bytes), "r"(smem_u32(bar))
                  : "memory");
@@ -238,7 +231,7 @@ __device__ __forceinline__ void prefetch_next_cta(int64_t rows, int64_t n, int64
 template <typename T, bool kCausal, bool kWarps, bool kDiv = false, typename Copies>
 __device__ __forceinline__ void start_copies(uint64_t *bar, Pieces pieces, unsigned char *smem, int64_t rows,
                                              int64_t n, int64_t seg, int cluster_k, int64_t causal_sq,
-                                             bool prefetch, Copies copies, bool keep = false) {
+                                             bool prefetch, Copies copies) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     if (threadIdx.x != 0) return;
     for (int i = 0; i < (kWarps ? kWarpRows : 1); i++) {
@@ -264,7 +257,7 @@ __device__ __forceinline__ void start_copies(uint64_t *bar, Pieces pieces, unsig
                 const uint32_t whole = bulk_bytes(src, bytes, end);
                 if (len(whole))
                     bulk_load(smem + offset + lo(whole), reinterpret_cast<const unsigned char *>(src) + lo(whole),
-                              len(whole), b, keep);
+                              len(whole), b);
             });
         }
     }
@@ -405,8 +398,8 @@ softmax_fwd_rows_smem(int64_t n, int64_t seg, int cluster_k, int64_t rows, const
 // 400000) 60 -> 89, (256, 524288) 61 -> 92, (256, 500001) 60 -> 81, (1024, 262145) 75 -> 79;
 // bf16 (256, 1000000) 59 -> 86.
 
-template <typename T, bool kCausal, bool kLog, int kDyRegLanes = 0, int kSmemLanes = kSmemThreads<true>>
-__global__ void __launch_bounds__(kDyRegLanes ? kDyRegLanes : kSmemLanes, kDyRegLanes == kDyRegThreads ? 2 : 1)
+template <typename T, bool kCausal, bool kLog, int kDyRegLanes = 0>
+__global__ void __launch_bounds__(kDyRegLanes ? kDyRegLanes : kSmemThreads<true>, kDyRegLanes == kDyRegThreads ? 2 : 1)
 softmax_bwd_rows_smem(int64_t n, int64_t seg, int cluster_k, int64_t rows, const T *__restrict__ dy,
                       const T *__restrict__ x, const float *__restrict__ row_max, T *__restrict__ dx,
                       float scale, int64_t causal_sq) {
@@ -417,7 +410,7 @@ softmax_bwd_rows_smem(int64_t n, int64_t seg, int cluster_k, int64_t rows, const
     __shared__ RowReduceSmem<Acc2<T>> red;
     const Pieces pieces = pieces_of<T, false, true>(seg, cluster_k);
     constexpr bool kDyRegs = kDyRegLanes > 0;
-    constexpr int kLanes = kDyRegs ? kDyRegLanes : kSmemLanes;
+    constexpr int kLanes = kDyRegs ? kDyRegLanes : kSmemThreads<true>;
     const int lane = threadIdx.x, lanes = kLanes;
     const int64_t slice = seg * (int64_t)sizeof(T);  // x slices, then dy slices (unless in registers)
     const int64_t dy_base = slice;
@@ -439,7 +432,7 @@ softmax_bwd_rows_smem(int64_t n, int64_t seg, int cluster_k, int64_t rows, const
                                                copy(i * slice, s.start(x, n), x_bytes(s), x + rows * n);
                                                if (!kDyRegs)
                                                    copy(dy_base + i * slice, s.start(dy, n), dy_bytes(s), dy + rows * n);
-                                           }, !prefetch);
+                                           });
     const Slice sl = slice_of<T, kCausal, false, true>(0, rows, n, seg, cluster_k, causal_sq);
     const int x_packs = (int)(x_bytes(sl) / 16), dy_packs = (int)(dy_bytes(sl) / 16);
     const int outs = out_packs<T, kCausal>(sl);
@@ -549,7 +542,7 @@ template <typename T> fk_status launch_bwd(const Plan &p, const BwdArgs &a, cons
 #define FWD_CTA(T, MASKED, LOG) \
     {KEY(T, kRowsSmemCta, kSmemFwdThreads, MASKED, LOG, 0), (const void *)softmax_fwd_rows_smem<T, (bool)MASKED, (bool)LOG, false>}
 #define BWD_CTA(T, THREADS, MASKED, LOG) \
-    {KEY(T, kRowsSmemCta, THREADS, MASKED, LOG, 1), (const void *)softmax_bwd_rows_smem<T, (bool)MASKED, (bool)LOG, 0, THREADS>}
+    {KEY(T, kRowsSmemCta, THREADS, MASKED, LOG, 1), (const void *)softmax_bwd_rows_smem<T, (bool)MASKED, (bool)LOG>}
 #define BWD_DYREG(T, THREADS, MASKED, LOG) \
     {KEY(T, kRowsSmemDyReg, THREADS, MASKED, LOG, 1), (const void *)softmax_bwd_rows_smem<T, (bool)MASKED, (bool)LOG, THREADS>}
 const Instance kInstances[] = {
@@ -577,8 +570,6 @@ const Instance kInstances[] = {
     BWD_CTA(float, kSmemBwdThreads, 0, 1),
     BWD_CTA(float, kSmemBwdThreads, 1, 0),
     BWD_CTA(float, kSmemBwdThreads, 1, 1),
-    BWD_CTA(float, kSmemBwdSlowDramThreads, 0, 0),
-    BWD_CTA(float, kSmemBwdSlowDramThreads, 0, 1),
     BWD_DYREG(float, kDyRegThreads, 0, 0),
     BWD_DYREG(float, kDyRegThreads, 0, 1),
     BWD_DYREG(float, kDyRegThreads, 1, 0),
@@ -591,8 +582,6 @@ const Instance kInstances[] = {
     BWD_CTA(__half, kSmemBwdThreads, 0, 1),
     BWD_CTA(__half, kSmemBwdThreads, 1, 0),
     BWD_CTA(__half, kSmemBwdThreads, 1, 1),
-    BWD_CTA(__half, kSmemBwdSlowDramThreads, 0, 0),
-    BWD_CTA(__half, kSmemBwdSlowDramThreads, 0, 1),
     BWD_DYREG(__half, kDyRegThreads, 0, 0),
     BWD_DYREG(__half, kDyRegThreads, 0, 1),
     BWD_DYREG(__half, kDyRegThreads, 1, 0),
@@ -605,8 +594,6 @@ const Instance kInstances[] = {
     BWD_CTA(__nv_bfloat16, kSmemBwdThreads, 0, 1),
     BWD_CTA(__nv_bfloat16, kSmemBwdThreads, 1, 0),
     BWD_CTA(__nv_bfloat16, kSmemBwdThreads, 1, 1),
-    BWD_CTA(__nv_bfloat16, kSmemBwdSlowDramThreads, 0, 0),
-    BWD_CTA(__nv_bfloat16, kSmemBwdSlowDramThreads, 0, 1),
     BWD_DYREG(__nv_bfloat16, kDyRegThreads, 0, 0),
     BWD_DYREG(__nv_bfloat16, kDyRegThreads, 0, 1),
     BWD_DYREG(__nv_bfloat16, kDyRegThreads, 1, 0),

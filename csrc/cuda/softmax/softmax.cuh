@@ -68,33 +68,6 @@ template <typename T> __device__ __forceinline__ float normalize(float e, float 
 template <typename T, int VEC>
 using Raw = typename std::conditional<VEC == 1, T, fk::Pack<T>>::type;
 
-// An L2 cache policy that evicts the lines it covers last (sm_80+).
-__device__ __forceinline__ uint64_t l2_evict_last() {
-    uint64_t policy;
-    asm volatile("createpolicy.fractional.L2::evict_last.b64 %0, 1.0;" : "=l"(policy));
-    return policy;
-}
-
-// A pack of x (or dy) for the one-CTA-a-row register kernels: fp32 under an L2 evict_last policy,
-// as Triton's first-pass loads. Same-process A/B, x torch.compile: the pack backward (H200), fp32
-// (16384, 4096) 0.997-0.999 -> 1.006-1.009x; the row-block forward (H100), fp32 (16384, 4096) 0.995
-// -> 1.000x, (32768, 2048) 0.992 -> 0.998x, (8192, 8192) 0.994 -> 1.001x. 16-bit loads lost 0.7-2.3%
-// with it in the pack backward (every row length measured, 2048-8192, timed after torch.compile's
-// kernel; see bench.release_kept_l2_lines) and take it only where kKeep says (the pack backward's
-// rows past 4096).
-template <typename T, bool kKeep = std::is_same_v<T, float>>
-__device__ __forceinline__ fk::Pack<T> load_pack_kept(const T *p) {
-    if constexpr (kKeep) {
-        fk::Pack<T> out;
-        uint4 &r = *reinterpret_cast<uint4 *>(&out);
-        asm volatile("ld.global.nc.L2::cache_hint.v4.u32 {%0, %1, %2, %3}, [%4], %5;"
-                     : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "l"(p), "l"(l2_evict_last()));
-        return out;
-    } else {
-        return fk::load_pack(p);
-    }
-}
-
 template <typename T, int VEC> __device__ __forceinline__ Raw<T, VEC> load_raw(const T *p) {
     if constexpr (VEC == 1) return __ldg(p);
     else return fk::load_pack(p);
