@@ -9,21 +9,13 @@
 //   kColsUnroll loads in flight each: an online max / fp64 sum down each part, a merge of the ny
 //   partials through shared memory, then the write pass.
 // Why: the fallback; the tile in chunks lost to it where its grid covers the SMs (H200 bf16 (4096,
-// 8191) dim 0 backward 0.525 -> 0.423x torch.compile).
+// 8191) dim 0 backward 0.525 -> 0.423x torch.compile) (D-56).
 #include "softmax.cuh"
 
 namespace fk::softmax {
 namespace {
 
 // ---- inner > 1, columns the tile does not take (see launch_col_tile): looped kernels -----------
-//
-// A thread per (outer, inner) column, 32 of them per warp along inner so loads stay coalesced, and
-// the CTA's ny threads (threadIdx.y) split n, kColsUnroll loads in flight each. The passes: an
-// online (max, sum) down each thread's part of n, a merge of the ny partials through shared memory,
-// then the write pass, which re-reads x (from L2 where the CTAs' column blocks fit it). Only columns
-// the tile takes one a thread (inner not a multiple of a pack, or tensors not 16-byte aligned) come
-// here, where they need more than the largest cluster and this grid covers the SMs: 16-byte columns
-// always take the tile, in chunks of rows past its largest cluster.
 
 template <typename T>
 __global__ void __launch_bounds__(1024)

@@ -11,48 +11,13 @@
 //   reduced by shuffles, a slot per warp in shared memory, and with a cluster the peers' totals
 //   through distributed shared memory (col_tile_reduce).
 // Why: against the looped kernels (cols_loop.cu), H100, % of copy: forward 17-60 -> 50-94,
-// backward 33-84 -> 56-100.
+// backward 33-84 -> 56-100 (D-51).
 #include "softmax.cuh"
 
 namespace fk::softmax {
 namespace {
 
 // ---- inner > 1: the column tile in registers (and its chunks) -----------------------------------
-//
-// A CTA of TX x TY threads takes W = TX x VEC adjacent columns (TX x 16 bytes of each row where VEC
-// is a pack, at least kTileRowBytes) and, with the other CTAs of its cluster (K of them, along
-// blockIdx.x), all n rows of them: thread (tx, ty) of cluster rank q holds rows q TY + ty + i K TY,
-// i < R (kTileRows; fp32 forwards 4 or 16), all loaded before the first is used. x (and dy) are read once,
-// where the looped kernels below read them twice. The forward takes the exact column max, then
-// one exp an element (fp32 keeps it for the output, 16-bit takes it again, as the row kernels) and
-// the sum (fp64 for fp32 data, RowSum); the backward both sums in one pass. Each reduction
-// (col_tile_reduce): shuffles across the rows a warp holds, a slot per warp and column in shared
-// memory, a CTA total per column, and with a cluster the peers' totals read through distributed
-// shared memory. Per SM: 16-bit forwards, two CTAs of 512 threads x 8 x 16 bytes = 128 KB of x in
-// flight; fp32 forwards of long columns the same in CTAs of 256 threads x 16; backwards, two CTAs of
-// 256 threads x 2 x 8 x 16 = 128 KB of x and dy.
-// The fewest bytes of a row a CTA's columns span: 64, two 32-byte sectors, halves the cluster (or
-// the CTA) that 128 took for the same rows. H200, same-process A/B against 128, x torch.compile:
-// bf16 backward (4096, 8192) dim 0 0.855 -> 0.895, (2048, 8192) 0.932 -> 0.968, (64, 1024, 512)
-// dim 1 0.964 -> 0.980, forward (64, 1024, 512) 1.222 -> 1.345, (2048, 8192) 1.190 -> 1.318; fp32
-// backward (4096, 8192) 0.956 -> 0.996, (16, 512, 4096) 1.130 -> 1.218, but (64, 1024, 512) 1.217
-// -> 1.176. 32 bytes (one sector) lost to 64 on most columns past 512 rows (bf16 (4096, 8192)
-// backward 0.864x), 16 lost up to half. H100, with the fp32 forward changes below: every column
-// case level (within 0.7%) or ahead. One column a thread keeps a warp along the row (in 64 bytes,
-// fp32 (4096, 8191) dim 0 forward went 0.880 -> 0.628x on the H100).
-// The kernels' bounds: 64 registers a thread forward (see launch_fwd_col_tile), 128 backward (x and
-// dy held). Launches take CTAs of half that, two an SM, whose phases (loads, reductions, stores)
-// overlap, and the full size only where it holds the columns without a cluster: H100, % of copy,
-// against the full size everywhere: forward fp32 (4096, 8192) dim 0 50 -> 55, (8, 2000, 8192) dim 1
-// 59 -> 63, bf16 44 -> 50, 57 -> 62; backward fp32 (64, 1024, 512) dim 1 79 -> 83, (256, 128,
-// 4096) 96 -> 100, bf16 (256, 128, 4096) 87 -> 92; fp32 (4096, 8192) dim 0 backward 66.5 -> 65.7;
-// where the full size held the columns alone, the half size's 2-CTA clusters lost up to 4.6 points.
-// fp32 backwards of columns of up to kTileShortMax take 4 accesses a thread in CTAs of up to 256
-// threads, three an SM (80 registers): H100, same-process A/B against 8 accesses, % of copy, (32,
-// 19, 256, 512) dim 1 94.9 -> 98.2 (0.988 -> 1.023x torch.compile), (64, 21, 128, 128) 92.5 -> 97.0
-// (0.958 -> 1.003x), (32, 40, 4096) 76.7 -> 88.5, (16, 64, 8192) 82.5 -> 91.6; but (256, 128, 4096)
-// 100.5 -> 99.8, (64, 256, 1024) 89.8 -> 86.9, and 16-bit columns lost 2-15 points at every length
-// but 40.
 
 template <typename V> __device__ __forceinline__ V shfl_xor(V v, int offset) {
     if constexpr (std::is_same_v<V, float2> || std::is_same_v<V, double2>)

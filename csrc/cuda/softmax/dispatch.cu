@@ -1,25 +1,28 @@
 // Softmax / log-softmax on the GPU: which strategy runs for which call. First matching row wins.
 //
-// frame: n, or for ragged rows (16-byte accesses, n not a multiple of a pack) n + pack - 1.
+// frame: n, or for ragged rows (16-byte accesses, n not a multiple of a pack) n + pack - 1 (D-46).
 // vec: 16-byte accesses when every tensor is 16-byte aligned and n % pack == 0, or n > 1024, or the
-//      frame <= 1024 and not causal and not (fp32 backward, n > 64); else scalar (vec 1).
+//      frame <= 1024 and not causal and not (fp32 backward, n > 64) (D-50); else scalar (vec 1).
 //
 // layout  dir  dtype   n / frame                       needs                      strategy          why
-// inner>1 any  any     columns a 16-CTA cluster holds  -                          cols_tile         D-?
-// inner>1 any  any     longer, 16-byte columns         (or grid < SMs)            cols_tile_chunked D-?
+// inner>1 any  any     columns a 16-CTA cluster holds  -                          cols_tile         D-51
+// inner>1 any  any     longer: 16-byte columns, or     -                          cols_tile_chunked D-56
+//                      1 a thread on grids < SMs
 // inner>1 any  any     otherwise                       -                          cols_loop         fallback
-// rows    any  any     frame <= 1024                   -                          rows_warp         D-?
-// rows    bwd  any     frame <= 8192 (16-bit unmasked  vec 16 B, not causal and   rows_packs        D-?
+// rows    any  any     frame <= 1024                   -                          rows_warp         D-06
+// rows    bwd  any     frame <= 8192 (16-bit unmasked  vec 16 B, not causal and   rows_packs        D-23, D-24
 //                      packed rows: <= 16384)          ragged
-// rows    fwd  fp32    frame <= 8192                   -                          rows_block        D-?
-// rows    fwd  16-bit  n <= 4096 (8 KB)                sm_90, vec 16 B            rows_smem_warp    D-?
-// rows    any  any     slices fit 32 KB CTAs in a      sm_90, vec 16 B            rows_smem_cta     D-?
-//                      cluster, else 112 KB CTAs (fwd unmasked: 224 KB)
-// rows    bwd  any     x slices fit 64 KB / 128 KB     sm_90, vec 16 B            rows_smem_dyreg   D-?
-// rows    any  any     otherwise                       -                          rows_block        fallback
+// rows    fwd  fp32    frame <= 8192                   -                          rows_block        D-19
+// rows    fwd  16-bit  n <= 4096 (8 KB)                sm_90, vec 16 B            rows_smem_warp    D-29
+// rows    any  any     slices fit 32 KB CTAs in a      sm_90, vec 16 B            rows_smem_cta     D-30, D-40,
+//                      cluster, else 112 KB (forward                                                D-41
+//                      unmasked: 224 KB)
+// rows    bwd  any     x slices fit 64 KB / 128 KB     sm_90, vec 16 B            rows_smem_dyreg   D-42
+// rows    any  any     otherwise                       -                          rows_block        D-16
 //
-// Card rows (DRAM bytes / us / SM, fk::dram_bytes_per_us_per_sm; H100 ~25 000, H200 ~37 000):
-// rows    bwd  16-bit  2049-4096 in rows_packs         DRAM > 30 000              16 elements a thread  D-?
+// Card row (fk::dram_bytes_per_us_per_sm: H100 ~25 000, H200 ~37 000):
+// rows    bwd  16-bit  2049-4096 in rows_packs         DRAM > 30 000              16 elements a thread  D-25
+
 #include <algorithm>
 #include <cstdio>
 #include <type_traits>
@@ -41,8 +44,7 @@ struct Problem {
 
 int dtype_bytes(fk_dtype d) { return d == FK_FLOAT32 ? 4 : 2; }
 
-// The longest ragged fp32 backward row that takes 16-byte accesses in rows_warp: the scalar instances
-// lost to them below it and won above (H200, x torch.compile, 17: 0.451 -> 1.011x; 95: 1.035 -> 0.862x).
+// The longest ragged fp32 backward row that takes 16-byte accesses in rows_warp (D-50).
 constexpr int64_t kRaggedFp32BwdMax = 64;
 
 // ---- one function per table row group --------------------------------------------------------------

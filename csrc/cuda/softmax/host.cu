@@ -31,15 +31,8 @@ int &cached(const void *kernel, int device, int slot) {
 
 enum Slot { kLimitNoSmem, kLimitCta, kLimitBig, kLimitHuge, kOccupancy, kHinted };
 
-// A grid of the warp kernels that fits one wave runs at most k = ceil(CTAs / SMs) CTAs an SM. Under
-// programmatic dependent launch the next call's CTAs take whichever SM slots are free as this one
-// drains, so SMs that finish first take more than their share of the next grid, and a one-wave
-// kernel lasts as long as its fullest SM. Each CTA then reserves 1 / k of a 100 KB shared-memory
-// carveout, asked for with the carveout hint while the kernel runs such grids (without the hint
-// the driver picks a carveout of its own and the cap can fail; with 64 KB it failed for k = 8, 9;
-// 228 KB leaves 28 KB of L1: fp32 backward -3). H200, (3000, 1000) (750 CTAs), with the word-wise
-// bf16 conversion above: bf16 backward 64-66 -> 75-76% of copy, forward 63-65 -> 71-74, fp32
-// forward 79-80 -> 85-88, fp32 backward level.
+// One-wave rows_warp grids: each CTA reserves 1 / k of a 100 KB carveout, k = ceil(CTAs / SMs), so
+// SMs that drain first cannot take more than their share of the next call's CTAs (D-13).
 constexpr int kSpreadCarveout = 100 * 1024;
 
 }  // namespace

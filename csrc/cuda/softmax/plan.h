@@ -11,37 +11,37 @@
 namespace fk::softmax {
 
 // ---- sizes shared by the plan and the kernels ----------------------------------------------------
-constexpr int kWarpMaxN = 1024;     // longest row (frame) rows_warp holds: 32 lanes x 32 elements
+constexpr int kWarpMaxN = 1024;     // longest frame rows_warp holds: 32 lanes x 32 elements (D-06)
 constexpr int kWarpBlock = 128;     // threads a rows_warp CTA
-constexpr int kBlockThreads = 512;  // most threads a rows_block CTA: 2 CTAs an SM
-constexpr int kCtaChunks = 2;       // chunks a rows_block CTA loops over before rows take a cluster
-constexpr int kMaxCluster = 16;
+constexpr int kBlockThreads = 512;  // most threads a rows_block CTA, 2 an SM (D-16)
+constexpr int kCtaChunks = 2;       // chunks a rows_block CTA loops over before rows take a cluster (D-16)
+constexpr int kMaxCluster = 16;     // with the non-portable cluster size allowed
 // rows_block: elements a thread a chunk, 64 bytes forward, 32 of each of x and dy backward (the
 // scalar path keeps 8 of each).
 __host__ __device__ constexpr int block_elems(int bytes, int vec, bool backward) {
     return vec == 1 ? 8 : (backward ? 32 : 64) / bytes;
 }
-constexpr int kPackThreads = 512;   // most threads a rows_packs CTA
-constexpr int kPackElems = 8;       // elements of x (and dy) a rows_packs thread, x2 / x4 for long rows
+constexpr int kPackThreads = 512;   // most threads a rows_packs CTA (D-23)
+constexpr int kPackElems = 8;       // elements of x and dy a rows_packs thread, x2 / x4 for long rows (D-23, D-24)
 constexpr int64_t kPackRowMax = 2 * kPackElems * kPackThreads;  // 8192
-constexpr int64_t kSmemWarpRowMax = 8 * 1024;   // bytes: rows_smem_warp takes rows up to this
-constexpr int64_t kSmemCtaMax = 32 * 1024;      // bytes a rows_smem_cta CTA holds (six an SM)
-constexpr int64_t kSmemCtaBigMax = 112 * 1024;  // ... where a full cluster of kSmemCtaMax cannot hold a row
-constexpr int64_t kSmemCtaHugeMax = 224 * 1024; // ... unmasked forwards past that: one CTA an SM
-constexpr int kSmemFwdThreads = 256, kSmemBwdThreads = 128;
-constexpr int kMaskedWarpPacks = 80;  // masked rows_smem forwards: a warp per 80 packs (2.5 a lane)
-constexpr int kWarpRows = 4;          // rows (warps) a rows_smem_warp CTA
-constexpr int kDyRegPacks = 16;       // rows_smem_dyreg: packs of dy a thread holds
-constexpr int kDyRegThreads = 256, kDyRegWideThreads = 512;
-__host__ __device__ constexpr int64_t kDyRegSliceMax(int lanes) { return (int64_t)lanes * kDyRegPacks * 16; }  // 64 / 128 KB
-constexpr int kTileRows = 8;  // cols_tile: accesses of x (and dy) a thread
-constexpr int kTileRowBytes = 64;
-constexpr int kTileFwdThreads = 1024, kTileBwdThreads = 512;
-constexpr int kTileShortMax = 64, kTileShortRows = 4, kTileShortThreads = 256;
-constexpr int kTileFwdShortMax = 512;
-constexpr int kColsX = 32;  // cols_loop: threads a CTA along inner
-constexpr int kColsUnroll = 4;
-constexpr int kFastDramPerSm = 30000;  // DRAM bytes / us / SM above which a card counts as fast (H200)
+constexpr int64_t kSmemWarpRowMax = 8 * 1024;   // bytes a row: a warp a row up to here (D-29)
+constexpr int64_t kSmemCtaMax = 32 * 1024;      // bytes a rows_smem_cta CTA, six an SM (D-30)
+constexpr int64_t kSmemCtaBigMax = 112 * 1024;  // where 16 x kSmemCtaMax cannot hold a row (D-40)
+constexpr int64_t kSmemCtaHugeMax = 224 * 1024; // unmasked forwards past 16 x kSmemCtaBigMax, one an SM (D-41)
+constexpr int kSmemFwdThreads = 256, kSmemBwdThreads = 128;  // (D-36)
+constexpr int kMaskedWarpPacks = 80;  // masked rows_smem forwards: a warp per 80 packs, 2.5 a lane (D-38)
+constexpr int kWarpRows = 4;          // rows (warps) a rows_smem_warp CTA (D-29)
+constexpr int kDyRegPacks = 16;       // rows_smem_dyreg: packs of dy a thread (D-42)
+constexpr int kDyRegThreads = 256, kDyRegWideThreads = 512;  // x slices of up to 64 / 128 KB (D-42)
+__host__ __device__ constexpr int64_t kDyRegSliceMax(int lanes) { return (int64_t)lanes * kDyRegPacks * 16; }
+constexpr int kTileRows = 8;          // cols_tile: accesses of x (and dy) a thread (D-51)
+constexpr int kTileRowBytes = 64;     // the fewest bytes of a row a cols_tile CTA spans (D-53)
+constexpr int kTileFwdThreads = 1024, kTileBwdThreads = 512;  // bounds; launches take half (D-52)
+constexpr int kTileShortMax = 64, kTileShortRows = 4, kTileShortThreads = 256;  // fp32 short bwd columns (D-55)
+constexpr int kTileFwdShortMax = 512;  // fp32 forward columns: 4 accesses up to here, else 16 (D-54)
+constexpr int kColsX = 32;             // cols_loop: threads a CTA along inner (coalesced loads)
+constexpr int kColsUnroll = 4;         // cols_loop: loads in flight a thread
+constexpr int kFastDramPerSm = 30000;  // DRAM bytes / us / SM past which a card is fast: H200, not H100 (D-25)
 
 // ---- the plan --------------------------------------------------------------------------------------
 enum class Strategy { kRowsWarp, kRowsBlock, kRowsPacks, kRowsSmemWarp, kRowsSmemCta, kRowsSmemDyReg,

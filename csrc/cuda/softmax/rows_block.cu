@@ -14,7 +14,8 @@
 //   exp for the write pass.
 // Why: the fp32 1025-8192 forward against the shared-memory kernels, H100, % of copy: packed 1100 /
 // 2048 / 4096 / 8192 97.2 / 98.9 / 98.6 / 94.2 -> 100.1 / 99.9 / 99.3 / 96.5; and the fallback
-// everywhere else (re-reading a second chunk from L2 measured cheaper than a larger cluster).
+// everywhere else (re-reading a second chunk from L2 measured cheaper than a larger cluster) (D-16,
+// D-19).
 #include "softmax.cuh"
 
 namespace fk::softmax {
@@ -173,11 +174,7 @@ softmax_fwd_rows_block(int64_t n, int64_t seg, int cluster_k, const T *__restric
     if (in_registers) {
         write_chunk(begin, [&](int i, float) { return e[i]; });
     } else {
-        // Last chunk first: it is still in registers, and the chunks read last are the likeliest
-        // to be still in L2. H100, same-process A/B against first to last, % of copy: fp32 (128,
-        // 1048576) 66.0 -> 69.4, ragged (256, 500001) 67.1 -> 73.0, bf16 ragged (128, 1000003)
-        // 66.1 -> 71.9; the backward fp32 (128, 600000) 58.2 -> 62.3 (0.97 -> 1.04x torch.compile),
-        // (64, 900000) 56.5 -> 58.6, (128, 1048576) 59.8 -> 62.0.
+        // Last chunk first: it is still in registers, and the chunks read last are likeliest in L2 (D-18).
         for (int64_t c = chunks - 1; c >= 0; c--) {
             if (c < chunks - 1) load_chunk(begin + c * chunk);
             write_chunk(begin + c * chunk, [](int, float t) { return exp_ftz(t); });

@@ -8,43 +8,17 @@
 //   (ceil(frame / elements) threads, up to 512) reduces the row's two sums once; dx in one pass.
 // Why: torch.compile's shape (up to 512 threads a row, 8 elements a thread) with y recomputed;
 // H200 against the shared-memory kernels, x torch.compile: fp32 (16384, 4096) 0.983 -> 1.006x,
-// (131072, 1100) 0.74 -> 0.99x, bf16 (16384, 3000) 0.98 -> 1.07x.
+// (131072, 1100) 0.74 -> 0.99x, bf16 (16384, 3000) 0.98 -> 1.07x (D-23).
 #include "softmax.cuh"
 
 namespace fk::softmax {
 namespace {
 
-// Each thread loads kPackElems elements of x and of dy (P = kPackElems / VEC 16-byte packs of
-// each) at once, keeps its y' in registers, and the CTA (ceil(n / kPackElems) threads, up to
-// kPackThreads) reduces the row's two sums once; rows too long for 8 elements a thread take 16
-// (16-bit rows too long for that 32, see kPackRowMaxOf).
-// It replaces the shared-memory kernels' warp-per-row and 128-thread CTA-per-row shapes for these
-// rows: those put 4-8x the elements on a thread, so a CTA spent longer computing after its data
-// had landed, and more CTAs an SM were needed to keep DRAM busy. This is torch.compile's shape
-// (a CTA of up to 512 threads a row, 8 elements a thread a pass), with y recomputed. H200,
-// same-process A/B against the shared-memory kernels, x torch.compile: fp32 (16384, 4096) 0.983
-// -> 1.006-1.009x, bf16 0.979-0.981 -> 0.996-1.000x; outside the issue's shapes fp32 (131072, 1100)
-// 0.74 -> 0.99x, (65536, 1536) 0.90-0.96 -> 1.003x, bf16 (32768, 2048) 0.97 -> 1.006x, (16384, 3000)
-// 0.98 -> 1.07x. Measured against it: 8 elements a thread for fp32 rows of up to 2048 as 4 (1
-// pack: fp32 (32768, 2048) 0.94-0.95x), 16 for 16-bit rows of up to 4096 (bf16 (16384, 4096)
-// 0.992x; taken since on fast-DRAM devices, see kFastDramPerSm), 1024-thread CTAs (fp32
-// (16384, 4096) 0.915x).
-// CTAs an SM the kernel is compiled for (its register cap): 16-bit 8 elements a thread 4 (32
-// registers), fp32 or 16-bit 16 elements 3 (38-40), fp32 16 elements 2 (62), 16-bit 32 elements 2
-// (62-64).
+// CTAs an SM each instance is compiled for (its register cap): 8 elements a thread 4 (16-bit) or 3
+// (fp32), 16 elements 3 (16-bit) or 2 (fp32), 32 elements 2 (D-23, D-24).
 template <typename T, int P> constexpr int kPackCtas = P * fk::Pack<T>::N == kPackElems ? (std::is_same_v<T, float> ? 3 : 4)
                                                      : P * fk::Pack<T>::N == 2 * kPackElems ? (std::is_same_v<T, float> ? 2 : 3)
                                                      : 2;
-// Unmasked 16-bit rows of 8193-16384 whose rows are whole 16-byte accesses take 4 x kPackElems a
-// thread (two CTAs an SM). H100, same-process A/B against the shared-memory kernels (clusters of two
-// 32 KB CTAs), three calls, % of copy: bf16 (4096, 16384) 99.4-99.9 -> 101.1-102.1 (0.995-0.996 ->
-// 1.018-1.019x torch.compile), (2048, 16384) 96.7-97.3 -> 99.7-101.8, (16384, 9000) 99.0 ->
-// 100.6-100.7, (8192, 12000) 100.1 -> 100.4-100.6; the benchmark's own runs, which time fastkern
-// before torch.compile (worth 1-1.5 points to this kernel, not to torch.compile's), measured bf16
-// (4096, 16384) at 1.002x and 0.998x torch.compile (0.991-1.002x before). Kept on the shared-memory
-// kernels: ragged rows (bf16 (8192, 12001)
-// 97.7 -> 85.4), fp32 rows (1 CTA an SM at 120-128 registers: level to 0.6 below), masked rows
-// (their 32-element instances spilled 8-76 bytes).
 
 template <typename T, int P, bool kCausal, bool kLog, bool kRagged = false>
 __global__ void __launch_bounds__(kPackThreads, (kPackCtas<T, P>))

@@ -13,88 +13,18 @@
 //   DSMEM exchange; up to 112 KB, or 224 KB for unmasked forwards, where 32 KB ones cannot hold the
 //   row), rows_smem_dyreg (backward: x in shared memory, dy in registers, up to 128 KB of x a CTA).
 // Why: against the register kernels, H100 % of copy, fwd / bwd: bf16 (4096, 50257) 78 / 78 -> 98 / 99,
-// fp32 (1024, 65543) 61 / 56 -> 97 / 100; H200 fp32 (300, 300000) forward 56 -> 90.
+// fp32 (1024, 65543) 61 / 56 -> 97 / 100; H200 fp32 (300, 300000) forward 56 -> 90 (D-28, D-48).
 #include "softmax.cuh"
 
 namespace fk::softmax {
 namespace {
 
 // ---- sm_90, rows over 1024 elements: row slices in shared memory, loaded by the copy engine ----
-//
-// Thread 0 of each CTA starts bulk copies (cp.async.bulk, the TMA engine) of its slices into shared
-// memory, counted on mbarriers (a lone CTA per row cuts its copy into 4 pieces, one barrier each,
-// and its first pass starts on the first piece), and, forward or where a CTA holds more than
-// kSmemCtaMax, asks L2 for the slices of the CTA one SM count ahead (prefetch_next_cta); the
-// passes then read shared memory, so global memory is read
-// once and a whole slice per CTA is in flight whatever the registers (the register kernels above
-// hold 32-64 bytes per thread and re-read a second chunk from L2). Two shapes:
-//  - kWarpRows (forward): a CTA of kWarpRows warps takes kWarpRows short rows, a warp each (warp shuffles
-//    only, one mbarrier per row), so a CTA has kWarpRows slices in flight;
-//  - else K CTAs of kSmemThreads per row (a cluster when K > 1; DSMEM exchange of the partials).
-// One CTA per row (or row group): a persistent grid walking rows with a two-stage pipeline
-// measured 25-40% slower on an H200, and so did 256-thread CTAs holding one short row.
-// Forward: the exact max first (a packed max / min of the raw values and one multiply per pack),
-// then the sum of exp relative to it (no online rescaling), then the write pass; fp32 and bf16 keep
-// each exp in place of its x (kKeepExp), fp16 takes its ex2.approx again.
 
-// Slice sizes of the shared-memory kernels, in bytes of all the tensors a CTA holds. Rows up to
-// kSmemWarpRowMax take a warp each; longer ones take K CTAs, K the smallest power of two that
-// brings a CTA to kSmemCtaMax (six CTAs an SM), capped by the cluster limit. Measured on an H200:
-// warps for rows of 8 KB beat 256-thread CTAs (bf16 16384 x 4096 forward 81% of copy against 51%,
-// causal 2048-wide rows 79% against 28%) and lose to them at 16 KB (79-83% against 88-90%).
-// 32 KB CTAs beat 64 KB ones (benchmark runs, two a build): bf16 (256, 262144) forward 88.6-89.0
-// -> 93.7-94.3, fp32 (4096, 16384) / (1024, 65536) forwards 95 -> 97-98, bf16 (4096, 16384)
-// backward 95.7-96.3 -> 97.5-98.3, bf16 (1024, 65536) backward 94.6-95.2 -> 96.7-97.7; others
-// level. 16 KB ones lost up to 7 points (fp32 (1024, 65536) forward 97 -> 91; bf16 (1024, 65536)
-// backward 97 -> 89.6; fp32 (16384, 4096) backward, split in two, 100 -> 95). Rows that a full
-// cluster of kSmemCtaMax CTAs cannot hold take CTAs of up to kSmemCtaBigMax (two an SM), against
-// the register block kernel (H200, % of copy): forward fp32 (300, 300000) 56 -> 90, (256, 400000)
-// 57 -> 83, bf16 (300, 600000) 60 -> 92; backward fp32 (256, 140000) 72 -> 90 and bf16 (300,
-// 300000) 73 -> 92 (those two against dy in registers, below: 2-4 points either way at 100 KB).
-// Forward rows that a full cluster of kSmemCtaBigMax CTAs cannot hold (fp32 past 458752 elements,
-// 16-bit past 917504) take CTAs of up to kSmemCtaHugeMax, one an SM (with the static shared memory,
-// under the 227 KB a CTA may have), when clusters of that many fit, in the unmasked instance: fp32
-// rows of up to 917504 elements, 16-bit of up to 1835008, are then still read once. H100,
-// same-process A/B against the register block kernel, % of copy: fp32 (256, 524288) 68.3 -> 79.3,
-// (128, 600000) 65.5 -> 77.9, (128, 600004) 65.5 -> 76.8, (64, 900000) 61.7 -> 74.4, (256, 917504)
-// 66.5 -> 83.1; bf16 (128, 1048576) 68.3 -> 73.1. The masked instances (ragged rows here), whose
-// warps carry ~25% more work, lost: fp32 (256, 500001) 67.4 -> 60.5, bf16 (128, 1000003) 66.2 ->
-// 60.5; they keep the register block kernel. The L2 prefetch of the next CTAs (29 MB at one CTA an
-// SM) lost up to 15 points on these CTAs, which go without it.
-
-// Threads of a row CTA: 256 forward (128 lost 3 points on bf16 1024 x 65536), 128 backward (H200,
-// backward with 2-CTA clusters: fp32 4096 x 16384 90% of copy against 83% with 256; a 256-thread
-// instance for clustered rows only gained 1.4-2.4 points in fastkern-only runs, and with kept bf16
-// y' it took bf16 1024 x 65536 from 95 to 87-88 in the benchmark's own runs).
+// Threads of a CTA-per-row kernel: 256 forward, 128 backward (D-36).
 template <bool kBackward> constexpr int kSmemThreads = kBackward ? kSmemBwdThreads : kSmemFwdThreads;
-// Unmasked backward rows whose CTAs hold at least 3/4 of kSmemCtaMax (3 or 4 packs of x and of dy
-// a thread) take 256 threads instead on devices whose DRAM streams at most kFastDramPerSm bytes a
-// microsecond per SM (the H100). H100, same-process A/B, five rounds, 256 threads for every
-// unmasked row, x torch.compile: fp32 (4096, 16384) 0.999 -> 1.005x, (2048, 32768) 1.046 ->
-// 1.051x, (1024, 65536) 1.703-1.714 -> 1.712-1.721x, bf16 (2048, 32768) 1.006-1.007 -> 1.009-1.010x,
-// the rest level; but fp32 (16384, 9000) (18 KB CTAs, 2.2 packs a thread) 1.008 -> 0.914x, hence
-// the size line ((8192, 12000), 24 000-byte CTAs just under it, gained 0.3%), and masked rows lost
-// (ragged (4096, 50257) fp32 2.142 -> 1.981x, bf16 1.962 -> 1.919x): they keep 128. On the H200
-// 256 threads lost (fp32 (4096, 16384) 1.016 -> 0.930x, session 28 of the perf log).
-// The forward's masked instances (causal or ragged rows) take their thread count at run time: a
-// warp per kMaskedWarpPacks packs of the slice (2.5 a lane), at most kSmemThreads. Their per-warp
-// cost (slice bounds, the edge packs, barriers and reductions) is ~25% above the unmasked one's,
-// and with 2 packs a lane (rows of 8-9 KB) it left them issue-bound (ncu, H100, bf16 (32768,
-// 4097): 0.91 warps issued a cycle per scheduler, 174M instructions against 139M for packed 4104
-// rows at 98% of copy). Fewer warps share that cost over more packs: same-process A/B against 8
-// warps, % of copy, H100: bf16 ragged (32768, 4097) 85-86 -> 97, (32768, 4700) 92-95 -> 97-99,
-// (1024, 65543) 97.5 -> 98; 6001 / 8185 / 50257 level. Sweeping the warps of 4097-6001-wide rows
-// (H100) found no single packs-a-lane figure best everywhere (4097: 7 warps 98, 6 warps 93, 5
-// warps 99; 5001: 7 warps 98, 5 warps 96; 4 warps lost 2-10 points), and 2.5 a lane picks 7-8
-// there. The unmasked instances keep a compile-time 256 (a run-time count cost their clustered
-// rows ~1 point).
-// Whether the shared-memory forward keeps each exp in place of its x for the write pass: fp32 as
-// is, bf16 as fp16 (e in [0, 1] at 2^-11 relative error, far below bf16's 2^-8: H200, bf16
-// forwards 0 to +2.4 points of copy, the causal (4, 8, 2048, 2048) one 82 -> 105; worst forward
-// error 1.00 -> 1.09x torch's). fp16 takes its exp again (an fp16-kept y' put fp16 gradients at
-// up to 3.9x torch's error), and so does the bf16 backward (kExpOnce): kept y' with 256-thread
-// clustered CTAs measured +0.4-2.4 in fastkern-only runs but took bf16 (1024, 65536) from 95 to
-// 87-88 in the benchmark's own runs (the two were not measured apart).
+// Kept exps: the forward keeps each exp in place of its x, fp32 as is, bf16 as fp16 (2^-11 relative,
+// far below bf16's 2^-8); fp16 and the backward's 16-bit take it again (D-39).
 template <typename T> constexpr bool kKeepExp = !std::is_same_v<T, __half>;
 template <typename T> __device__ __forceinline__ void keep_exp(fk::Pack<T> &v, int k, float e) {
     if constexpr (std::is_same_v<T, float>) v.v[k] = e;
@@ -104,11 +34,7 @@ template <typename T> __device__ __forceinline__ float kept_exp(const fk::Pack<T
     if constexpr (std::is_same_v<T, float>) return v.v[k];
     else return __half2float(reinterpret_cast<const __half *>(&v)[k]);
 }
-// Alignment of the shared-memory slices. The copy engine needs 16 bytes, but slices so aligned began
-// 32-64 bytes into a 128-byte line, after the static shared memory (1312-1856 bytes). H200, same
-// kernels otherwise: 48 bytes in cost one-CTA rows 6-14 points of copy against 32 (fp32 (16384,
-// 4096) backward 100 -> 86), and 128-byte alignment against 48 lifted clustered rows 1-14 (bf16
-// (256, 262144) backward 78 -> 90).
+// Slices start on 128-byte lines, not just the 16 bytes the copy engine needs (D-33).
 constexpr int kSliceAlign = 128;
 
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
@@ -145,11 +71,8 @@ template <typename T, bool kCausal, bool kWarps, bool kDiv = false>
 __device__ __forceinline__ Slice slice_of(int w, int64_t rows, int64_t n, int64_t seg, int cluster_k,
                                           int64_t causal_sq, int64_t block = blockIdx.x) {
     Slice sl;
-    // K is a power of two: a mask and a shift, not 64-bit divisions (a ~100-instruction routine each,
-    // in thread 0's path to its bulk copies). H200, benchmark runs: fp32 (16384, 4096) forward 91 ->
-    // 96% of copy, (256, 262144) 88 -> 92, bf16 (256, 262144) 87 -> 89.6. The backward keeps the
-    // divisions (kDiv): with the mask its bf16 (4096, 16384) fell 96 -> 90 in the benchmark's runs
-    // (not in fastkern-only ones; the same split as an earlier session saw; cause not found).
+    // K is a power of two: a mask and a shift, not 64-bit divisions; the backward keeps the divisions
+    // (kDiv), which measured faster there (D-35).
     const int rank = kWarps ? 0 : kDiv ? (int)(block % cluster_k) : (int)(block & (cluster_k - 1));
     sl.row = kWarps ? block * kWarpRows + w : kDiv ? block / cluster_k : block >> (__ffs(cluster_k) - 1);
     sl.valid = sl.row < rows;
@@ -168,10 +91,8 @@ template <typename T, bool kCausal> __device__ __forceinline__ int out_packs(con
     return (int)(kCausal ? slice_bytes<T>(sl.len, sl.len) / 16 : sl.len > 0 ? sl.len / fk::Pack<T>::N : 0);
 }
 
-// Copy pieces of a CTA-per-row slice: 4 when the row has one CTA, so its passes start on the
-// first quarter while the rest is in flight (H200, measured when rows of up to 64 KB took one CTA:
-// bf16 (16384, 4096) backward 89 -> 98% of copy, fp32 (4096, 16384) forward / backward 89 -> 94 /
-// 97%); 1 in a cluster (its forward lost 3-5 points with 4) and for the warp-per-row kernels.
+// Copy pieces: 4 for a lone CTA a row, so its passes start on the first quarter while the rest is
+// in flight; 1 in a cluster and in the warp-per-row kernel (D-31).
 constexpr int kMaxPieces = 4;
 struct Pieces {
     int count;      // barriers per slice
@@ -184,20 +105,6 @@ template <typename T, bool kWarps, bool kDiv = false> __device__ __forceinline__
     return {count, ((count == 1 ? bytes : (bytes + kMaxPieces - 1) / kMaxPieces) + 15) / 16 * 16};
 }
 
-// Thread 0's L2 prefetch (cp.async.bulk.prefetch) of the slices of the CTA one SM count ahead in
-// the grid, which starts while this one runs (six 32 KB CTAs an SM), so that its bulk copies
-// hit L2 and DRAM keeps reading while CTAs wait on their cluster's exchange. H200, against no
-// prefetch: +2.5-4 points of copy on the 16K-256K forwards (bf16 (4096, 16384) 87.7 -> 91.5) and
-// the fp32 (1024, 65536) backward, +0.8-0.9 on the other clustered backwards, others level. With
-// 64 KB CTAs half the distance gained less, 1.5x lost up to 5 points and 3x up to 27 (L2
-// thrashing); with 32 KB ones 2x lost clustered rows up to 19 points; the
-// warp-per-row kernels (causal 2048-wide rows 80.7 -> 75.2) and the register warp kernels (up to
-// 26 points) lost with it, so only CTA-per-row slices take it. With 32 KB CTAs, backward ones of up
-// to kSmemCtaMax (x and dy together) do better without it (H200, benchmark runs, two a build: bf16
-// (4096, 16384) 97.4-97.7 -> 100.5-100.6% of copy, (16384, 4096) 99.2-99.6 -> 100.9-101.2,
-// (1024, 65536) 97.0-97.2 -> 100.4, fp32 (1024, 65536) 98.5-98.6 -> 100.8-101.0, (4096, 16384)
-// 99.9-100.0 -> 100.8-101.0, others level); larger ones keep it (without it bf16 (256, 262144),
-// 64 KB CTAs, 92.6-92.8 -> 90.8-91.1), and so do the forward's (without it -1.5 to -2.5 points).
 // Bytes of [src, src + bytes) before `end` (the tensor's end), in whole 16-byte packs: the copies of
 // the tensor's last slice stop there, and start_copies copies its partial last pack element-wise.
 template <typename T> __device__ __forceinline__ uint32_t bulk_bytes(const T *src, uint32_t bytes, const T *end) {
@@ -205,6 +112,8 @@ template <typename T> __device__ __forceinline__ uint32_t bulk_bytes(const T *sr
     return left >= (int64_t)bytes ? bytes : (uint32_t)(left > 0 ? left / 16 * 16 : 0);
 }
 
+// Thread 0's L2 prefetch of the slices of the CTA one SM count ahead, which starts while this one
+// runs, so its bulk copies hit L2 (D-34).
 template <typename T, bool kCausal, bool kDiv = false, typename Copies>
 __device__ __forceinline__ void prefetch_next_cta(int64_t rows, int64_t n, int64_t seg, int cluster_k,
                                                   int64_t causal_sq, Copies copies) {
@@ -274,7 +183,7 @@ template <int kUnroll, typename Body>
 __device__ __forceinline__ void over_pieces(uint64_t *bar, Pieces pieces, int packs, int first, int stride,
                                             Body body) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    const int per = (int)(pieces.bytes / 16);  // 32-bit bounds: fp32 (16384, 4096) forward 96 -> 98% of copy
+    const int per = (int)(pieces.bytes / 16);  // 32-bit loop bounds: faster (decision id pending)
     int p = first, end = 0;
     for (int c = 0; c < pieces.count; c++) {
         mbar_wait(&bar[c]);
@@ -309,11 +218,7 @@ softmax_fwd_rows_smem(int64_t n, int64_t seg, int cluster_k, int64_t rows, const
     const int lane = kWarps ? threadIdx.x % 32 : threadIdx.x;
     const int lanes = kWarps ? 32 : kCausal ? (int)blockDim.x : kSmemThreads<false>;  // kMaskedWarpPacks
     const int64_t slice_bytes_max = seg * (int64_t)sizeof(T);
-    // Copies under an L2 evict_last policy (but for causal rows) measured card by card, kept L2
-    // lines released before each sample: H200, same-process A/B, bf16 (16384, 4096) 92.5 -> 96.2%
-    // of copy, (4096, 16384) 93.8 -> 95.7, fp32 (4096, 16384) 98.0 -> 98.9; H100, benchmark run
-    // against run: fp32 (4096, 16384) 99.3 -> 97.7, (1024, 65536) 99.3 -> 98.1, (256, 262144) 96.8
-    // -> 92.6, bf16 (4096, 16384) 95.8 -> 94.6, (16384, 4096) 96.0 -> 97.0. Not taken.
+    // No L2 policy on the forward's copies: the cards disagreed (D-44).
     start_copies<T, kCausal, kWarps>(bar, pieces, smem_raw, rows, n, seg, cluster_k, causal_sq,
                                      slice_bytes_max <= kSmemCtaBigMax,
                                      [&](int i, const Slice &s, auto copy) {
@@ -387,16 +292,8 @@ softmax_fwd_rows_smem(int64_t n, int64_t seg, int cluster_k, int64_t rows, const
 #endif
 }
 
-// Backward rows whose x and dy outgrow a full cluster's shared memory (kSmemCtaBigMax per CTA) but
-// whose x alone fits in kDyRegSliceMax: x is bulk-copied into shared memory as above and dy held in
-// registers, kDyRegPacks 16-byte packs a thread, loaded once, so both are still read from DRAM
-// once: 256 threads (two CTAs an SM by registers) for slices of up to 64 KB, fp32 rows of 229K-256K
-// elements, 16-bit ones of 459K-512K; 512 threads (one CTA an SM) up to 128 KB, fp32 rows of up to
-// 512K, 16-bit up to 1M. Longer rows take the register block kernel, which re-reads from L2. H200,
-// against that kernel: fp32 (256, 262144) 69 -> 92% of copy; bf16 (256, 524288) 65 -> 87. H100,
-// same-process A/B, the 512-thread instance against it: fp32 (256, 300000) 65 -> 90, (256,
-// 400000) 60 -> 89, (256, 524288) 61 -> 92, (256, 500001) 60 -> 81, (1024, 262145) 75 -> 79;
-// bf16 (256, 1000000) 59 -> 86.
+// Backward rows whose x and dy outgrow a full cluster of kSmemCtaBigMax CTAs: x in shared memory,
+// dy in registers (kDyRegPacks packs a thread), so both are still read once (D-42).
 
 template <typename T, bool kCausal, bool kLog, int kDyRegLanes = 0>
 __global__ void __launch_bounds__(kDyRegLanes ? kDyRegLanes : kSmemThreads<true>, kDyRegLanes == kDyRegThreads ? 2 : 1)
@@ -417,14 +314,7 @@ softmax_bwd_rows_smem(int64_t n, int64_t seg, int cluster_k, int64_t rows, const
     // bytes of x and dy for a slice (log_softmax sums dy over masked keys too)
     auto x_bytes = [](const Slice &s) { return slice_bytes<T>(s.keys, s.len); };
     auto dy_bytes = [](const Slice &s) { return slice_bytes<T>(kLog ? s.len : s.keys, s.len); };
-    // the L2 prefetch only where a CTA's x and dy come to more than kSmemCtaMax (see
-    // prefetch_next_cta), and not in the dy-register kernel: at two CTAs an SM the CTA one SM count
-    // ahead is mostly running already (H100, same-process A/B without it: fp32 (256, 262144) 88.5
-    // -> 98.7% of copy, (256, 240000) 90.8 -> 97.9, bf16 (256, 524288) 88.5 -> 98.5; prefetching
-    // its dy too had cost 9-20 points). The others' copies run under an L2
-    // evict_last policy, as Triton's first pass loads: H200, same-process A/B against the default,
-    // fp32 (4096, 16384) 1.008 -> 1.015x torch.compile, bf16 0.993 -> 0.994-0.996x, others level
-    // (evict_first had cost 5-8 points).
+    // the L2 prefetch only where a CTA's x and dy pass kSmemCtaMax, never with dy in registers (D-34)
     const bool prefetch = !kDyRegs && 2 * slice > kSmemCtaMax;
     kernel_start(bar, pieces.count, cluster_k, red);
     start_copies<T, kCausal, false, true>(bar, pieces, smem_raw, rows, n, seg, cluster_k, causal_sq, prefetch,

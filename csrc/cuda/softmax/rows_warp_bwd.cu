@@ -8,40 +8,22 @@
 //   pass, x and dy read once.
 // fp32 with 32 elements a lane is capped at 80 registers, 6 CTAs an SM (H200 1024-wide rows 78 ->
 // 82% of copy).
-// Why: torch.compile's shape for short rows, with y recomputed instead of saved.
+// Why: torch.compile's shape for short rows, with y recomputed instead of saved (D-06, D-12).
 #include "softmax.cuh"
 
 namespace fk::softmax {
 namespace {
 
-// The fp32 warp backward's exp, where a gradient's cancellation (dx = y (dy - sum dy y)) puts a
-// row's exp errors whole into a small dx: rows one at a time against the tests' 2x-torch bound
-// (20000 draws of each length, benchmarks/row_tails.py, H200) crossed it in 12-18 rows of 64 and
-// 128 and in 4-15 of 96, 127, 197, 257 and 1000 with ex2.approx, and in 0-2 with expf (the worst
-// row at 1.31 of the bound, where torch's own error was lucky), the 99.9th percentile of a length
-// 0.81-0.99 -> 0.72-0.77. The 16-byte instances take expf, and measured level or faster with it (x
-// torch.compile, (16384, 1000) 0.988 -> 0.999, (3000,1000) 1.048 -> 1.069, the rest within 0.4%);
-// the scalar instances (ragged rows past kRaggedFp32BwdMax) keep ex2.approx: expf lost 9% at 257,
-// where half the lanes' slots lie past the row and take an exp too. Elsewhere expf lost: the fp32
-// column tile 37-39%, the shared-memory backward 1-3%; rows of 4096 (the row-block backward)
-// measured none past the bound with ex2.approx, longer rows and columns were not measured. 16-bit
-// gradients round far coarser than either.
+// The exp of the fp32 16-byte instances is expf: a gradient's cancellation puts the exp's error
+// whole into a small dx, and ex2.approx crossed the 2x-torch bound on single rows (D-65); the
+// scalar instances keep exp_ftz (expf lost 9% at 257).
 template <typename T, int VEC> __device__ __forceinline__ float exp_warp_bwd(float t) {
     if constexpr (std::is_same_v<T, float> && VEC > 1) return expf(t);
     else return exp_ftz(t);
 }
 
-// fp32 with 32 elements a lane: capped at 80 registers (6 CTAs an SM instead of 5): 1024-wide rows
-// 78 -> 82% of copy on an H200. The one-warp CTAs of grids past a wave (with_warp_block) are capped
-// at 128 registers instead, 16 an SM rather than 24 (H100, same-process A/B, six rounds: (32768,
-// 1024) 98.1-99.7 -> 99.6-100.2% of copy, 0.999 -> 1.005x torch.compile; (16384, 1000) 0.998 ->
-// 1.006x; (65536, 1024) 0.999 -> 1.004x; 20 an SM gained half as much). Without a mask a lane's
-// accesses are whole keys or zero-filled non-keys, so a non-key access takes its exps against +inf
-// instead of the row max (exp(0 * scale - inf) = 0, the same zero the select gave): one select an
-// access, not one an element. SASS of the fp32 1024-wide backward: 712 -> 688 instructions a lane
-// (80 registers, no spills, either way), and its (3000, 1000) rows went from 88-90 to 94-96% of
-// copy (H200, same-process A/B); other shapes level. (The forward, with the same change, measured
-// level to -1.5 points, so it keeps its select.)
+// fp32 with 32 elements a lane: capped at 80 registers, 6 CTAs an SM (D-10). Without a mask a
+// non-key access takes its exps against +inf: one select an access, not one an element (D-12).
 template <typename T, int VEC, int C, int G, bool kCausal, bool kLog, int kThreads, bool kRagged = false>
 __global__ void __launch_bounds__(kThreads, !std::is_same_v<T, float> || C != 32 ? 1 : 6)
 softmax_bwd_rows_warp(int64_t rows, int n, int group_arg, const T *__restrict__ dy, const T *__restrict__ x,

@@ -11,7 +11,7 @@
 //   ragged row's edge accesses element by element, store_in).
 // One-wave grids reserve shared memory so that no SM takes more than ceil(CTAs / SMs) of them
 // (one_wave_smem: H200 (3000, 1000) bf16 forward 63-65 -> 71-74% of copy).
-// Why: torch.compile's shape for short rows; the row is read once.
+// Why: torch.compile's shape for short rows, the row read once (D-06, D-07, D-08); one-wave cap D-13.
 #include "softmax.cuh"
 
 namespace fk::softmax {

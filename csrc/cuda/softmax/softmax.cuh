@@ -16,11 +16,8 @@ namespace {
 
 namespace cg = cooperative_groups;
 
-// Keys of row `row` at or beyond the returned length are masked.
-// causal_sq 1 (ragged rows through the masked kernels) needs no division, and one that fits 32 bits
-// takes a 32-bit one: a 64-bit `%` is a ~90-instruction routine, run three times in thread 0's
-// path to its first bulk copy by the shared-memory kernels (H100, bf16 ragged (32768, 4097)
-// forward 83 -> 87% of copy).
+// Keys of row `row` at or beyond the returned length are masked. causal_sq 1 (ragged rows) takes no
+// division, one that fits 32 bits a 32-bit one (D-49).
 __device__ __forceinline__ int64_t causal_len(int64_t row, int64_t n, int64_t causal_sq) {
     if (causal_sq == 1) return n;
     const int64_t query = (row | causal_sq) >> 32 ? row % causal_sq : (uint32_t)row % (uint32_t)causal_sq;
@@ -28,13 +25,7 @@ __device__ __forceinline__ int64_t causal_len(int64_t row, int64_t n, int64_t ca
     return len < 0 ? 0 : (len > n ? n : len);
 }
 
-// e^t is fk::exp_ftz: one FMUL and MUFU.EX2 (ex2.approx.ftz, ~2 ulp for the exponents near 0 that
-// carry the row's mass, plus the product's rounding, |t| x 2^-24 relative, where e^t is small;
-// results below 2^-126 flush to 0, irrelevant next to the max), as torch.compile's Triton kernels
-// take. fp32 took libdevice's expf (~9 instructions: ex2.approx of the exactly reduced fraction,
-// then 2^j) before the exponents were made exact near the max; with them, ex2.approx measured fp32
-// (3000,1000) about 1 point of copy faster backward and 2 forward (H200). The looped column
-// kernels, for columns the tile cannot hold, still take expf (not measured).
+// e^t: one FMUL and MUFU.EX2, ~2 ulp where the exponent is exact, near the row's max (D-64).
 using fk::exp_ftz;
 
 
@@ -52,9 +43,8 @@ template <typename A> __device__ __forceinline__ A rescale(A s, float from, floa
     else return s * expf(from - to);
 }
 
-// fp32 output is e / s correctly rounded, as torch divides: q = e * (1 / s) and one remainder step
-// (exact for e in [0, 1], s in [1, n], the softmax range), three instructions against an IEEE
-// division's eight and a slow-path branch. 16-bit output rounds far coarser than 1 / s does.
+// fp32 output: e / s correctly rounded, as torch divides, in three instructions; 16-bit outputs
+// round far coarser than e * (1 / s) (D-66).
 template <typename T> __device__ __forceinline__ float normalize(float e, float s, float inv_s) {
     if constexpr (std::is_same<T, float>::value) {
         const float q = e * inv_s;
@@ -116,13 +106,8 @@ template <typename T, int VEC> __device__ __forceinline__ float raw_at(const Raw
     else return fk::pack_f32<T>(r, k);
 }
 
-// kPtx: the 16-byte store through inline PTX (see store_in). kStream: as st.global.cs, a streaming
-// store whose lines L2 evicts first; the shared-memory kernels' write passes take it. H100,
-// same-process A/B, kept L2 lines released before each sample: fp32 forwards (4096, 16384) 98.1 ->
-// 99.3% of copy, (1024, 65536) 98.1 -> 99.3, (256, 262144) 93.5 -> 96.8; bf16 (4096, 16384) 94.2 ->
-// 95.8, (256, 262144) backward 95.3 -> 96.3; others up 0.7 or within 0.4, but the scaled causal
-// forward lost 0.5. In every kernel it had cost the lane-group and row-block kernels up to 9
-// points (fp32 (3000, 1000) backward 102.5 -> 93.9).
+// kPtx: the 16-byte store as inline PTX (see store_in). kStream: st.global.cs, a streaming store,
+// in the shared-memory write passes only (D-43).
 template <typename T, int VEC, bool kPtx = false, bool kStream = false>
 __device__ __forceinline__ void store_vec(T *p, const float *v) {
     if constexpr (VEC == 1) {
@@ -144,11 +129,9 @@ __device__ __forceinline__ void store_vec(T *p, const float *v) {
     }
 }
 
-// Stores the elements of the VEC at p (frame index j, with j < hi) that lie in [lo, hi): one
-// 16-byte store when all do. kRagged: lo and hi need not fall on access boundaries; the whole
-// access is then stored through inline PTX, as with plain C++ stores the compiler split it into
-// 4-byte stores in every masked and ragged instance (the masked shared-memory forward: no 16-byte
-// store at all, bf16 elements in 2-byte stores). kStream: see store_vec.
+// Stores the elements of the access at p (frame index j < hi) that lie in [lo, hi): one 16-byte
+// store when all do. kRagged: the whole access as inline PTX, which the compiler otherwise split
+// into 4-byte stores (decision id pending).
 template <typename T, int VEC, bool kRagged, bool kStream = false>
 __device__ __forceinline__ void store_in(T *p, const float *v, int j, int lo, int hi) {
     if (!kRagged || VEC == 1 || (j >= lo && j + VEC <= hi)) {
@@ -160,24 +143,11 @@ __device__ __forceinline__ void store_in(T *p, const float *v, int j, int lo, in
     }
 }
 
-// Ragged rows: in 16-byte aligned tensors whose rows are not a multiple of 16 bytes (n % VEC != 0,
-// e.g. a 50257-word vocabulary or 197 ViT tokens), a row starting at element row * n is read as
-// the aligned accesses covering it, a frame starting `lead` elements before the row; its elements
-// are frame indices [lead, lead + n). Unmasked, the warp and in-register kernels take them in
-// their kRagged instances (unragged, below), the row-block and shared-memory kernels in their
-// masked ones with causal_sq 1 (every key in; the bulk copies start at the frame, 16-byte aligned);
-// masked ragged rows that a warp holds take the scalar path. The first
-// and last accesses of a row are partly another row's: read, but written element by element
-// (store_in). The tensor's last row reads its last access only up to the tensor's end (load_until;
-// the shared-memory kernels' thread 0 copies that partial pack element by element), so no access
-// passes the tensor's end. Packed rows
-// have lead 0. H200, against the scalar path, x torch.compile: bf16 (4096, 50257) forward 0.71 ->
-// 1.66x, backward 0.75 -> 1.28x; bf16 (131072, 1100) backward 0.67 -> 1.13x. The shared-memory
-// kernels then took long rows from the row-block kernel (H100, % of copy, forward / backward):
-// bf16 (4096, 50257) 78 / 78 -> 98 / 99, (256, 250001) 75 / 73 -> 94 / 94; fp32 (4096, 50257)
-// 80 / 80 -> 98 / 99, (1024, 65543) 61 / 56 -> 97 / 100; 16-bit forwards of 1025-8192 from one CTA
-// a row in registers, bf16 (131072, 1100) 87 -> 95, (16384, 6001) 92 -> 97, but (32768, 4097) 94 -> 81
-// (now 97: causal_len and kMaskedWarpPacks).
+// Ragged rows (n % VEC != 0, 16-byte aligned tensors): a row is read as the 16-byte accesses
+// covering it, a frame starting row_lead elements before the row; its elements are frame indices
+// [lead, lead + n). Edge accesses are partly another row's: read whole, written element by element
+// (store_in); the tensor's last row stops at the tensor's end (load_until). Packed rows have lead 0
+// (D-46, D-47).
 template <int VEC> __device__ __forceinline__ int row_lead(int64_t row, int64_t n) {
     return VEC == 1 ? 0 : (int)((row * n) & (VEC - 1));
 }
@@ -189,10 +159,8 @@ template <int VEC, typename Zero> __device__ __forceinline__ void zero_each_outs
         if (j + k < lo || j + k >= hi) zero(k);
 }
 
-// Ragged rows without a mask (kRagged): every access is taken as a whole (accesses wholly past
-// the row as zeros, as for packed rows), then in an access at frame index j that straddles an end
-// of the row [lo, hi), the values outside it are zeroed (zero(k)) before they join the row's
-// reductions: one test an access, where the masked instances tested every element.
+// Unmasked ragged rows (kRagged): accesses are taken whole, and one straddling an end of the row
+// [lo, hi) has its values outside zeroed before they join the reductions: one test an access (D-46).
 template <int VEC> __device__ __forceinline__ bool straddles(int j, int lo, int hi) {
     return j < hi && (j < lo || j + VEC > hi);
 }
@@ -200,11 +168,8 @@ template <int VEC, typename Zero> __device__ __forceinline__ void unragged(int j
     if (straddles<VEC>(j, lo, hi)) zero_each_outside<VEC>(j, lo, hi, zero);
 }
 
-// The shared-memory kernels' masked instances (causal or ragged rows) likewise: an access at frame
-// index j that reaches outside the keys [lo, hi) (straddling an end, or wholly outside: there the
-// slice holds stale values) is zeroed outside them. Testing every element instead took a select and
-// a branch region each: bf16 backward of ragged rows at 41-54% of copy, against 78% for the
-// row-block kernel (H100).
+// The masked shared-memory instances likewise: an access reaching outside the keys [lo, hi) (or
+// wholly outside: stale values) is zeroed outside them, one test an access (D-47).
 template <int VEC> __device__ __forceinline__ bool reaches_out(int j, int lo, int hi) {
     return j < lo || j + VEC > hi;
 }
@@ -252,21 +217,13 @@ template <typename V> struct SumSum {  // V: float2, or double2 for the fp32 bac
 template <typename Op> constexpr bool kIsMaxSum = false;
 template <typename V> constexpr bool kIsMaxSum<MaxSum<V>> = true;
 
-// The backward's sums (z = sum y', a = sum dy * y'): fp64 for fp32 data. A row dominated by one
-// key has dx there = y (dy - a / z) ~ 0, so every rounding of a and z lands in the result (fp32
-// sums left single rows at 3x torch's error). fp16 / bf16 outputs round far coarser than fp32.
+// The backward's sums z = sum y', a = sum dy * y': fp64 for fp32 data, where a dominant key's
+// dx ~ 0 takes every rounding of a and z (D-60).
 template <typename T> using Acc = std::conditional_t<std::is_same_v<T, float>, double, float>;
 template <typename T> using Acc2 = std::conditional_t<std::is_same_v<T, float>, double2, float2>;
 
-// One lane's running row sum: fp64 for fp32 data (one F2F.F64 and one DADD per term), rounded to
-// fp32 once at the end. A row dominated by one key has y ~ 1 there and dx ~ 0 there, so every
-// rounding of a running sum near 1 lands in those results: plain fp32 lane sums left single fp32
-// rows at 3-25x torch's error (forward: 1.65e-7 against 6.4e-9, n = 1000). TwoSum / TwoProduct
-// pairs in fp32 are as exact but cost 7-10 instructions a term against two (the kernels are
-// instruction-bound: ncu on an H200 showed up to 88% issue-active). A product dy * y' is rounded
-// to fp32 once before it joins the sum, as torch rounds its own: exact where it matters (y' = 1
-// at the max), and one conversion instead of two and a DFMA (fp32 (32768, 1024) backward 94 -> 99%
-// of copy, H200). 16-bit data: plain fp32 sums (their outputs round far coarser).
+// One lane's running row sum: fp64 for fp32 data, rounded to fp32 once; dy * y' is rounded to fp32
+// before it joins the sum, as torch rounds its own (D-60, D-62). 16-bit data: fp32 sums.
 template <typename T> struct RowSum {
     Acc<T> s = 0;
     __device__ __forceinline__ void add(float v) { s += (Acc<T>)v; }
@@ -295,14 +252,8 @@ __device__ __forceinline__ float row_sum(const RowSum<T> &sum, Reduce reduce) {
     return (float)reduce(Acc2<T>{sum.value(), 0}).x;
 }
 
-// dx for one element from the row's sums, in fp32 arithmetic: a / z is carried as a_hi + a_lo, so
-// dy - a / z keeps its accuracy where it cancels (dy - a_hi is exact there) without converting every
-// element to fp64 (F2F.F64 issues at 16 per clock per SM: it cost 13% on the fp32 backward).
-// 16-bit outputs fold scale and 1 / z into one factor per row (c) and take y' (c g - c a): an FFMA
-// and a multiply an element where (y' c)(g - a) took three instructions, and roundings of fp32 that
-// their own rounding dwarfs (c a's is ulp(c a), the size of torch's own rounding of a). fp32
-// softmax takes y' c ((g - a_hi) - a_lo): c = scale / z rounds once a row where scale * (...) rounded
-// once an element (the same for scale 1, where c is 1 / z), one multiply an element fewer.
+// dx for one element from the row's sums, in fp32: a / z carried as a_hi + a_lo where dy - a / z
+// cancels; 16-bit outputs fold scale and 1 / z into one factor c, y' (c g - c a) (D-61).
 template <typename T> struct BwdRow {
     static constexpr bool kSplit = std::is_same_v<T, float>;  // 16-bit: a_lo is 0
     float inv_z, a_hi, a_lo, scale, c, ca;
@@ -422,10 +373,9 @@ __device__ __forceinline__ void kernel_start(uint64_t *bar, int count, int clust
 }
 
 // Reduction over the CTA, then over the K CTAs of the row's cluster; every thread gets the result.
-// One __syncthreads; with a cluster, warp 0 sends the CTA's pair into every peer's smem (st.async,
-// counted on the peer's mbarrier) and each CTA waits only for its own K pairs to land: no cluster
-// barrier, whose release fence (MEMBAR.ALL.GPU) every thread paid. The kernel's first exchange
-// (`first`) waits on the arrive made in kernel_start, so no pair lands on an unready barrier.
+// One __syncthreads; with a cluster, warp 0 sends the CTA's pair into every peer's shared memory
+// (st.async, counted on the peer's mbarrier) and each CTA waits for its own K pairs: no cluster
+// barrier (D-32). The first exchange (`first`) waits on kernel_start's cluster arrival.
 template <typename Op, typename V, int kWarpSlots>
 __device__ __forceinline__ V row_reduce(V v, RowReduceSmem<V, kWarpSlots> &smem, int cluster_k, bool first = true) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
@@ -446,10 +396,8 @@ __device__ __forceinline__ V row_reduce(V v, RowReduceSmem<V, kWarpSlots> &smem,
 }
 
 
-// Whether a row-block kernel whose slice fits its registers keeps each element's exp for the write
-// pass (fp32) or takes it again (16-bit: the kept values cost registers and, forward, a second
-// reduction: measured slower). Chosen when fp32 took libdevice's ~8-instruction expf; with
-// ex2.approx, taking it again measured level to -0.5 (H200, session 16 of the perf log).
+// Whether a kernel holding its slice in registers keeps each exp for the write pass: fp32 yes,
+// 16-bit takes it again (D-17).
 template <typename T> constexpr bool kExpOnce = std::is_same_v<T, float>;
 
 // ---- rows_warp's lane groups -----------------------------------------------------------------
