@@ -98,6 +98,13 @@ fk_status fk_cuda_softmax_bwd(const void *dy, const void *x, const float *row_ma
                               int64_t outer, int64_t n, int64_t inner, double scale,
                               int64_t causal_sq, int log, fk_dtype dtype, int device,
                               void *stream);
+/* The strategy fk_cuda_softmax_fwd (backward = 0) or _bwd (1) would run for these sizes on `device`,
+ * with every tensor 16-byte aligned or not (`aligned`), as a static name ("rows_warp", "rows_smem_cta",
+ * ... or "empty" where nothing is launched; csrc/cuda/softmax/dispatch.cu lists them), or NULL on bad
+ * arguments (message in fk_error_message()). `shape` (may be NULL) receives the launch shape as text. */
+const char *fk_cuda_softmax_plan(int backward, int64_t outer, int64_t n, int64_t inner, int64_t causal_sq,
+                                 int log, fk_dtype dtype, int aligned, int device, char *shape,
+                                 int shape_size);
 
 /* ---- Matmul / linear -------------------------------------------------------------------------
  * For b < batch: C[b] = act(A[b] @ B[b] + bias), fp32 accumulation (fp64 for fp64, CPU only).

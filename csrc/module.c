@@ -237,6 +237,28 @@ static PyObject *py_matmul_plan(PyObject *self, PyObject *args) {
 #endif
 }
 
+/* softmax_plan(backward, outer, n, inner, causal_sq, log, dtype, aligned, device) -> (strategy, shape):
+ * the CUDA strategy and launch shape a softmax call of these sizes takes (tests, benchmark tables) */
+static PyObject *py_softmax_plan(PyObject *self, PyObject *args) {
+    (void)self;
+    long long outer, n, inner, causal_sq;
+    int backward, log, dtype, aligned, device;
+    if (!PyArg_ParseTuple(args, "pLLLLpiii", &backward, &outer, &n, &inner, &causal_sq, &log, &dtype, &aligned,
+                          &device))
+        return NULL;
+#if FK_HAS_CUDA
+    char shape[256];
+    const char *strategy = fk_cuda_softmax_plan(backward, outer, n, inner, causal_sq, log, (fk_dtype)dtype, aligned,
+                                                device, shape, (int)sizeof shape);
+    if (!strategy) return finish(FK_ERR_RUNTIME);  /* bad sizes are refused in Python first */
+    return Py_BuildValue("(ss)", strategy, shape);
+#else
+    (void)backward, (void)outer, (void)n, (void)inner, (void)causal_sq, (void)log, (void)dtype, (void)aligned,
+        (void)device;
+    return no_cuda("softmax");
+#endif
+}
+
 /* build_info() -> dict: version, cuda (compiled in), archs, devices [(name, major, minor)] */
 static PyObject *py_build_info(PyObject *self, PyObject *noargs) {
     (void)self;
@@ -276,6 +298,7 @@ static PyMethodDef methods[] = {
     {"softmax_bwd", py_softmax_bwd, METH_VARARGS, "Softmax / log-softmax backward on raw pointers."},
     {"matmul", py_matmul, METH_VARARGS, "C = act(A @ B + bias) (and its pre-activation) on raw pointers."},
     {"matmul_plan", py_matmul_plan, METH_VARARGS, "The CUDA strategy matmul would take ('cpu' on CPU)."},
+    {"softmax_plan", py_softmax_plan, METH_VARARGS, "The CUDA softmax strategy and launch shape for a call."},
     {"build_info", py_build_info, METH_NOARGS, "Version, CUDA support, archs and visible devices."},
     {NULL, NULL, 0, NULL},
 };

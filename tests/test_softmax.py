@@ -293,9 +293,9 @@ def test_cuda_graph_capture_and_replay():
 @pytest.mark.parametrize("log", [False, True], ids=["softmax", "log"])
 @pytest.mark.parametrize("n", [1000, 1021])
 def test_fp32_rows_over_one_wave_cuda(n, log, poison):
-    """fp32 rows of 513-1024 elements take one-warp CTAs once their grid outgrows one wave of
-    128-thread CTAs (at most 16 an SM): enough rows for that on any GPU, an odd count so the last
-    CTA is partial, packed (1000) and scalar (1021) rows, forward and backward."""
+    """fp32 rows of 513-1024 elements (32 elements a lane) on grids of more than one wave of
+    128-thread CTAs: enough rows for that on any GPU, an odd count so the last CTA is partial,
+    packed (1000) and scalar (1021) rows, forward and backward."""
     rows = 16 * 4 * torch.cuda.get_device_properties(0).multi_processor_count + 3
     check(torch.randn(rows, n, device="cuda") * 4, -1, log)
 
@@ -412,3 +412,110 @@ def test_cpu_threads_give_the_one_thread_results(shape, dim, log, poison):
     one, many = on_cpu_threads(1, run), on_cpu_threads(7, run)
     for a, b in zip(one, many):
         assert not b.isnan().any() and torch.equal(a, b)
+
+
+
+@needs_cuda
+@pytest.mark.parametrize("dtype,shape", [(torch.float32, (128, 1)), (torch.float32, (128, 63)),
+                                         (torch.bfloat16, (256, 1017)), (torch.bfloat16, (256, 1025)),
+                                         (torch.float32, (128, 2001)), (torch.bfloat16, (256, 4097)),
+                                         (torch.bfloat16, (256, 12001)), (torch.float32, (128, 250001))], ids=str)
+@pytest.mark.parametrize("log", [False, True], ids=["softmax", "log"])
+def test_ragged_rows_end_at_the_tensors_end_cuda(dtype, shape, log, poison):
+    """Ragged rows (n not a multiple of 16 bytes) read through 16-byte accesses: the last row's last
+    access stops at the tensor's end (every rows_* strategy: lane groups, register rows, row blocks,
+    shared-memory slices and dy in registers). Each tensor here is a multiple of 512 bytes, so it
+    ends where the caching allocator's block does; a read past it shows under compute-sanitizer
+    (PYTORCH_NO_CUDA_MEMORY_CACHING=1), not here: this checks the values around the end."""
+    check((torch.randn(shape, device="cuda") * 4).to(dtype), -1, log)
+
+
+# ---- the dispatch table's bounds (csrc/cuda/softmax/dispatch.cu) ------------------------------------
+# For every row of the table, a shape just inside and one just outside its bounds: the strategy the
+# plan names on sm_90 (H100 / H200) and on sm_80 (no clusters, no bulk copies), the elements a thread
+# or lane where the plan fixes them for both, and the usual error rule for the shape. Rows of 3
+# (rows) or columns (outer, n, inner) along dim 1. A moved boundary moves its pair here.
+F32, BF16 = torch.float32, torch.bfloat16
+PLAN_BOUNDS = [
+    # dir, dtype, shape, causal, aligned, strategy sm_90, strategy sm_80, elems
+    ("fwd", F32, (3, 1024), False, True, "rows_warp", "rows_warp", 32),
+    ("fwd", F32, (3, 1025), False, True, "rows_block", "rows_block", 16),
+    ("bwd", BF16, (3, 1024), False, True, "rows_warp", "rows_warp", 32),
+    ("bwd", BF16, (3, 1025), False, True, "rows_packs", "rows_packs", 8),
+    ("fwd", BF16, (3, 1017), False, True, "rows_warp", "rows_warp", 32),
+    ("fwd", BF16, (3, 1025), False, True, "rows_smem_warp", "rows_block", None),
+    ("bwd", F32, (3, 64), False, True, "rows_warp", "rows_warp", 8),
+    ("bwd", F32, (3, 65), False, True, "rows_warp", "rows_warp", 4),
+    ("fwd", BF16, (3, 4096), False, False, "rows_block", "rows_block", 8),
+    ("bwd", F32, (3, 1028), False, True, "rows_packs", "rows_packs", 8),
+    ("bwd", F32, (3, 8192), False, True, "rows_packs", "rows_packs", 16),
+    ("bwd", F32, (3, 8196), False, True, "rows_smem_cta", "rows_block", None),
+    ("bwd", BF16, (3, 16384), False, True, "rows_packs", "rows_packs", 32),
+    ("bwd", BF16, (3, 16392), False, True, "rows_smem_cta", "rows_block", None),
+    ("bwd", BF16, (3, 8185), False, True, "rows_packs", "rows_packs", 16),
+    ("bwd", BF16, (3, 8193), False, True, "rows_smem_cta", "rows_block", None),
+    ("bwd", BF16, (3, 8192), True, True, "rows_packs", "rows_packs", 16),
+    ("bwd", BF16, (3, 8200), True, True, "rows_smem_cta", "rows_block", None),
+    ("bwd", BF16, (3, 1100), True, True, "rows_block", "rows_block", 16),
+    ("fwd", F32, (3, 4096), False, True, "rows_block", "rows_block", 16),
+    ("fwd", F32, (3, 4100), False, True, "rows_block", "rows_block", 16),
+    ("fwd", F32, (3, 8192), False, True, "rows_block", "rows_block", 16),
+    ("fwd", F32, (3, 8196), False, True, "rows_smem_cta", "rows_block", None),
+    ("fwd", BF16, (3, 4096), False, True, "rows_smem_warp", "rows_block", None),
+    ("fwd", BF16, (3, 4104), False, True, "rows_smem_cta", "rows_block", None),
+    ("fwd", BF16, (3, 2048), True, True, "rows_smem_warp", "rows_block", None),
+    ("fwd", BF16, (3, 917504), False, True, "rows_smem_cta", "rows_block", None),
+    ("fwd", BF16, (3, 917505), False, True, "rows_block", "rows_block", 32),
+    ("fwd", BF16, (3, 1048576), False, True, "rows_smem_cta", "rows_block", None),
+    ("fwd", BF16, (3, 1835016), False, True, "rows_block", "rows_block", 32),
+    ("fwd", F32, (3, 524288), False, True, "rows_smem_cta", "rows_block", None),
+    ("bwd", BF16, (3, 131072), False, True, "rows_smem_cta", "rows_block", None),
+    ("bwd", BF16, (3, 458752), False, True, "rows_smem_cta", "rows_block", None),
+    ("bwd", BF16, (3, 458760), False, True, "rows_smem_dyreg", "rows_block", None),
+    ("bwd", BF16, (3, 1048576), False, True, "rows_smem_dyreg", "rows_block", None),
+    ("bwd", BF16, (3, 1048584), False, True, "rows_block", "rows_block", 16),
+    ("bwd", F32, (3, 524288), False, True, "rows_smem_dyreg", "rows_block", None),
+    ("bwd", F32, (3, 524292), False, True, "rows_block", "rows_block", 8),
+    ("fwd", BF16, (1, 16384, 8), False, True, "cols_tile", "cols_tile_chunked", None),
+    ("fwd", BF16, (1, 16385, 8), False, True, "cols_tile_chunked", "cols_tile_chunked", 8),
+    ("fwd", BF16, (1, 2048, 3), False, True, "cols_tile", "cols_tile_chunked", None),
+    ("fwd", BF16, (1, 2049, 3), False, True, "cols_tile_chunked", "cols_tile_chunked", 8),
+    ("fwd", BF16, (2000, 2049, 3), False, True, "cols_loop", "cols_loop", None),
+    ("bwd", F32, (2, 64, 4), False, True, "cols_tile", "cols_tile", 4),
+    ("bwd", F32, (2, 65, 4), False, True, "cols_tile", "cols_tile", 8),
+    ("bwd", BF16, (1, 8192, 8), False, True, "cols_tile", "cols_tile_chunked", None),
+    ("bwd", BF16, (1, 8193, 8), False, True, "cols_tile_chunked", "cols_tile_chunked", 8),
+    ("bwd", BF16, (1, 1024, 3), False, True, "cols_tile", "cols_tile_chunked", None),
+    ("bwd", BF16, (1, 1025, 3), False, True, "cols_tile_chunked", "cols_tile_chunked", 8),
+    ("bwd", BF16, (2000, 1025, 3), False, True, "cols_loop", "cols_loop", None),
+    ("fwd", F32, (1, 16384, 4), False, True, "cols_tile", "cols_tile_chunked", None),
+    ("fwd", F32, (1, 16385, 4), False, True, "cols_tile_chunked", "cols_tile_chunked", 16),
+    ("fwd", F32, (64, 512, 4), False, True, "cols_tile", "cols_tile", 4),
+    ("fwd", F32, (64, 513, 4), False, True, "cols_tile", "cols_tile", 16),
+]
+
+
+def _plan_case_id(case):
+    d, dtype, shape, causal, aligned, *_ = case
+    return f"{d}-{str(dtype)[6:]}-{'x'.join(map(str, shape))}" + ("-causal" if causal else "") + \
+        ("" if aligned else "-misaligned")
+
+
+def test_plan_needs_a_cuda_tensor():
+    with pytest.raises(ValueError, match="CUDA"):
+        fastkern.ops.softmax._plan(torch.randn(3, 8), -1)
+
+
+@needs_cuda
+@pytest.mark.parametrize("case", PLAN_BOUNDS, ids=[_plan_case_id(c) for c in PLAN_BOUNDS])
+def test_dispatch_table_bounds_cuda(case, poison):
+    d, dtype, shape, causal, aligned, sm90, sm80, elems = case
+    dim = -1 if len(shape) == 2 else 1
+    x = (torch.randn(shape, device="cuda") * 4).to(dtype) if aligned else misaligned(shape, dtype, "cuda")
+    strategy, launch = fastkern.ops.softmax._plan(x, dim, causal=causal, backward=d == "bwd")
+    major = torch.cuda.get_device_capability(x.device)[0]
+    want = sm90 if major >= 9 else sm80
+    assert strategy == want, f"plan {strategy} ({launch}), the table says {want}"
+    if elems is not None:
+        assert f" elems={elems} " in f" {launch} ", f"plan {launch}: expected elems={elems}"
+    check(x, dim, False, causal=causal)

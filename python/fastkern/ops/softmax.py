@@ -149,6 +149,20 @@ def _call(x, dim, scale, causal, log):
     return _softmax_op(x, dim, scale, causal, log)[0]
 
 
+def _plan(x, dim=-1, *, causal=False, log=False, backward=False, aligned=None):
+    """(strategy, launch shape) of the CUDA kernel that fastkern.softmax (log_softmax with `log`;
+    its backward with `backward`) runs for x along `dim`: e.g. ("rows_warp", "grid=... block=(128,1)
+    ..."). `aligned` overrides whether every tensor counts as 16-byte aligned (default: x's own
+    alignment). For tests and benchmark tables; csrc/cuda/softmax/dispatch.cu holds the table."""
+    outer, n, inner, causal_sq, code = _check(x, dim, 1.0, bool(causal), log)
+    if x.device.type != "cuda":
+        raise ValueError(f"fastkern.{_name(log)}: _plan needs a CUDA tensor, got {x.device}")
+    if aligned is None:
+        aligned = x.data_ptr() % 16 == 0
+    return _C.softmax_plan(bool(backward), outer, n, inner, causal_sq, bool(log), code, int(bool(aligned)),
+                           x.device.index if x.device.index is not None else torch.cuda.current_device())
+
+
 def softmax(x, dim=-1, *, scale=1.0, causal=False):
     """softmax(x * scale) along `dim`, like torch.softmax(x, dim) when scale=1 and causal=False.
     causal=True treats the last two dims as (query, key) scores and masks key j > query i + Sk - Sq."""
