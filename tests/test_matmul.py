@@ -395,9 +395,9 @@ def _saved_bytes(fn):
 @pytest.mark.parametrize("bias", [True, False], ids=["bias", "nobias"])
 def test_fused_mlp_matches_sequential(device, approximate, bias):
     torch.manual_seed(3)
-    seq = torch.nn.Sequential(torch.nn.Linear(64, 256, bias), torch.nn.GELU(approximate),
-                              torch.nn.Linear(256, 48, bias)).to(device)
-    torch.manual_seed(3)
+    seq = torch.nn.Sequential(torch.nn.Linear(64, 256, bias, device=device), torch.nn.GELU(approximate),
+                              torch.nn.Linear(256, 48, bias, device=device))
+    torch.manual_seed(3)  # both initialise on `device`, from the same seed
     mlp = fastkern.nn.FusedMLP(64, 256, 48, bias=bias, approximate=approximate, device=device)
     assert list(mlp.state_dict()) == list(seq.state_dict())
     for key, value in seq.state_dict().items():

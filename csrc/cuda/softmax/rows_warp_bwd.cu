@@ -43,7 +43,8 @@ softmax_bwd_rows_warp(int64_t rows, int n, int group_arg, const T *__restrict__ 
         dy_len[r] = row >= rows ? 0 : kLog ? lead[r] + n : valid[r];
         m_saved[r] = row < rows ? row_max[row] : 0.f;
         const T *xr = x + row * n - lead[r], *dyr = dy + row * n - lead[r];
-        if (kRagged && row == rows - 1) {  // the tensor's last row: its last access stops at the end
+        // rows whose last access may reach past the tensor's end (more than one when n < VEC) stop there
+        if (kRagged && (rows - 1 - row) * (int64_t)n < VEC) {
 #pragma unroll
             for (int p = 0; p < P; p++) {
                 const int col = lg.col(p);

@@ -34,7 +34,8 @@ softmax_fwd_rows_warp(int64_t rows, int n, int group_arg, const T *__restrict__ 
         const int64_t row = lg.first + r;
         LaneGroup<VEC>::template frame<kRagged, kCausal>(row, rows, n, causal_sq, lead[r], valid[r]);
         const T *xr = x + row * n - lead[r];
-        if (kRagged && row == rows - 1) {  // the tensor's last row: its last access stops at the end
+        // rows whose last access may reach past the tensor's end (more than one when n < VEC) stop there
+        if (kRagged && (rows - 1 - row) * (int64_t)n < VEC) {
 #pragma unroll
             for (int p = 0; p < P; p++)
                 raw[r][p] = load_or_zero_until<T, VEC>(xr + lg.col(p), lg.col(p) < valid[r], x + rows * n);
