@@ -42,6 +42,8 @@ OPS = [
     ("log_softmax dim=1", lambda x: fastkern.log_softmax(x, 1), lambda x: torch.log_softmax(x, 1), (8, 300, 33)),
     ("softmax scale+causal", lambda x: fastkern.softmax(x, -1, scale=0.125, causal=True),
      lambda x: torch.softmax(masked(x, 0.125, True), -1), (4, 128, 128)),
+    ("linear + bias + gelu", lambda x, w, b: fastkern.linear(x, w, b, activation="gelu_tanh"),
+     lambda x, w, b: F.gelu(F.linear(x, w, b), approximate="tanh"), (256, 1000)),
 ]
 
 
@@ -50,9 +52,12 @@ lines, all_ok = [], True
 for name, ours, theirs, shape in OPS:
     for dtype in dtypes:
         inputs = [torch.randn(shape, device=device, dtype=dtype) * 3]
-        if "bias" in name:
+        if name.startswith("linear"):  # x (256, 1000) @ w (384, 1000)^T + b
+            inputs += [torch.randn(384, shape[-1], device=device, dtype=dtype) * shape[-1] ** -0.5,
+                       torch.randn(384, device=device, dtype=dtype)]
+        elif "bias" in name:
             inputs.append(torch.randn(shape[-1], device=device, dtype=dtype))
-        g = torch.randn(shape, device=device, dtype=dtype)
+        g = torch.randn(theirs(*inputs).shape, device=device, dtype=dtype)
         results = []  # (output, gradients) of fastkern, torch, torch in float64
         for fn, xs in ((ours, inputs), (theirs, inputs), (theirs, [t.double() for t in inputs])):
             xs = [t.detach().requires_grad_() for t in xs]
@@ -119,6 +124,8 @@ def compiled(f):
 
 causal_unfused = lambda x: torch.softmax(masked(x, 0.125, True), -1)  # noqa: E731
 bias_gelu = lambda x, b: F.gelu(x + b, approximate="tanh")  # noqa: E731
+linear_gelu = lambda x, w, b: F.gelu(F.linear(x, w, b), approximate="tanh")  # noqa: E731
+mm = (4096, 4096) if big else (512, 512)  # x (mm[0], mm[1]) @ w (mm[1], mm[1])^T
 # name, bytes the op must move, make_inputs, fastkern, torch eager, torch.compile (made when timed)
 CASES = [
     (f"gelu tanh fwd ({n})", 2 * n * size, lambda: (randn(n),),
@@ -141,6 +148,10 @@ CASES = [
     (f"softmax scale+causal fwd (1,{heads},{seq},{seq})", 2 * heads * seq * seq * size,
      lambda: (randn(1, heads, seq, seq) * 3,), lambda x: fastkern.softmax(x, -1, scale=0.125, causal=True),
      causal_unfused, lambda: compiled(causal_unfused)),
+    (f"linear+bias+gelu fwd ({mm[0]},{mm[1]})x({mm[1]},{mm[1]})^T", (2 * mm[0] + mm[1]) * mm[1] * size,
+     lambda: (randn(*mm), randn(mm[1], mm[1]) * mm[1] ** -0.5, randn(mm[1])),
+     lambda x, w, b: fastkern.linear(x, w, b, activation="gelu_tanh"), linear_gelu,
+     lambda: compiled(linear_gelu)),
 ]
 
 print(f"\ntimes in {str(dtype)[6:]} on {device.type}: ms per call (median of 5"
