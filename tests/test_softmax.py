@@ -519,3 +519,37 @@ def test_dispatch_table_bounds_cuda(case, poison):
     if elems is not None:
         assert f" elems={elems} " in f" {launch} ", f"plan {launch}: expected elems={elems}"
     check(x, dim, False, causal=causal)
+
+
+def _cpu_isas():
+    """The FASTKERN_CPU_ISA values this machine runs (csrc/cpu/softmax_rows.h: pick_rows)."""
+    try:
+        flags = open("/proc/cpuinfo").read().split()
+    except OSError:
+        flags = []
+    isas = ["generic"]
+    if "avx2" in flags and "fma" in flags:
+        isas.append("avx2")
+    if "avx512f" in flags and "avx512dq" in flags:
+        isas.append("avx512")
+    return isas
+
+
+@pytest.mark.parametrize("isa", _cpu_isas())
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("log", [False, True], ids=["softmax", "log"])
+def test_cpu_isa_paths_match_float64(isa, dtype, log, monkeypatch, poison):
+    """Each vectorised CPU rows kernel, forced by FASTKERN_CPU_ISA, under the 2x rule: ragged and
+    chunk-crossing rows, scale and causal masks, special values."""
+    monkeypatch.setenv("FASTKERN_CPU_ISA", isa)
+    for rows, n in [(3, 1), (5, 7), (7, 31), (3, 513), (64, 1000), (2, 4097), (2, 50257)]:
+        check((torch.randn(rows, n) * 4).to(dtype), -1, log)
+    check((torch.randn(2, 3, 37, 61) * 4).to(dtype), -1, log, scale=0.125, causal=True)
+    gen = torch.Generator().manual_seed(7)
+    for _ in range(50):
+        check((torch.randn(1, 31, generator=gen) * 4).to(dtype), -1, log)
+    x = torch.randn(4, 40)
+    x[0, 3], x[1, 5], x[2, :], x[3, 7] = float("nan"), float("inf"), float("-inf"), float("-inf")
+    y = fk_fn(log)(x.to(dtype), -1).float()
+    ref = torch_fn(log)(x, -1)
+    assert torch.equal(y.isnan(), ref.isnan())

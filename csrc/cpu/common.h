@@ -94,13 +94,14 @@ static inline void fk_store_f32(fk_dtype dtype, const float *in, int64_t start, 
 }
 
 /* Runs fn(ctx, begin, end) over contiguous ranges covering [0, items) on up to `threads` threads
- * (the caller's among them), none given fewer than min_items items (parallel.c). */
+ * of a persistent pool (the caller's among them), none given fewer than min_items items; the
+ * ranges depend on items and the thread count only (parallel.c). */
 typedef void (*fk_range_fn)(void *ctx, int64_t begin, int64_t end);
 void fk_parallel_for(int threads, int64_t items, int64_t min_items, fk_range_fn fn, void *ctx);
 
-/* Elements a thread must have for its start (tens of microseconds) to pay: the kernels here take
- * a few ns an element. */
-#define FK_MIN_THREAD_ELEMS 65536
+/* Elements a thread must have for waking a pool worker (a few us, parallel.c) to pay: the kernels
+ * here take ~0.3-3 ns an element. */
+#define FK_MIN_THREAD_ELEMS 16384
 
 /* Items of `per_item` elements each that make up FK_MIN_THREAD_ELEMS. */
 static inline int64_t fk_min_items(int64_t per_item) {

@@ -1,20 +1,28 @@
 /* Softmax / log-softmax on the CPU, reduced along the middle axis of an (outer, n, inner) array.
  *
- * Napkin math: forward reads x twice (an online pass for the running max m and the rescaled sum s,
- * then the write pass) and writes y once; backward reads x and dy twice and writes dx once. Each
- * element costs one exp per pass, so on a few cores this runs at libm's exp rate, not the memory
- * rate. The CPU path is the reference the GPU is checked against and the one gradcheck runs on, so
- * it computes in fp64 for every dtype: its error is then the output rounding alone, whatever the
- * row length or magnitude.
+ * Two paths:
+ *   rows   (inner == 1, fp32 / fp16 / bf16): fp32 arithmetic, vectorised (GNU vector types, one body
+ *          instantiated for AVX-512, AVX2 + FMA and a portable 4-lane build, picked at run time like
+ *          matmul.c; FASTKERN_CPU_ISA=generic|avx2|avx512 forces one so tests cover each).
+ *   blocks (inner > 1, or fp64): fp64 arithmetic, scalar libm; fp64 is what gradcheck runs on.
+ * Napkin math (rows): bf16 (4096, 1024) forward reads 8 MiB and writes 8 MiB; the row (<= 200 KB for
+ * 50257 fp32) stays in L2 between passes, so the cost is the exps: a range-reduced degree-6
+ * polynomial (Cephes expf, ~1 ulp) is ~12 vector flops per 16 lanes, ~1 ns an element.
+ * Forward, per row: pass 1 the max m of x * scale (masked keys -inf); pass 2 s = sum exp(v - m)
+ * (fp32 lanes within a chunk of FK_CHUNK keys, chunks summed in fp64: error ~ 32 roundings, not n),
+ * fp32 softmax writing exp(v - m) to y on the way; pass 3 y *= 1 / s (fp32 softmax), else recompute
+ * exp(v - m) / s or write v - m - log s.
  * The row statistic saved for backward is the row max m of the scaled, masked row (fp32 except for
- * fp64); backward recomputes y' = exp(x * scale - m) and divides by z = sum(y'), the forward's own
- * formula, so the statistic's rounding cancels.
- * Rows are walked as tiles of up to FK_CHUNK keys (inner == 1, a contiguous row) or of up to
- * FK_TILE adjacent columns per key (inner > 1), so memory is read in contiguous runs either way.
+ * fp64); backward recomputes p = exp(x * scale - m) and divides by z = sum(p), the forward's own
+ * formula, so the statistic's rounding cancels: pass 1 sums z and sum(dy * p) (log: sum(dy)), pass 2
+ * writes dx.
+ * NaN / +inf: the max pass skips NaN, and exp(NaN) (or inf - inf) then makes s, and the row, NaN,
+ * as torch's row turns NaN.
  * Row blocks go to the caller's threads in contiguous runs (fk_parallel_for); each row is reduced by
  * one thread in a fixed order, so the result does not depend on the thread count.
  */
 #include <math.h>
+#include <stdlib.h>
 
 #include "common.h"
 
@@ -170,14 +178,19 @@ static fk_status check_args(const char *op, int64_t outer, int64_t n, int64_t in
 
 /* Row blocks (one slab o, up to FK_TILE adjacent columns i0..) are independent: threads take
  * contiguous runs of them, numbered o * tiles + i0 / FK_TILE. */
-typedef struct {
+typedef struct softmax_job softmax_job;
+typedef void (*rows_fn)(const softmax_job *j, int64_t row);
+struct softmax_job {
     const void *dy, *x;
     void *out, *row_max;
     int64_t n, inner, tiles, causal_sq;
     double scale;
     int is_log;
     fk_dtype dtype;
-} softmax_job;
+    rows_fn row; /* the rows path's kernel, or NULL for the blocks path */
+};
+
+#include "softmax_rows.h"
 
 static fk_rows block_of(const softmax_job *j, int64_t b) {
     int64_t i0 = b % j->tiles * FK_TILE;
@@ -187,6 +200,10 @@ static fk_rows block_of(const softmax_job *j, int64_t b) {
 /* A thread's run of row blocks: backward when the job has dy. */
 static void run_blocks(void *arg, int64_t begin, int64_t end) {
     const softmax_job *j = (const softmax_job *)arg;
+    if (j->row) {
+        for (int64_t b = begin; b < end; b++) j->row(j, b);
+        return;
+    }
     for (int64_t b = begin; b < end; b++) {
         fk_rows r = block_of(j, b);
         if (j->dy)
@@ -197,6 +214,7 @@ static void run_blocks(void *arg, int64_t begin, int64_t end) {
 
 static void split_blocks(softmax_job *j, int64_t outer, int threads) {
     j->tiles = (j->inner + FK_TILE - 1) / FK_TILE;
+    if (j->inner == 1 && j->dtype != FK_FLOAT64) j->row = pick_rows(j->dy != NULL);
     int64_t block = j->n * (j->inner < FK_TILE ? j->inner : FK_TILE);
     fk_parallel_for(threads, outer * j->tiles, fk_min_items(block), run_blocks, j);
 }
@@ -206,7 +224,7 @@ fk_status fk_cpu_softmax_fwd(const void *x, void *y, void *row_max, int64_t oute
                              fk_dtype dtype, int threads) {
     fk_status status = check_args("softmax", outer, n, inner, causal_sq, dtype);
     if (status != FK_OK) return status;
-    softmax_job j = {NULL, x, y, row_max, n, inner, 0, causal_sq, scale, is_log, dtype};
+    softmax_job j = {NULL, x, y, row_max, n, inner, 0, causal_sq, scale, is_log, dtype, NULL};
     split_blocks(&j, outer, threads);
     return FK_OK;
 }
@@ -216,7 +234,7 @@ fk_status fk_cpu_softmax_bwd(const void *dy, const void *x, const void *row_max,
                              int64_t causal_sq, int is_log, fk_dtype dtype, int threads) {
     fk_status status = check_args("softmax_backward", outer, n, inner, causal_sq, dtype);
     if (status != FK_OK) return status;
-    softmax_job j = {dy, x, dx, (void *)row_max, n, inner, 0, causal_sq, scale, is_log, dtype};
+    softmax_job j = {dy, x, dx, (void *)row_max, n, inner, 0, causal_sq, scale, is_log, dtype, NULL};
     split_blocks(&j, outer, threads);
     return FK_OK;
 }
