@@ -138,6 +138,62 @@ fk_status fk_cuda_matmul(const fk_matmul_args *args, int device, void *stream);
 /* The strategy fk_cuda_matmul would take for `args` on `device` ("wgmma_sm90", "mma_sm80", ...). */
 const char *fk_cuda_matmul_plan(const fk_matmul_args *args, int device);
 
+/* ---- Attention (flash) -----------------------------------------------------------------------
+ * Per sequence b and head h: out = softmax(scale * Q Kᵀ + mask) V, never materialising Q Kᵀ.
+ * Layout is flash-attn's, generalised by strides (elements; the head dim d is always contiguous):
+ *   q[b, i, h, :] at q + b * q_batch + i * q_row + h * q_head        (sq rows, `heads` heads)
+ *   k[b, j, g, :] at k + b * k_batch + j * k_row + g * k_head        (sk rows, `kv_heads` heads)
+ *   v, out, dout: the same with v_*, o_*, do_* strides (out and dout have q's shape).
+ *   torch's (B, H, S, D) is the same data with q_row = D and q_head = S * D: no copy.
+ * GQA / MQA: heads % kv_heads == 0; head h reads kv head h / (heads / kv_heads).
+ * Varlen: cu_seqlens_q / cu_seqlens_k (int32, batch + 1 entries, on the tensors' device) non-NULL:
+ *   sequence b's query rows are rows cu_seqlens_q[b] .. cu_seqlens_q[b+1]-1 of q (x_batch strides
+ *   ignored), likewise keys; sq / sk are then the maximum lengths (bounds for the grid only).
+ * Mask, for a sequence with sq_b queries and sk_b keys, query i sees key j iff
+ *   j - i - shift in [-window_left, window_right]   (-1: unbounded on that side)
+ *   shift = sk_b - sq_b (bottom-right aligned, flash-attn >= 2.1), or 0 with FK_ATTN_TOP_LEFT
+ *   (torch SDPA's is_causal). causal is window_right = 0. Tiles wholly outside it are skipped.
+ * lse: fp32 (fp64 for fp64 input), dense (batch, heads, sq) — varlen: (heads, total_q) — natural-log
+ *   log-sum-exp of the scaled, masked scores. A row that sees no key gets out = 0 and lse = +inf
+ *   (so its recomputed probabilities are 0 and its gradients 0).
+ * Backward: reads q, k, v, out, dout, lse; writes dq, dk, dv laid out densely like the inputs would be
+ *   in flash layout, (batch, s, heads|kv_heads, d) contiguous (varlen: (total, heads|kv_heads, d)),
+ *   all of `dtype`. For GQA dk / dv are summed over the heads sharing a kv head.
+ * workspace: `workspace_bytes` from fk_{cpu,cuda}_attention_workspace(args, backward[, device]),
+ *   allocated by the caller (zero-filled not required); NULL when that is 0.
+ * flags: FK_ATTN_DETERMINISTIC (bitwise reproducible backward, no atomics across CTAs),
+ *   FK_ATTN_FORCE_GENERAL (CUDA: the sm_80 kernel even on Hopper; tests and A/Bs),
+ *   FK_ATTN_TOP_LEFT (the mask's shift is 0, above). */
+enum { FK_ATTN_DETERMINISTIC = 1, FK_ATTN_FORCE_GENERAL = 2, FK_ATTN_TOP_LEFT = 4 };
+typedef struct {
+    const void *q, *k, *v;
+    void *out;        /* forward output; backward input */
+    void *lse;        /* forward output; backward input */
+    const void *dout; /* backward only */
+    void *dq, *dk, *dv;
+    const int32_t *cu_seqlens_q, *cu_seqlens_k;
+    void *workspace;
+    int64_t workspace_bytes;
+    int64_t batch, sq, sk, heads, kv_heads, d;
+    int64_t q_batch, q_row, q_head;
+    int64_t k_batch, k_row, k_head;
+    int64_t v_batch, v_row, v_head;
+    int64_t o_batch, o_row, o_head;
+    int64_t do_batch, do_row, do_head;
+    double scale;
+    int64_t window_left, window_right;
+    fk_dtype dtype;
+    int flags;
+} fk_attention_args;
+int64_t fk_cpu_attention_workspace(const fk_attention_args *args, int backward);
+fk_status fk_cpu_attention_fwd(const fk_attention_args *args, int threads);
+fk_status fk_cpu_attention_bwd(const fk_attention_args *args, int threads);
+int64_t fk_cuda_attention_workspace(const fk_attention_args *args, int backward, int device);
+fk_status fk_cuda_attention_fwd(const fk_attention_args *args, int device, void *stream);
+fk_status fk_cuda_attention_bwd(const fk_attention_args *args, int device, void *stream);
+/* The strategy fk_cuda_attention_fwd (backward = 0) or _bwd (1) would take ("fwd_mma_sm80", ...). */
+const char *fk_cuda_attention_plan(const fk_attention_args *args, int backward, int device);
+
 /* ---- CUDA runtime facts (csrc/cuda/common.cu) ------------------------------------------------- */
 int fk_cuda_device_count(void);                       /* 0 without a driver or a GPU */
 fk_status fk_cuda_device_name(int device, char *buf, int len, int *major, int *minor);
