@@ -4,9 +4,8 @@
 // Napkin math: 4096^3 is 137 GFLOP: 0.18 ms at the H200's measured ~775 TFLOP/s (cuBLAS). A 128 x
 // 128 CTA tile moves (128 + 128) x 64 x 2 = 32 KB of operands a k-step for 2 x 128^2 x 64 = 2.1
 // MFLOP (64 FLOPs a byte); 6 stages (192 KB) keep ~6 k-steps of TMA latency in flight.
-// Measured (H200, D-73): 4096^3 636 TFLOP/s (0.82x cuBLAS), 8192^3 612 (0.90x); the mainloop alone
-// (epilogue skipped) reached 744 at 4096^3: the epilogue, not overlapped with the next tile's
-// mainloop, is the gap, worst on short K ((8192, 3072, 768) 0.53x).
+// Measured (H200, D-80): 4096^3 716 TFLOP/s (0.91x cuBLAS), 8192^3 643 (0.95x). Short K is worst
+// ((8192, 3072, 768) 0.49x): a per-tile latency that ping-pong consumers did not hide (D-80).
 //
 // Algorithm (STYLE.md's producer / consumer skeleton): a persistent grid, one CTA an SM, walks the
 // output tiles in grouped order. Warpgroup 0 is the producer: one thread waits for a free stage

@@ -358,15 +358,17 @@ __device__ __forceinline__ void kernel_start(uint64_t *bar, int count, int clust
     if (count > 0 || exchange) {
         if (threadIdx.x == 0) {
             for (int i = 0; i < count; i++) mbar_init(&bar[i]);
-            auto ready = [&](auto &red) {
-                mbar_init(&red.landed);
-                mbar_expect(&red.landed, (uint32_t)(cluster_k * sizeof(red.cta[0])));
-            };
-            if (exchange) (ready(reds), ...);
+            if (exchange) (mbar_init(&reds.landed), ...);
             asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
         }
         __syncthreads();
-        if (exchange) cluster_arrive_relaxed();
+        if (exchange) {
+            // expect after the barrier: racecheck flags an arrive in the same warp region as the
+            // init without one. A peer's bytes landing first is fine: the phase also waits for
+            // this one arrival.
+            if (threadIdx.x == 0) (mbar_expect(&reds.landed, (uint32_t)(cluster_k * sizeof(reds.cta[0]))), ...);
+            cluster_arrive_relaxed();
+        }
     }
 #endif
     fk::grid_dependency_sync();
