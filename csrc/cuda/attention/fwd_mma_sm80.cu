@@ -1,0 +1,286 @@
+// attention_fwd_mma_sm80: flash-attention forward on the tensor cores of every GPU from sm_80
+// (mma.sync m16n8k16, fp16 / bf16 in, fp32 accumulate), and attention_fwd_combine, the second pass
+// of its split-KV (flash-decoding) form. dispatch.cu rows "fwd" and "fwd split".
+//
+// Napkin math: 4 B H Sq Sk D FLOPs (half when causal). B 4, H 16, S 4096, D 128: 137 GFLOP, 0.18 ms
+// at the H100's mma.sync rate (~2/3 of its dense wgmma 990 TFLOP/s, so ~650; FlashAttention-2, also
+// mma.sync, reaches 340-350 TFLOP/s on the H200, PERF.md). A CTA of BM query rows reads each K / V
+// tile once for BM rows: 128 x 64 x 128 tiles do 4 MFLOP per 32 KB loaded, 128 FLOPs a byte, far
+// above what L2 must feed. The exponentials (Sq Sk MUFU ops, 1/(4 D) of the MMA FLOPs at D 128) and
+// the softmax bookkeeping are the real cost beside the MMAs.
+//
+// Algorithm: one CTA per (query tile of BM rows, head, sequence[, key range]); warp w owns query
+// rows 16w .. 16w + 15. Q is loaded once (and kept as A fragments in registers for D <= 128); K / V
+// tiles of BN keys stream through a two-slot cp.async ring (tile t + 1 lands while tile t computes).
+// Per tile: S = Q Kᵀ (fp32 accumulators), the mask on tiles that cross its band or the sequence end,
+// the online softmax in registers (exp2, log2(e) folded into the scale; running max and sum per
+// row, O rescaled), then O += P V with P converted in registers into the A operand. Key tiles
+// outside the mask band are never visited (the loop bounds come from the mask). Epilogue: O / sum,
+// lse = (max + log2(sum)) ln 2 (max in log2 units); a row with no visible key: out 0, lse +inf. Split form: the CTA's
+// key tiles are cut into p.splits ranges (blockIdx.z), each writing an fp32 partial O and its lse
+// to the workspace; attention_fwd_combine merges them (one warp a row).
+//
+// Head dims: instances for D buckets 64, 128, 256; columns d .. bucket are zero-filled in
+// shared memory, their MMAs skipped (k steps past d) and never stored. Rows not 16-byte aligned take
+// element loads into the same ring (p.async false).
+#include "attention.cuh"
+
+namespace fk::attn {
+namespace {
+
+// Tile shape per D bucket: BM = 16 x warps query rows, BN keys a K / V tile.
+template <int D> struct FwdCfg {
+    static constexpr int kD = D;
+    static constexpr int kWarps = D <= 128 ? 8 : 4;
+    static constexpr int BM = 16 * kWarps, BN = D <= 128 ? 64 : 32;
+    static constexpr int kThreads = 32 * kWarps;
+    static constexpr bool kQInRegs = D <= 128;  // D 256: 64 more registers a thread, reread instead
+    using QTile = SwizzledTile<BM, D>;
+    using KVTile = SwizzledTile<BN, D>;
+    // Q, then two slots of (K, V): 128 x 128 + 4 x 64 x 128 16-bit = 96 KB at D 128.
+    static constexpr int kSmemBytes = 2 * (QTile::kElems + 4 * KVTile::kElems);
+};
+
+constexpr float kLn2 = 0.693147180559945309f;
+
+template <typename T, typename Cfg>
+__global__ void __launch_bounds__(Cfg::kThreads) attention_fwd_mma_sm80(Params p) {
+    constexpr int D = Cfg::kD, BM = Cfg::BM, BN = Cfg::BN, kNT = BN / 8, kDT = D / 8;
+    using QTile = typename Cfg::QTile;
+    using KVTile = typename Cfg::KVTile;
+    extern __shared__ __align__(128) unsigned char smem_raw[];
+    T *sq_tile = reinterpret_cast<T *>(smem_raw);
+    T *sk_tile = sq_tile + QTile::kElems;           // slot s: sk_tile + s * KVTile::kElems
+    T *sv_tile = sk_tile + 2 * KVTile::kElems;
+
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const int h = blockIdx.y, b = blockIdx.z / p.splits, split = blockIdx.z % p.splits;
+    const int g = h / (int)(p.heads / p.kv_heads);
+    const int d = (int)p.d;
+    grid_dependency_sync();
+    const Seq s = seq_of(p, b);
+    const int m0 = blockIdx.x * BM;
+    if (m0 >= s.sq) return;  // varlen: this sequence is shorter than the longest
+
+    const T *q = static_cast<const T *>(p.q) + seq_offset(p, b, s.q0, p.q_batch, p.q_row) + h * p.q_head;
+    const T *k = static_cast<const T *>(p.k) + seq_offset(p, b, s.k0, p.k_batch, p.k_row) + g * p.k_head;
+    const T *v = static_cast<const T *>(p.v) + seq_offset(p, b, s.k0, p.v_batch, p.v_row) + g * p.v_head;
+
+    // Key tiles [t_lo, t_hi) this CTA visits: the mask band of its rows, then its split's share.
+    const Range keys = key_range(p, s, m0, min(m0 + BM, s.sq));
+    int t_lo = keys.lo / BN, t_hi = keys.hi > keys.lo ? (keys.hi + BN - 1) / BN : t_lo;
+    if (p.splits > 1) {
+        const int per = (t_hi - t_lo + p.splits - 1) / p.splits;
+        t_lo = min(t_hi, t_lo + split * per);
+        t_hi = min(t_hi, t_lo + per);
+    }
+
+    load_tile<T, BM, D, Cfg::kThreads>(sq_tile, q + (int64_t)m0 * p.q_row, p.q_row, s.sq - m0, d, p.async);
+    cp_async_commit();
+    auto load_kv = [&](int slot, int t) {
+        const int n0 = t * BN;
+        load_tile<T, BN, D, Cfg::kThreads>(sk_tile + slot * KVTile::kElems, k + (int64_t)n0 * p.k_row, p.k_row,
+                                           s.sk - n0, d, p.async);
+        load_tile<T, BN, D, Cfg::kThreads>(sv_tile + slot * KVTile::kElems, v + (int64_t)n0 * p.v_row, p.v_row,
+                                           s.sk - n0, d, p.async);
+    };
+    if (t_lo < t_hi) load_kv(0, t_lo);
+    cp_async_commit();
+
+    const int wm0 = warp * 16;                      // this warp's rows in the tile
+    const bool active = m0 + wm0 < s.sq;            // warps past the sequence skip the math
+    const int r0 = m0 + wm0 + (lane >> 2);          // the two rows this thread holds: r0, r0 + 8
+    const int kd = (d + 15) / 16;                   // k steps of Q Kᵀ that touch columns < d
+    float acc_o[kDT][4] = {};
+    float row_max[2] = {-INFINITY, -INFINITY}, row_sum[2] = {0.0f, 0.0f};
+    uint32_t q_frag[Cfg::kQInRegs ? D / 16 : 1][4];
+
+    for (int t = t_lo; t < t_hi; t++) {
+        const int slot = (t - t_lo) & 1;
+        cp_async_wait<0>();
+        __syncthreads();  // tile t (and Q) landed; the other slot is free again
+        if (t + 1 < t_hi) load_kv(slot ^ 1, t + 1);
+        cp_async_commit();
+        if (!active) continue;
+        const T *ks = sk_tile + slot * KVTile::kElems, *vs = sv_tile + slot * KVTile::kElems;
+        if constexpr (Cfg::kQInRegs) {
+            if (t == t_lo) {
+#pragma unroll
+                for (int kk = 0; kk < D / 16; kk++)
+                    if (kk < kd) load_a<QTile>(q_frag[kk], sq_tile, wm0, kk * 16, lane);
+            }
+        }
+
+        // S = Q Kᵀ for this warp's 16 rows x BN keys.
+        float acc_s[kNT][4] = {};
+#pragma unroll
+        for (int kk = 0; kk < D / 16; kk++) {
+            if (kk >= kd) break;
+            uint32_t a_local[4];
+            const uint32_t(&a)[4] = Cfg::kQInRegs ? q_frag[Cfg::kQInRegs ? kk : 0] : a_local;
+            if constexpr (!Cfg::kQInRegs) load_a<QTile>(a_local, sq_tile, wm0, kk * 16, lane);
+#pragma unroll
+            for (int np = 0; np < kNT / 2; np++) {
+                uint32_t b0[2], b1[2];
+                load_b_rows_n<KVTile>(b0, b1, ks, np * 16, kk * 16, lane);
+                mma_m16n8k16<T>(acc_s[2 * np], a, b0);
+                mma_m16n8k16<T>(acc_s[2 * np + 1], a, b1);
+            }
+        }
+
+        // Scores in log2 units (any sign of scale), the mask on tiles crossing its band or the
+        // sequence end, then the online softmax; row_max is kept in log2 units.
+#pragma unroll
+        for (int nt = 0; nt < kNT; nt++)
+#pragma unroll
+            for (int e = 0; e < 4; e++) acc_s[nt][e] *= p.scale_log2;
+        const int n0 = t * BN;
+        if (!tile_visible(p, s, m0 + wm0, 16, n0, BN)) {
+#pragma unroll
+            for (int nt = 0; nt < kNT; nt++)
+#pragma unroll
+                for (int e = 0; e < 4; e++) {
+                    const int i = r0 + (e >> 1) * 8, j = n0 + nt * 8 + 2 * (lane & 3) + (e & 1);
+                    if (!visible(p, s, i, j)) acc_s[nt][e] = -INFINITY;
+                }
+        }
+#pragma unroll
+        for (int hr = 0; hr < 2; hr++) {
+            float mx = row_max[hr];
+#pragma unroll
+            for (int nt = 0; nt < kNT; nt++) mx = fmaxf(mx, fmaxf(acc_s[nt][2 * hr], acc_s[nt][2 * hr + 1]));
+            mx = quad_max(mx);
+            // A row that has seen no key yet keeps max -inf: exponents are taken against 0 then.
+            const float base = mx == -INFINITY ? 0.0f : mx;
+            const float alpha = ex2_ftz(row_max[hr] - base);  // 0 while the old max is -inf
+            row_max[hr] = mx;
+            float sum = 0.0f;
+#pragma unroll
+            for (int nt = 0; nt < kNT; nt++)
+#pragma unroll
+                for (int e = 0; e < 2; e++) {
+                    const float pv = ex2_ftz(acc_s[nt][2 * hr + e] - base);
+                    acc_s[nt][2 * hr + e] = pv;
+                    sum += pv;
+                }
+            row_sum[hr] = row_sum[hr] * alpha + sum;
+#pragma unroll
+            for (int dt = 0; dt < kDT; dt++) acc_o[dt][2 * hr] *= alpha, acc_o[dt][2 * hr + 1] *= alpha;
+        }
+
+        // O += P V, P from the accumulators.
+#pragma unroll
+        for (int kk = 0; kk < BN / 16; kk++) {
+            uint32_t a[4];
+            acc_to_a<T>(a, acc_s, kk);
+#pragma unroll
+            for (int np = 0; np < kDT / 2; np++) {
+                if (np * 16 >= d) break;
+                uint32_t b0[2], b1[2];
+                load_b_rows_k<KVTile>(b0, b1, vs, np * 16, kk * 16, lane);
+                mma_m16n8k16<T>(acc_o[2 * np], a, b0);
+                mma_m16n8k16<T>(acc_o[2 * np + 1], a, b1);
+            }
+        }
+    }
+    cp_async_wait<0>();
+
+    // Epilogue: O / sum and lse (split: fp32 partials and their lse, -inf for an empty range).
+    const float sums[2] = {quad_sum(row_sum[0]), quad_sum(row_sum[1])};
+#pragma unroll
+    for (int hr = 0; hr < 2; hr++) {
+        const int i = r0 + hr * 8;
+        if (i >= s.sq) continue;
+        const float sum = sums[hr];
+        const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
+        const float lse = sum > 0.0f ? (row_max[hr] + log2f(sum)) * kLn2 : (p.splits > 1 ? -INFINITY : INFINITY);
+        if (p.splits > 1) {
+            const int64_t row = (int64_t)split * p.batch * p.heads * p.sq + row_index(p, b, h, i);
+            float *po = p.part_out + row * d;
+#pragma unroll
+            for (int dt = 0; dt < kDT; dt++) {
+                const int c = dt * 8 + 2 * (lane & 3);
+                if (c < d) *reinterpret_cast<float2 *>(po + c) = make_float2(acc_o[dt][2 * hr] * inv, acc_o[dt][2 * hr + 1] * inv);
+            }
+            if ((lane & 3) == 0) p.part_lse[row] = lse;
+        } else {
+            T *o = static_cast<T *>(p.out) + seq_offset(p, b, s.q0, p.o_batch, p.o_row) + h * p.o_head + (int64_t)i * p.o_row;
+#pragma unroll
+            for (int dt = 0; dt < kDT; dt++) {
+                const int c = dt * 8 + 2 * (lane & 3);
+                if (c < d) store2<T>(o + c, acc_o[dt][2 * hr] * inv, acc_o[dt][2 * hr + 1] * inv);
+            }
+            if ((lane & 3) == 0) p.lse[lse_index(p, s, b, h, i)] = lse;
+        }
+    }
+}
+
+// Split-KV second pass: one warp per (sequence, head, row) merges the p.splits partial outputs,
+// weighting each by exp(lse_s - max lse); no visible key anywhere: out 0, lse +inf.
+template <typename T>
+__global__ void __launch_bounds__(128) attention_fwd_combine(Params p) {
+    constexpr int kWarps = 4;
+    const int lane = threadIdx.x % 32;
+    const int64_t row = (int64_t)blockIdx.x * kWarps + threadIdx.x / 32;  // (b, h, i) over (batch, heads, sq)
+    grid_dependency_sync();
+    if (row >= p.batch * p.heads * p.sq) return;
+    const int i = (int)(row % p.sq), h = (int)(row / p.sq % p.heads), b = (int)(row / p.sq / p.heads);
+    const Seq s = seq_of(p, b);
+    if (i >= s.sq) return;
+    const int64_t split_stride = p.batch * p.heads * p.sq;
+    float mx = -INFINITY;
+    for (int sp = 0; sp < p.splits; sp++) mx = fmaxf(mx, p.part_lse[sp * split_stride + row]);
+    const int d = (int)p.d;
+    T *o = static_cast<T *>(p.out) + seq_offset(p, b, s.q0, p.o_batch, p.o_row) + h * p.o_head + (int64_t)i * p.o_row;
+    if (mx == -INFINITY) {
+        for (int c = lane; c < d; c += 32) o[c] = from_f32<T>(0.0f);
+        if (lane == 0) p.lse[lse_index(p, s, b, h, i)] = INFINITY;
+        return;
+    }
+    float acc[8] = {}, total = 0.0f;  // lane holds columns lane + 32 e (d <= 256)
+    for (int sp = 0; sp < p.splits; sp++) {
+        const float w = __expf(p.part_lse[sp * split_stride + row] - mx);
+        total += w;
+        if (w == 0.0f) continue;
+        const float *po = p.part_out + (sp * split_stride + row) * d;
+#pragma unroll
+        for (int e = 0; e < 8; e++)
+            if (lane + 32 * e < d) acc[e] += w * po[lane + 32 * e];
+    }
+#pragma unroll
+    for (int e = 0; e < 8; e++)
+        if (lane + 32 * e < d) o[lane + 32 * e] = from_f32<T>(acc[e] / total);
+    if (lane == 0) p.lse[lse_index(p, s, b, h, i)] = mx + logf(total);
+}
+
+template <typename T, typename Cfg>
+fk_status launch(const Plan &plan, const Params &p, int device, cudaStream_t stream) {
+    auto kernel = attention_fwd_mma_sm80<T, Cfg>;
+    cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::kSmemBytes);
+    if (e != cudaSuccess) return cuda_status(e, "attention_fwd");
+    const dim3 grid((unsigned)((p.sq + Cfg::BM - 1) / Cfg::BM), (unsigned)p.heads, (unsigned)(p.batch * plan.splits));
+    fk_status st = Launch(grid, dim3(Cfg::kThreads), Cfg::kSmemBytes, stream, device)("attention_fwd", kernel, p);
+    if (st != FK_OK || plan.splits == 1) return st;
+    const int64_t rows = p.batch * p.heads * p.sq;
+    return Launch(dim3((unsigned)((rows + 3) / 4)), dim3(128), 0, stream, device)("attention_fwd_combine",
+                                                                                attention_fwd_combine<T>, p);
+}
+
+template <typename T> fk_status launch_bucket(const Plan &plan, const Params &p, int device, cudaStream_t stream) {
+    switch (plan.d_bucket) {
+    case 64: return launch<T, FwdCfg<64>>(plan, p, device, stream);
+    case 128: return launch<T, FwdCfg<128>>(plan, p, device, stream);
+    default: return launch<T, FwdCfg<256>>(plan, p, device, stream);
+    }
+}
+
+}  // namespace
+
+// Instances: attention_fwd_mma_sm80 x {__half, __nv_bfloat16} x D {64, 128, 256} = 6,
+// attention_fwd_combine x {__half, __nv_bfloat16} = 2; 8 in all.
+fk_status launch_fwd_mma_sm80(const Plan &plan, const Params &p, fk_dtype dtype, int device, cudaStream_t stream) {
+    if (dtype == FK_BFLOAT16) return launch_bucket<__nv_bfloat16>(plan, p, device, stream);
+    return launch_bucket<__half>(plan, p, device, stream);
+}
+
+}  // namespace fk::attn
