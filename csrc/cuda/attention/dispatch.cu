@@ -16,7 +16,7 @@
 // others element loads (p.async). The Hopper kernels (TMA + wgmma) are not written yet, so
 // FK_ATTN_FORCE_GENERAL changes nothing today.
 //
-// Workspace: forward split: splits x batch x heads x sq x (d + 1) fp32 (partial outputs and lse);
+// Workspace: forward split: splits x batch x heads x sq x (1 + d) fp32 (partial lse, then outputs);
 // backward: batch x heads x sq fp32 (rowsum(dO * O)). varlen sizes use the maximum lengths.
 #include <algorithm>
 #include <cmath>
@@ -49,6 +49,12 @@ int d_bucket(int64_t d) { return d <= 64 ? 64 : d <= 128 ? 128 : 256; }
 int fwd_block_m(int bucket) { return bucket <= 128 ? 128 : 64; }
 int fwd_block_n(int bucket) { return bucket <= 128 ? 64 : 32; }
 
+// Floats of the split forward's partial lse, rounded up to 16 bytes (the partial outputs follow it
+// and take 8-byte stores).
+int64_t split_lse_floats(int64_t splits, const fk_attention_args &x) {
+    return (splits * x.batch * x.heads * x.sq + 3) / 4 * 4;
+}
+
 // Pure: the strategy, instance and workspace for `x` on a device of `sms` SMs.
 Plan plan_attention(const fk_attention_args &x, int backward, int sms) {
     Plan plan;
@@ -68,7 +74,7 @@ Plan plan_attention(const fk_attention_args &x, int backward, int sms) {
         if (splits > 1) {
             plan.strategy = Strategy::kFwdSplitMmaSm80;
             plan.splits = (int)splits;
-            plan.workspace_bytes = splits * x.batch * x.heads * x.sq * (x.d + 1) * (int64_t)sizeof(float);
+            plan.workspace_bytes = (split_lse_floats(splits, x) + splits * x.batch * x.heads * x.sq * x.d) * (int64_t)sizeof(float);
         }
     }
     return plan;
@@ -107,10 +113,11 @@ fk_status check_args(const fk_attention_args &x, int backward, const char *op) {
         return fk_fail(FK_ERR_VALUE, "%s: at most 65535 heads and %d sequences (heads %lld, batch %lld)", op,
                        x.d > 128 ? 32767 : 65535, (long long)x.heads, (long long)x.batch);
     if (nothing_to_do(x, backward)) return FK_OK;
-    if (!x.q || !x.k || !x.v || !x.out || !x.lse)
-        return fk_fail(FK_ERR_VALUE, "%s: q, k, v, out and lse must not be NULL", op);
-    if (backward && (!x.dout || !x.dq || !x.dk || !x.dv))
-        return fk_fail(FK_ERR_VALUE, "%s: dout, dq, dk and dv must not be NULL", op);
+    // Empty sides may come as NULL (an empty torch tensor's data pointer).
+    if (x.sq > 0 && (!x.q || !x.out || !x.lse || (backward && (!x.dout || !x.dq))))
+        return fk_fail(FK_ERR_VALUE, "%s: q, out, lse%s must not be NULL", op, backward ? ", dout and dq" : "");
+    if (x.sk > 0 && (!x.k || !x.v || (backward && (!x.dk || !x.dv))))
+        return fk_fail(FK_ERR_VALUE, "%s: k, v%s must not be NULL", op, backward ? ", dk and dv" : "");
     return FK_OK;
 }
 
@@ -137,7 +144,7 @@ Params params_of(const fk_attention_args &x, const Plan &plan) {
     float *ws = static_cast<float *>(x.workspace);
     if (plan.strategy == Strategy::kFwdSplitMmaSm80) {
         p.part_lse = ws;
-        p.part_out = ws + plan.splits * x.batch * x.heads * x.sq;
+        p.part_out = ws + split_lse_floats(plan.splits, x);
     } else if (plan.strategy == Strategy::kBwdMmaSm80) {
         p.dvec = ws;
     }
