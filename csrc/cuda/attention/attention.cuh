@@ -135,21 +135,30 @@ template <typename T, int kRows, int kCols, int kThreads>
 __device__ __forceinline__ void load_tile(T *smem, const T *g, int64_t stride, int rows, int cols, bool async) {
     using Tile = SwizzledTile<kRows, kCols>;
     constexpr int kChunksPerRow = kCols / 8, kChunks = kRows * kChunksPerRow;
+    constexpr int kPerThread = (kChunks + kThreads - 1) / kThreads;
+    if (async) {
 #pragma unroll
-    for (int i = 0; i < (kChunks + kThreads - 1) / kThreads; i++) {
-        const int idx = i * kThreads + threadIdx.x;
-        if (kChunks % kThreads != 0 && idx >= kChunks) break;
-        const int r = idx / kChunksPerRow, c = (idx % kChunksPerRow) * 8;
-        const bool in = r < rows && c < cols;
-        T *dst = smem + Tile::offset(r, c);
-        const T *src = g + (in ? r * stride + c : 0);
-        if (async) {
-            cp_async_16(dst, src, in ? 16 : 0);
-        } else {
+        for (int i = 0; i < kPerThread; i++) {
+            const int idx = i * kThreads + threadIdx.x;
+            if (kChunks % kThreads != 0 && idx >= kChunks) break;
+            const int r = idx / kChunksPerRow, c = (idx % kChunksPerRow) * 8;
+            const bool in = r < rows && c < cols;
+            cp_async_16(smem + Tile::offset(r, c), g + (in ? r * stride + c : 0), in ? 16 : 0);
+        }
+    } else {
+        // One chunk at a time: unrolled, the element loads would hold registers the kernels'
+        // accumulators need (they are live across this call).
+#pragma unroll 1
+        for (int i = 0; i < kPerThread; i++) {
+            const int idx = i * kThreads + threadIdx.x;
+            if (idx >= kChunks) break;
+            const int r = idx / kChunksPerRow, c = (idx % kChunksPerRow) * 8;
+            const bool in = r < rows && c < cols;
+            const T *src = g + (in ? r * stride + c : 0);
             Pack<T> v;
 #pragma unroll
             for (int e = 0; e < 8; e++) v.v[e] = in ? src[e] : from_f32<T>(0.0f);
-            store_pack(dst, v);
+            store_pack(smem + Tile::offset(r, c), v);
         }
     }
 }

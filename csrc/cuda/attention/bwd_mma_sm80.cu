@@ -20,6 +20,7 @@
 //   attention_bwd_dq_mma_sm80: one CTA per (query tile, head, sequence), warp w owns 16 rows; K, V
 //     stream through the ring; S, dP recomputed, dS = P (dP - dvec), dQ += dS K in registers.
 // Rows that see no key (lse +inf) get P = 0 and zero gradients; keys no query sees get dK = dV = 0.
+// Columns d .. bucket are zeros in shared memory: the MMAs run over the whole bucket, unpredicated.
 #include "attention.cuh"
 
 namespace fk::attn {
@@ -117,7 +118,6 @@ __global__ void __launch_bounds__(Cfg::kThreads) attention_bwd_dkdv_mma_sm80(Par
 
     const int kw0 = warp * 16;                      // this warp's keys in the tile
     const int j0 = n0 + kw0 + (lane >> 2);          // the two keys this thread holds: j0, j0 + 8
-    const int kd = (d + 15) / 16;
     float acc_dk[kOT][4] = {}, acc_dv[kOT][4] = {};
 
     for (int it = 0; it < iters; it++) {
@@ -134,7 +134,6 @@ __global__ void __launch_bounds__(Cfg::kThreads) attention_bwd_dkdv_mma_sm80(Par
         float acc_s[kQT][4] = {}, acc_dp[kQT][4] = {};
 #pragma unroll
         for (int kk = 0; kk < D / 16; kk++) {
-            if (kk >= kd) break;
             uint32_t a_k[4], a_v[4];
             load_a<KTile>(a_k, sk_tile, kw0, kk * 16, lane);
             load_a<KTile>(a_v, sv_tile, kw0, kk * 16, lane);
@@ -171,7 +170,6 @@ __global__ void __launch_bounds__(Cfg::kThreads) attention_bwd_dkdv_mma_sm80(Par
             acc_to_a<T>(a_ds, acc_dp, kk);
 #pragma unroll
             for (int np = 0; np < kOT / 2; np++) {
-                if (c0 + np * 16 >= d) break;
                 uint32_t b0[2], b1[2];
                 load_b_rows_k<QTile>(b0, b1, dos, c0 + np * 16, kk * 16, lane);
                 mma_m16n8k16<T>(acc_dv[2 * np], a_p, b0);
@@ -241,7 +239,6 @@ __global__ void __launch_bounds__(Cfg::kThreads) attention_bwd_dq_mma_sm80(Param
     const int wm0 = warp * 16;
     const bool active = m0 + wm0 < s.sq;
     const int r0 = m0 + wm0 + (lane >> 2);
-    const int kd = (d + 15) / 16;
     float lse2[2], dvec[2];
 #pragma unroll
     for (int hr = 0; hr < 2; hr++) {
@@ -263,7 +260,6 @@ __global__ void __launch_bounds__(Cfg::kThreads) attention_bwd_dq_mma_sm80(Param
         float acc_s[kNT][4] = {}, acc_dp[kNT][4] = {};
 #pragma unroll
         for (int kk = 0; kk < D / 16; kk++) {
-            if (kk >= kd) break;
             uint32_t a_q[4], a_do[4];
             load_a<QTile>(a_q, sq_tile, wm0, kk * 16, lane);
             load_a<QTile>(a_do, sdo_tile, wm0, kk * 16, lane);
@@ -298,7 +294,6 @@ __global__ void __launch_bounds__(Cfg::kThreads) attention_bwd_dq_mma_sm80(Param
             acc_to_a<T>(a, acc_dp, kk);
 #pragma unroll
             for (int np = 0; np < kDT / 2; np++) {
-                if (np * 16 >= d) break;
                 uint32_t b0[2], b1[2];
                 load_b_rows_k<KVTile>(b0, b1, ks, np * 16, kk * 16, lane);
                 mma_m16n8k16<T>(acc_dq[2 * np], a, b0);

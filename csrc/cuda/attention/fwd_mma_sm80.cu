@@ -9,8 +9,8 @@
 // above what L2 must feed. The exponentials (Sq Sk MUFU ops, 1/(4 D) of the MMA FLOPs at D 128) and
 // the softmax bookkeeping are the real cost beside the MMAs.
 //
-// Algorithm: one CTA per (query tile of BM rows, head, sequence[, key range]); warp w owns query
-// rows 16w .. 16w + 15. Q is loaded once (and kept as A fragments in registers for D <= 128); K / V
+// Algorithm: one CTA per (query tile of BM rows, head, sequence[, key range]); 4 warps each own
+// 32 query rows (D 256: 16). Q is loaded once into shared memory; K / V
 // tiles of BN keys stream through a two-slot cp.async ring (tile t + 1 lands while tile t computes).
 // Per tile: S = Q Kᵀ (fp32 accumulators), the mask on tiles that cross its band or the sequence end,
 // the online softmax in registers (exp2, log2(e) folded into the scale; running max and sum per
@@ -21,20 +21,22 @@
 // to the workspace; attention_fwd_combine merges them (one warp a row).
 //
 // Head dims: instances for D buckets 64, 128, 256; columns d .. bucket are zero-filled in
-// shared memory, their MMAs skipped (k steps past d) and never stored. Rows not 16-byte aligned take
+// shared memory (the MMAs run over the whole bucket: unpredicated, fully unrolled) and never
+// stored. Rows not 16-byte aligned take
 // element loads into the same ring (p.async false).
 #include "attention.cuh"
 
 namespace fk::attn {
 namespace {
 
-// Tile shape per D bucket: BM = 16 x warps query rows, BN keys a K / V tile.
+// Tile shape per D bucket: kWarps warps of kMT x 16 query rows (BM in all), BN keys a K / V tile.
+// Two row tiles a warp use each K / V fragment read from shared memory twice (ldmatrix traffic per
+// MMA 0.31 instead of 0.5); D 256 has no registers for a second 16 x 256 fp32 output tile.
 template <int D> struct FwdCfg {
-    static constexpr int kD = D;
-    static constexpr int kWarps = D <= 128 ? 8 : 4;
-    static constexpr int BM = 16 * kWarps, BN = D <= 128 ? 64 : 32;
+    static constexpr int kD = D, kWarps = 4;
+    static constexpr int kMT = D <= 128 ? 2 : 1;
+    static constexpr int BM = 16 * kMT * kWarps, BN = D <= 128 ? 64 : 32;
     static constexpr int kThreads = 32 * kWarps;
-    static constexpr bool kQInRegs = D <= 128;  // D 256: 64 more registers a thread, reread instead
     using QTile = SwizzledTile<BM, D>;
     using KVTile = SwizzledTile<BN, D>;
     // Q, then two slots of (K, V): 128 x 128 + 4 x 64 x 128 16-bit = 96 KB at D 128.
@@ -45,7 +47,7 @@ constexpr float kLn2 = 0.693147180559945309f;
 
 template <typename T, typename Cfg>
 __global__ void __launch_bounds__(Cfg::kThreads) attention_fwd_mma_sm80(Params p) {
-    constexpr int D = Cfg::kD, BM = Cfg::BM, BN = Cfg::BN, kNT = BN / 8, kDT = D / 8;
+    constexpr int D = Cfg::kD, BM = Cfg::BM, BN = Cfg::BN, kMT = Cfg::kMT, kNT = BN / 8, kDT = D / 8;
     using QTile = typename Cfg::QTile;
     using KVTile = typename Cfg::KVTile;
     extern __shared__ __align__(128) unsigned char smem_raw[];
@@ -87,13 +89,14 @@ __global__ void __launch_bounds__(Cfg::kThreads) attention_fwd_mma_sm80(Params p
     if (t_lo < t_hi) load_kv(0, t_lo);
     cp_async_commit();
 
-    const int wm0 = warp * 16;                      // this warp's rows in the tile
+    // Columns past d are zeros in shared memory: the MMAs run over the whole bucket, unpredicated.
+    const int wm0 = warp * 16 * kMT;                // this warp's rows in the tile
     const bool active = m0 + wm0 < s.sq;            // warps past the sequence skip the math
-    const int r0 = m0 + wm0 + (lane >> 2);          // the two rows this thread holds: r0, r0 + 8
-    const int kd = (d + 15) / 16;                   // k steps of Q Kᵀ that touch columns < d
-    float acc_o[kDT][4] = {};
-    float row_max[2] = {-INFINITY, -INFINITY}, row_sum[2] = {0.0f, 0.0f};
-    uint32_t q_frag[Cfg::kQInRegs ? D / 16 : 1][4];
+    const int r0 = m0 + wm0 + (lane >> 2);          // rows held: r0 + 16 mt + 8 hr
+    float acc_o[kMT][kDT][4] = {};
+    float row_max[kMT][2], row_sum[kMT][2] = {};
+#pragma unroll
+    for (int mt = 0; mt < kMT; mt++) row_max[mt][0] = row_max[mt][1] = -INFINITY;
 
     for (int t = t_lo; t < t_hi; t++) {
         const int slot = (t - t_lo) & 1;
@@ -103,114 +106,115 @@ __global__ void __launch_bounds__(Cfg::kThreads) attention_fwd_mma_sm80(Params p
         cp_async_commit();
         if (!active) continue;
         const T *ks = sk_tile + slot * KVTile::kElems, *vs = sv_tile + slot * KVTile::kElems;
-        if constexpr (Cfg::kQInRegs) {
-            if (t == t_lo) {
-#pragma unroll
-                for (int kk = 0; kk < D / 16; kk++)
-                    if (kk < kd) load_a<QTile>(q_frag[kk], sq_tile, wm0, kk * 16, lane);
-            }
-        }
 
-        // S = Q Kᵀ for this warp's 16 rows x BN keys.
-        float acc_s[kNT][4] = {};
+        // S = Q Kᵀ for this warp's kMT x 16 rows x BN keys.
+        float acc_s[kMT][kNT][4] = {};
 #pragma unroll
         for (int kk = 0; kk < D / 16; kk++) {
-            if (kk >= kd) break;
-            uint32_t a_local[4];
-            const uint32_t(&a)[4] = Cfg::kQInRegs ? q_frag[Cfg::kQInRegs ? kk : 0] : a_local;
-            if constexpr (!Cfg::kQInRegs) load_a<QTile>(a_local, sq_tile, wm0, kk * 16, lane);
+            uint32_t a[kMT][4];
+#pragma unroll
+            for (int mt = 0; mt < kMT; mt++) load_a<QTile>(a[mt], sq_tile, wm0 + 16 * mt, kk * 16, lane);
 #pragma unroll
             for (int np = 0; np < kNT / 2; np++) {
                 uint32_t b0[2], b1[2];
                 load_b_rows_n<KVTile>(b0, b1, ks, np * 16, kk * 16, lane);
-                mma_m16n8k16<T>(acc_s[2 * np], a, b0);
-                mma_m16n8k16<T>(acc_s[2 * np + 1], a, b1);
+#pragma unroll
+                for (int mt = 0; mt < kMT; mt++) {
+                    mma_m16n8k16<T>(acc_s[mt][2 * np], a[mt], b0);
+                    mma_m16n8k16<T>(acc_s[mt][2 * np + 1], a[mt], b1);
+                }
             }
         }
 
         // Scores in log2 units (any sign of scale), the mask on tiles crossing its band or the
         // sequence end, then the online softmax; row_max is kept in log2 units.
-#pragma unroll
-        for (int nt = 0; nt < kNT; nt++)
-#pragma unroll
-            for (int e = 0; e < 4; e++) acc_s[nt][e] *= p.scale_log2;
         const int n0 = t * BN;
-        if (!tile_visible(p, s, m0 + wm0, 16, n0, BN)) {
+        const bool full = tile_visible(p, s, m0 + wm0, 16 * kMT, n0, BN);
+#pragma unroll
+        for (int mt = 0; mt < kMT; mt++) {
 #pragma unroll
             for (int nt = 0; nt < kNT; nt++)
 #pragma unroll
                 for (int e = 0; e < 4; e++) {
-                    const int i = r0 + (e >> 1) * 8, j = n0 + nt * 8 + 2 * (lane & 3) + (e & 1);
-                    if (!visible(p, s, i, j)) acc_s[nt][e] = -INFINITY;
+                    acc_s[mt][nt][e] *= p.scale_log2;
+                    const int i = r0 + 16 * mt + (e >> 1) * 8, j = n0 + nt * 8 + 2 * (lane & 3) + (e & 1);
+                    if (!full && !visible(p, s, i, j)) acc_s[mt][nt][e] = -INFINITY;
                 }
-        }
 #pragma unroll
-        for (int hr = 0; hr < 2; hr++) {
-            float mx = row_max[hr];
+            for (int hr = 0; hr < 2; hr++) {
+                float mx = row_max[mt][hr];
 #pragma unroll
-            for (int nt = 0; nt < kNT; nt++) mx = fmaxf(mx, fmaxf(acc_s[nt][2 * hr], acc_s[nt][2 * hr + 1]));
-            mx = quad_max(mx);
-            // A row that has seen no key yet keeps max -inf: exponents are taken against 0 then.
-            const float base = mx == -INFINITY ? 0.0f : mx;
-            const float alpha = ex2_ftz(row_max[hr] - base);  // 0 while the old max is -inf
-            row_max[hr] = mx;
-            float sum = 0.0f;
+                for (int nt = 0; nt < kNT; nt++) mx = fmaxf(mx, fmaxf(acc_s[mt][nt][2 * hr], acc_s[mt][nt][2 * hr + 1]));
+                mx = quad_max(mx);
+                // A row that has seen no key yet keeps max -inf: exponents are taken against 0 then.
+                const float base = mx == -INFINITY ? 0.0f : mx;
+                const float alpha = ex2_ftz(row_max[mt][hr] - base);  // 0 while the old max is -inf
+                row_max[mt][hr] = mx;
+                float sum = 0.0f;
 #pragma unroll
-            for (int nt = 0; nt < kNT; nt++)
+                for (int nt = 0; nt < kNT; nt++)
 #pragma unroll
-                for (int e = 0; e < 2; e++) {
-                    const float pv = ex2_ftz(acc_s[nt][2 * hr + e] - base);
-                    acc_s[nt][2 * hr + e] = pv;
-                    sum += pv;
-                }
-            row_sum[hr] = row_sum[hr] * alpha + sum;
+                    for (int e = 0; e < 2; e++) {
+                        const float pv = ex2_ftz(acc_s[mt][nt][2 * hr + e] - base);
+                        acc_s[mt][nt][2 * hr + e] = pv;
+                        sum += pv;
+                    }
+                row_sum[mt][hr] = row_sum[mt][hr] * alpha + sum;
 #pragma unroll
-            for (int dt = 0; dt < kDT; dt++) acc_o[dt][2 * hr] *= alpha, acc_o[dt][2 * hr + 1] *= alpha;
+                for (int dt = 0; dt < kDT; dt++) acc_o[mt][dt][2 * hr] *= alpha, acc_o[mt][dt][2 * hr + 1] *= alpha;
+            }
         }
 
         // O += P V, P from the accumulators.
 #pragma unroll
         for (int kk = 0; kk < BN / 16; kk++) {
-            uint32_t a[4];
-            acc_to_a<T>(a, acc_s, kk);
+            uint32_t a[kMT][4];
+#pragma unroll
+            for (int mt = 0; mt < kMT; mt++) acc_to_a<T>(a[mt], acc_s[mt], kk);
 #pragma unroll
             for (int np = 0; np < kDT / 2; np++) {
-                if (np * 16 >= d) break;
                 uint32_t b0[2], b1[2];
                 load_b_rows_k<KVTile>(b0, b1, vs, np * 16, kk * 16, lane);
-                mma_m16n8k16<T>(acc_o[2 * np], a, b0);
-                mma_m16n8k16<T>(acc_o[2 * np + 1], a, b1);
+#pragma unroll
+                for (int mt = 0; mt < kMT; mt++) {
+                    mma_m16n8k16<T>(acc_o[mt][2 * np], a[mt], b0);
+                    mma_m16n8k16<T>(acc_o[mt][2 * np + 1], a[mt], b1);
+                }
             }
         }
     }
     cp_async_wait<0>();
 
     // Epilogue: O / sum and lse (split: fp32 partials and their lse, -inf for an empty range).
-    const float sums[2] = {quad_sum(row_sum[0]), quad_sum(row_sum[1])};
 #pragma unroll
-    for (int hr = 0; hr < 2; hr++) {
-        const int i = r0 + hr * 8;
-        if (i >= s.sq) continue;
-        const float sum = sums[hr];
-        const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
-        const float lse = sum > 0.0f ? (row_max[hr] + log2f(sum)) * kLn2 : (p.splits > 1 ? -INFINITY : INFINITY);
-        if (p.splits > 1) {
-            const int64_t row = (int64_t)split * p.batch * p.heads * p.sq + row_index(p, b, h, i);
-            float *po = p.part_out + row * d;
+    for (int mt = 0; mt < kMT; mt++) {
+        const float sums[2] = {quad_sum(row_sum[mt][0]), quad_sum(row_sum[mt][1])};
 #pragma unroll
-            for (int dt = 0; dt < kDT; dt++) {
-                const int c = dt * 8 + 2 * (lane & 3);
-                if (c < d) *reinterpret_cast<float2 *>(po + c) = make_float2(acc_o[dt][2 * hr] * inv, acc_o[dt][2 * hr + 1] * inv);
+        for (int hr = 0; hr < 2; hr++) {
+            const int i = r0 + 16 * mt + hr * 8;
+            if (i >= s.sq) continue;
+            const float sum = sums[hr];
+            const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
+            const float lse = sum > 0.0f ? (row_max[mt][hr] + log2f(sum)) * kLn2 : (p.splits > 1 ? -INFINITY : INFINITY);
+            const float(&o_acc)[kDT][4] = acc_o[mt];
+            if (p.splits > 1) {
+                const int64_t row = (int64_t)split * p.batch * p.heads * p.sq + row_index(p, b, h, i);
+                float *po = p.part_out + row * d;
+#pragma unroll
+                for (int dt = 0; dt < kDT; dt++) {
+                    const int c = dt * 8 + 2 * (lane & 3);
+                    if (c < d) *reinterpret_cast<float2 *>(po + c) = make_float2(o_acc[dt][2 * hr] * inv, o_acc[dt][2 * hr + 1] * inv);
+                }
+                if ((lane & 3) == 0) p.part_lse[row] = lse;
+            } else {
+                T *o = static_cast<T *>(p.out) + seq_offset(p, b, s.q0, p.o_batch, p.o_row) + h * p.o_head + (int64_t)i * p.o_row;
+#pragma unroll
+                for (int dt = 0; dt < kDT; dt++) {
+                    const int c = dt * 8 + 2 * (lane & 3);
+                    if (c < d) store2<T>(o + c, o_acc[dt][2 * hr] * inv, o_acc[dt][2 * hr + 1] * inv);
+                }
+                if ((lane & 3) == 0) p.lse[lse_index(p, s, b, h, i)] = lse;
             }
-            if ((lane & 3) == 0) p.part_lse[row] = lse;
-        } else {
-            T *o = static_cast<T *>(p.out) + seq_offset(p, b, s.q0, p.o_batch, p.o_row) + h * p.o_head + (int64_t)i * p.o_row;
-#pragma unroll
-            for (int dt = 0; dt < kDT; dt++) {
-                const int c = dt * 8 + 2 * (lane & 3);
-                if (c < d) store2<T>(o + c, acc_o[dt][2 * hr] * inv, acc_o[dt][2 * hr + 1] * inv);
-            }
-            if ((lane & 3) == 0) p.lse[lse_index(p, s, b, h, i)] = lse;
         }
     }
 }
