@@ -34,6 +34,7 @@ struct Params {
     int64_t window_left, window_right;
     bool top_left;
     bool async;                       // rows 16-byte aligned: cp.async loads, else element loads
+    bool pack_gqa;                    // forward: a CTA's rows are (query, head of the kv head's group)
     int splits;                       // forward: key ranges per query tile (1: no split)
     float *part_out, *part_lse;       // split forward: partial outputs (fp32) and their lse
     float *dvec;                      // backward: rowsum(dO * O), (batch, heads, sq) fp32
@@ -48,6 +49,7 @@ struct Plan {
     Strategy strategy = Strategy::kEmpty;
     int d_bucket = 0;   // 64, 128 or 256: the template instance; columns >= d are predicated off
     int splits = 1;     // split-KV forward: key ranges per query tile
+    bool pack_gqa = false;  // forward: the heads sharing a kv head packed into one CTA's rows
     int64_t workspace_bytes = 0;
 };
 
@@ -155,6 +157,27 @@ __device__ __forceinline__ void load_tile(T *smem, const T *g, int64_t stride, i
             const int r = idx / kChunksPerRow, c = (idx % kChunksPerRow) * 8;
             const bool in = r < rows && c < cols;
             const T *src = g + (in ? r * stride + c : 0);
+            Pack<T> v;
+#pragma unroll
+            for (int e = 0; e < 8; e++) v.v[e] = in ? src[e] : from_f32<T>(0.0f);
+            store_pack(smem + Tile::offset(r, c), v);
+        }
+    }
+}
+
+// The same for rows at arbitrary addresses: row r (< rows) starts at row_ptr(r).
+template <typename T, int kRows, int kCols, int kThreads, typename RowPtr>
+__device__ __forceinline__ void load_rows(T *smem, int rows, int cols, bool async, RowPtr row_ptr) {
+    using Tile = SwizzledTile<kRows, kCols>;
+    constexpr int kChunksPerRow = kCols / 8, kChunks = kRows * kChunksPerRow;
+#pragma unroll 1
+    for (int idx = threadIdx.x; idx < kChunks; idx += kThreads) {
+        const int r = idx / kChunksPerRow, c = (idx % kChunksPerRow) * 8;
+        const bool in = r < rows && c < cols;
+        const T *src = in ? row_ptr(r) + c : row_ptr(0);
+        if (async) {
+            cp_async_16(smem + Tile::offset(r, c), src, in ? 16 : 0);
+        } else {
             Pack<T> v;
 #pragma unroll
             for (int e = 0; e < 8; e++) v.v[e] = in ? src[e] : from_f32<T>(0.0f);

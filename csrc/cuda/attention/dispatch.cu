@@ -7,6 +7,8 @@
 //                      CTA: splits = min(2 SMs / CTAs, key tiles / 2,                    fills the GPU
 //                      64)                                                               (flash-decoding)
 // fwd  16-bit  sm_80+  otherwise                                      fwd_mma_sm80      the general kernel
+// fwd (both rows): GQA with sq x group <= 128 (64 at D 256) packs the group's heads into one CTA's
+//      rows (pack_gqa): K / V read once per group, CTAs counted per kv head.
 // bwd  16-bit  sm_80+  any (FK_ATTN_DETERMINISTIC or not)             bwd_mma_sm80      the general kernel
 // any  fp32 / fp64     -                                              (TypeError)
 // any  any     < sm_80 -                                              (RuntimeError)
@@ -66,7 +68,9 @@ Plan plan_attention(const fk_attention_args &x, int backward, int sms) {
         return plan;
     }
     plan.strategy = Strategy::kFwdMmaSm80;
-    const int64_t ctas = (x.sq + fwd_block_m(plan.d_bucket) - 1) / fwd_block_m(plan.d_bucket) * x.heads * x.batch;
+    const int64_t group = x.heads / x.kv_heads, bm = fwd_block_m(plan.d_bucket);
+    plan.pack_gqa = group > 1 && x.sq * group <= bm;
+    const int64_t ctas = plan.pack_gqa ? x.kv_heads * x.batch : (x.sq + bm - 1) / bm * x.heads * x.batch;
     const int64_t key_tiles = (x.sk + fwd_block_n(plan.d_bucket) - 1) / fwd_block_n(plan.d_bucket);
     if (ctas < sms && key_tiles >= 4) {
         int64_t splits = std::min<int64_t>({(2 * sms + ctas - 1) / ctas, key_tiles / 2, kMaxSplits});
@@ -141,6 +145,7 @@ Params params_of(const fk_attention_args &x, const Plan &plan) {
               rows_aligned(x.out, x.o_batch, x.o_row, x.o_head, varlen) &&
               rows_aligned(x.dout, x.do_batch, x.do_row, x.do_head, varlen);
     p.splits = plan.splits;
+    p.pack_gqa = plan.pack_gqa;
     float *ws = static_cast<float *>(x.workspace);
     if (plan.strategy == Strategy::kFwdSplitMmaSm80) {
         p.part_lse = ws;

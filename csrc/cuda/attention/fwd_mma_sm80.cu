@@ -18,7 +18,9 @@
 // outside the mask band are never visited (the loop bounds come from the mask). Epilogue: O / sum,
 // lse = (max + log2(sum)) ln 2 (max in log2 units); a row with no visible key: out 0, lse +inf. Split form: the CTA's
 // key tiles are cut into p.splits ranges (blockIdx.z), each writing an fp32 partial O and its lse
-// to the workspace; attention_fwd_combine merges them (one warp a row).
+// to the workspace; attention_fwd_combine merges them (one warp a row). Decoding with GQA
+// (p.pack_gqa: sq x group <= BM) packs the heads sharing a kv head into one CTA's rows, so K / V
+// are read once per group and the rows fill warps instead of one row a CTA.
 //
 // Head dims: instances for D buckets 64, 128, 256; columns d .. bucket are zero-filled in
 // shared memory (the MMAs run over the whole bucket: unpredicated, fully unrolled) and never
@@ -56,20 +58,25 @@ __global__ void __launch_bounds__(Cfg::kThreads) attention_fwd_mma_sm80(Params p
     T *sv_tile = sk_tile + 2 * KVTile::kElems;
 
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-    const int h = blockIdx.y, b = blockIdx.z / p.splits, split = blockIdx.z % p.splits;
-    const int g = h / (int)(p.heads / p.kv_heads);
+    // Rows of a (sequence, blockIdx.y): queries of head blockIdx.y, or with p.pack_gqa the queries
+    // of every head sharing kv head blockIdx.y, row r = query r / group of head g group + r % group.
+    const int group = (int)(p.heads / p.kv_heads), b = blockIdx.z / p.splits, split = blockIdx.z % p.splits;
+    const int g = p.pack_gqa ? blockIdx.y : blockIdx.y / group;
     const int d = (int)p.d;
+    auto row_query = [&](int r) { return p.pack_gqa ? r / group : r; };
+    auto row_head = [&](int r) { return p.pack_gqa ? g * group + r % group : (int)blockIdx.y; };
     grid_dependency_sync();
     const Seq s = seq_of(p, b);
+    const int rows = p.pack_gqa ? s.sq * group : s.sq;
     const int m0 = blockIdx.x * BM;
-    if (m0 >= s.sq) return;  // varlen: this sequence is shorter than the longest
+    if (m0 >= rows) return;  // varlen: this sequence is shorter than the longest
 
-    const T *q = static_cast<const T *>(p.q) + seq_offset(p, b, s.q0, p.q_batch, p.q_row) + h * p.q_head;
+    const T *q = static_cast<const T *>(p.q) + seq_offset(p, b, s.q0, p.q_batch, p.q_row);
     const T *k = static_cast<const T *>(p.k) + seq_offset(p, b, s.k0, p.k_batch, p.k_row) + g * p.k_head;
     const T *v = static_cast<const T *>(p.v) + seq_offset(p, b, s.k0, p.v_batch, p.v_row) + g * p.v_head;
 
     // Key tiles [t_lo, t_hi) this CTA visits: the mask band of its rows, then its split's share.
-    const Range keys = key_range(p, s, m0, min(m0 + BM, s.sq));
+    const Range keys = key_range(p, s, row_query(m0), row_query(min(m0 + BM, rows) - 1) + 1);
     int t_lo = keys.lo / BN, t_hi = keys.hi > keys.lo ? (keys.hi + BN - 1) / BN : t_lo;
     if (p.splits > 1) {
         const int per = (t_hi - t_lo + p.splits - 1) / p.splits;
@@ -77,7 +84,13 @@ __global__ void __launch_bounds__(Cfg::kThreads) attention_fwd_mma_sm80(Params p
         t_hi = min(t_hi, t_lo + per);
     }
 
-    load_tile<T, BM, D, Cfg::kThreads>(sq_tile, q + (int64_t)m0 * p.q_row, p.q_row, s.sq - m0, d, p.async);
+    if (p.pack_gqa)
+        load_rows<T, BM, D, Cfg::kThreads>(sq_tile, rows - m0, d, p.async, [&](int r) {
+            return q + (int64_t)row_query(m0 + r) * p.q_row + row_head(m0 + r) * p.q_head;
+        });
+    else
+        load_tile<T, BM, D, Cfg::kThreads>(sq_tile, q + (int64_t)m0 * p.q_row + row_head(0) * p.q_head, p.q_row,
+                                           rows - m0, d, p.async);
     cp_async_commit();
     auto load_kv = [&](int slot, int t) {
         const int n0 = t * BN;
@@ -91,8 +104,13 @@ __global__ void __launch_bounds__(Cfg::kThreads) attention_fwd_mma_sm80(Params p
 
     // Columns past d are zeros in shared memory: the MMAs run over the whole bucket, unpredicated.
     const int wm0 = warp * 16 * kMT;                // this warp's rows in the tile
-    const bool active = m0 + wm0 < s.sq;            // warps past the sequence skip the math
+    const bool active = m0 + wm0 < rows;            // warps past the sequence skip the math
     const int r0 = m0 + wm0 + (lane >> 2);          // rows held: r0 + 16 mt + 8 hr
+    int query[kMT][2];                              // their query indices
+#pragma unroll
+    for (int mt = 0; mt < kMT; mt++) query[mt][0] = row_query(r0 + 16 * mt), query[mt][1] = row_query(r0 + 16 * mt + 8);
+    // The warp's valid rows as a query range, for the whole-tile mask test.
+    const int wq0 = row_query(m0 + wm0), wq1 = row_query(min(m0 + wm0 + 16 * kMT, max(rows, 1)) - 1) + 1;
     float acc_o[kMT][kDT][4] = {};
     float row_max[kMT][2], row_sum[kMT][2] = {};
 #pragma unroll
@@ -129,7 +147,7 @@ __global__ void __launch_bounds__(Cfg::kThreads) attention_fwd_mma_sm80(Params p
         // Scores in log2 units (any sign of scale), the mask on tiles crossing its band or the
         // sequence end, then the online softmax; row_max is kept in log2 units.
         const int n0 = t * BN;
-        const bool full = tile_visible(p, s, m0 + wm0, 16 * kMT, n0, BN);
+        const bool full = tile_visible(p, s, wq0, wq1 - wq0, n0, BN);
 #pragma unroll
         for (int mt = 0; mt < kMT; mt++) {
 #pragma unroll
@@ -137,7 +155,7 @@ __global__ void __launch_bounds__(Cfg::kThreads) attention_fwd_mma_sm80(Params p
 #pragma unroll
                 for (int e = 0; e < 4; e++) {
                     acc_s[mt][nt][e] *= p.scale_log2;
-                    const int i = r0 + 16 * mt + (e >> 1) * 8, j = n0 + nt * 8 + 2 * (lane & 3) + (e & 1);
+                    const int i = query[mt][e >> 1], j = n0 + nt * 8 + 2 * (lane & 3) + (e & 1);
                     if (!full && !visible(p, s, i, j)) acc_s[mt][nt][e] = -INFINITY;
                 }
 #pragma unroll
@@ -191,8 +209,8 @@ __global__ void __launch_bounds__(Cfg::kThreads) attention_fwd_mma_sm80(Params p
         const float sums[2] = {quad_sum(row_sum[mt][0]), quad_sum(row_sum[mt][1])};
 #pragma unroll
         for (int hr = 0; hr < 2; hr++) {
-            const int i = r0 + 16 * mt + hr * 8;
-            if (i >= s.sq) continue;
+            const int r = r0 + 16 * mt + hr * 8, i = query[mt][hr], h = row_head(r);
+            if (r >= rows) continue;
             const float sum = sums[hr];
             const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
             const float lse = sum > 0.0f ? (row_max[mt][hr] + log2f(sum)) * kLn2 : (p.splits > 1 ? -INFINITY : INFINITY);
@@ -262,11 +280,13 @@ fk_status launch(const Plan &plan, const Params &p, int device, cudaStream_t str
     auto kernel = attention_fwd_mma_sm80<T, Cfg>;
     cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::kSmemBytes);
     if (e != cudaSuccess) return cuda_status(e, "attention_fwd");
-    const dim3 grid((unsigned)((p.sq + Cfg::BM - 1) / Cfg::BM), (unsigned)p.heads, (unsigned)(p.batch * plan.splits));
+    const int64_t rows = p.pack_gqa ? p.sq * (p.heads / p.kv_heads) : p.sq;
+    const dim3 grid((unsigned)((rows + Cfg::BM - 1) / Cfg::BM), (unsigned)(p.pack_gqa ? p.kv_heads : p.heads),
+                    (unsigned)(p.batch * plan.splits));
     fk_status st = Launch(grid, dim3(Cfg::kThreads), Cfg::kSmemBytes, stream, device)("attention_fwd", kernel, p);
     if (st != FK_OK || plan.splits == 1) return st;
-    const int64_t rows = p.batch * p.heads * p.sq;
-    return Launch(dim3((unsigned)((rows + 3) / 4)), dim3(128), 0, stream, device)("attention_fwd_combine",
+    const int64_t all_rows = p.batch * p.heads * p.sq;
+    return Launch(dim3((unsigned)((all_rows + 3) / 4)), dim3(128), 0, stream, device)("attention_fwd_combine",
                                                                                 attention_fwd_combine<T>, p);
 }
 
