@@ -4,8 +4,8 @@
 // any  16-bit  any     batch or heads == 0, or sq == 0 (bwd: sq ==    empty             nothing to do
 //                      sk == 0; other empty sides get zero grads)
 // fwd  16-bit  sm_80+  query-tile CTAs < SMs and >= 4 key tiles a      fwd_split_mma_sm80 one query still
-//                      CTA: splits = min(2 SMs / CTAs, key tiles / 2,                    fills the GPU
-//                      64)                                                               (flash-decoding)
+//                      CTA: splits = min(floor(2 SMs / CTAs), key                        fills the GPU
+//                      tiles / 2, 64) >= 2                                               (flash-decoding)
 // fwd  16-bit  sm_80+  otherwise                                      fwd_mma_sm80      the general kernel
 // fwd (both rows): GQA with sq x group <= 128 (64 at D 256) packs the group's heads into one CTA's
 //      rows (pack_gqa): K / V read once per group, CTAs counted per kv head.
@@ -73,7 +73,9 @@ Plan plan_attention(const fk_attention_args &x, int backward, int sms) {
     const int64_t ctas = plan.pack_gqa ? x.kv_heads * x.batch : (x.sq + bm - 1) / bm * x.heads * x.batch;
     const int64_t key_tiles = (x.sk + fwd_block_n(plan.d_bucket) - 1) / fwd_block_n(plan.d_bucket);
     if (ctas < sms && key_tiles >= 4) {
-        int64_t splits = std::min<int64_t>({(2 * sms + ctas - 1) / ctas, key_tiles / 2, kMaxSplits});
+        // One wave at two resident CTAs an SM (the D <= 128 instances' 96 KB on Hopper): a second,
+        // partial wave would cost as much as the first.
+        int64_t splits = std::min<int64_t>({2 * sms / ctas, key_tiles / 2, kMaxSplits});
         splits = std::min<int64_t>(splits, 65535 / std::max<int64_t>(x.batch, 1));
         if (splits > 1) {
             plan.strategy = Strategy::kFwdSplitMmaSm80;
