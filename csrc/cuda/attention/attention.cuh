@@ -40,6 +40,21 @@ struct Params {
     float *dvec;                      // backward: rowsum(dO * O), (batch, heads, sq) fp32
 };
 
+// A/B switches (FASTKERN_NVCC_FLAGS=-D...): the key tile of the forward and of the dQ kernel at
+// D <= 128, and how many resident CTA slots an SM a split forward fills (2 a wave).
+#ifndef FK_ATTN_FWD_BN
+#define FK_ATTN_FWD_BN 64
+#endif
+#ifndef FK_ATTN_DQ_BN
+#define FK_ATTN_DQ_BN 64
+#endif
+#ifndef FK_ATTN_DKV_BM  // query rows a ring slot of the dK / dV kernel at D 128
+#define FK_ATTN_DKV_BM 32
+#endif
+#ifndef FK_ATTN_SPLIT_SLOTS
+#define FK_ATTN_SPLIT_SLOTS 2
+#endif
+
 // ---- host side ----------------------------------------------------------------------------------
 
 enum class Strategy { kEmpty, kFwdMmaSm80, kFwdSplitMmaSm80, kBwdMmaSm80 };

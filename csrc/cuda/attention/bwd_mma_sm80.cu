@@ -29,7 +29,7 @@ namespace {
 // dK / dV kernel: 4 warps x 16 keys; BM query rows a ring slot; kDOut accumulator columns.
 template <int D> struct DkvCfg {
     static constexpr int kD = D, kThreads = 128, BN = 64;  // 4 warps x 16 keys
-    static constexpr int BM = D <= 64 ? 64 : 32;
+    static constexpr int BM = D <= 64 ? 64 : D <= 128 ? FK_ATTN_DKV_BM : 32;
     static constexpr int kDOut = D < 128 ? D : 128;
     using KTile = SwizzledTile<BN, D>;
     using QTile = SwizzledTile<BM, D>;
@@ -41,7 +41,7 @@ template <int D> struct DkvCfg {
 template <int D> struct DqCfg {
     static constexpr int kD = D;
     static constexpr int kWarps = D <= 128 ? 8 : 4;
-    static constexpr int BM = 16 * kWarps, BN = D <= 128 ? 64 : 32;
+    static constexpr int BM = 16 * kWarps, BN = D <= 128 ? FK_ATTN_DQ_BN : 32;
     static constexpr int kThreads = 32 * kWarps;
     using QTile = SwizzledTile<BM, D>;
     using KVTile = SwizzledTile<BN, D>;

@@ -49,7 +49,7 @@ int d_bucket(int64_t d) { return d <= 64 ? 64 : d <= 128 ? 128 : 256; }
 
 // The forward kernel's query tile (fwd_mma_sm80.cu FwdCfg) and key tile per bucket.
 int fwd_block_m(int bucket) { return bucket <= 128 ? 128 : 64; }
-int fwd_block_n(int bucket) { return bucket <= 128 ? 64 : 32; }
+int fwd_block_n(int bucket) { return bucket <= 128 ? FK_ATTN_FWD_BN : 32; }
 
 // Floats of the split forward's partial lse, rounded up to 16 bytes (the partial outputs follow it
 // and take 8-byte stores).
@@ -75,7 +75,7 @@ Plan plan_attention(const fk_attention_args &x, int backward, int sms) {
     if (ctas < sms && key_tiles >= 4) {
         // One wave at two resident CTAs an SM (the D <= 128 instances' 96 KB on Hopper): a second,
         // partial wave would cost as much as the first.
-        int64_t splits = std::min<int64_t>({2 * sms / ctas, key_tiles / 2, kMaxSplits});
+        int64_t splits = std::min<int64_t>({FK_ATTN_SPLIT_SLOTS * sms / ctas, key_tiles / 2, kMaxSplits});
         splits = std::min<int64_t>(splits, 65535 / std::max<int64_t>(x.batch, 1));
         if (splits > 1) {
             plan.strategy = Strategy::kFwdSplitMmaSm80;

@@ -37,7 +37,7 @@ namespace {
 template <int D> struct FwdCfg {
     static constexpr int kD = D, kWarps = 4;
     static constexpr int kMT = D <= 128 ? 2 : 1;
-    static constexpr int BM = 16 * kMT * kWarps, BN = D <= 128 ? 64 : 32;
+    static constexpr int BM = 16 * kMT * kWarps, BN = D <= 128 ? FK_ATTN_FWD_BN : 32;
     static constexpr int kThreads = 32 * kWarps;
     using QTile = SwizzledTile<BM, D>;
     using KVTile = SwizzledTile<BN, D>;
@@ -111,6 +111,8 @@ __global__ void __launch_bounds__(Cfg::kThreads) attention_fwd_mma_sm80(Params p
     for (int mt = 0; mt < kMT; mt++) query[mt][0] = row_query(r0 + 16 * mt), query[mt][1] = row_query(r0 + 16 * mt + 8);
     // The warp's valid rows as a query range, for the whole-tile mask test.
     const int wq0 = row_query(m0 + wm0), wq1 = row_query(min(m0 + wm0 + 16 * kMT, max(rows, 1)) - 1) + 1;
+    const bool fold = p.scale_log2 > 0.0f;
+    const float mul = fold ? p.scale_log2 : 1.0f;
     float acc_o[kMT][kDT][4] = {};
     float row_max[kMT][2], row_sum[kMT][2] = {};
 #pragma unroll
@@ -144,20 +146,30 @@ __global__ void __launch_bounds__(Cfg::kThreads) attention_fwd_mma_sm80(Params p
             }
         }
 
-        // Scores in log2 units (any sign of scale), the mask on tiles crossing its band or the
-        // sequence end, then the online softmax; row_max is kept in log2 units.
+        // The mask on tiles crossing its band or the sequence end, then the online softmax. The
+        // scale is folded into the exponent's FFMA (p = 2^(s mul - max mul)) when positive; any
+        // other scale multiplies the scores first (mul 1). row_max is in the units of s.
         const int n0 = t * BN;
         const bool full = tile_visible(p, s, wq0, wq1 - wq0, n0, BN);
+        if (!fold) {
+#pragma unroll
+            for (int mt = 0; mt < kMT; mt++)
+#pragma unroll
+                for (int nt = 0; nt < kNT; nt++)
+#pragma unroll
+                    for (int e = 0; e < 4; e++) acc_s[mt][nt][e] *= p.scale_log2;
+        }
 #pragma unroll
         for (int mt = 0; mt < kMT; mt++) {
+            if (!full) {
 #pragma unroll
-            for (int nt = 0; nt < kNT; nt++)
+                for (int nt = 0; nt < kNT; nt++)
 #pragma unroll
-                for (int e = 0; e < 4; e++) {
-                    acc_s[mt][nt][e] *= p.scale_log2;
-                    const int i = query[mt][e >> 1], j = n0 + nt * 8 + 2 * (lane & 3) + (e & 1);
-                    if (!full && !visible(p, s, i, j)) acc_s[mt][nt][e] = -INFINITY;
-                }
+                    for (int e = 0; e < 4; e++) {
+                        const int i = query[mt][e >> 1], j = n0 + nt * 8 + 2 * (lane & 3) + (e & 1);
+                        if (!visible(p, s, i, j)) acc_s[mt][nt][e] = -INFINITY;
+                    }
+            }
 #pragma unroll
             for (int hr = 0; hr < 2; hr++) {
                 float mx = row_max[mt][hr];
@@ -165,15 +177,15 @@ __global__ void __launch_bounds__(Cfg::kThreads) attention_fwd_mma_sm80(Params p
                 for (int nt = 0; nt < kNT; nt++) mx = fmaxf(mx, fmaxf(acc_s[mt][nt][2 * hr], acc_s[mt][nt][2 * hr + 1]));
                 mx = quad_max(mx);
                 // A row that has seen no key yet keeps max -inf: exponents are taken against 0 then.
-                const float base = mx == -INFINITY ? 0.0f : mx;
-                const float alpha = ex2_ftz(row_max[mt][hr] - base);  // 0 while the old max is -inf
+                const float base = mx == -INFINITY ? 0.0f : mx * mul;
+                const float alpha = ex2_ftz(row_max[mt][hr] * mul - base);  // 0 while the old max is -inf
                 row_max[mt][hr] = mx;
                 float sum = 0.0f;
 #pragma unroll
                 for (int nt = 0; nt < kNT; nt++)
 #pragma unroll
                     for (int e = 0; e < 2; e++) {
-                        const float pv = ex2_ftz(acc_s[mt][nt][2 * hr + e] - base);
+                        const float pv = ex2_ftz(fmaf(acc_s[mt][nt][2 * hr + e], mul, -base));
                         acc_s[mt][nt][2 * hr + e] = pv;
                         sum += pv;
                     }
@@ -213,7 +225,7 @@ __global__ void __launch_bounds__(Cfg::kThreads) attention_fwd_mma_sm80(Params p
             if (r >= rows) continue;
             const float sum = sums[hr];
             const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
-            const float lse = sum > 0.0f ? (row_max[mt][hr] + log2f(sum)) * kLn2 : (p.splits > 1 ? -INFINITY : INFINITY);
+            const float lse = sum > 0.0f ? (row_max[mt][hr] * mul + log2f(sum)) * kLn2 : (p.splits > 1 ? -INFINITY : INFINITY);
             const float(&o_acc)[kDT][4] = acc_o[mt];
             if (p.splits > 1) {
                 const int64_t row = (int64_t)split * p.batch * p.heads * p.sq + row_index(p, b, h, i);
