@@ -139,7 +139,9 @@ Params params_of(const fk_attention_args &x, const Plan &plan) {
     p.o_batch = x.o_batch, p.o_row = x.o_row, p.o_head = x.o_head;
     p.do_batch = x.do_batch, p.do_row = x.do_row, p.do_head = x.do_head;
     p.scale = (float)x.scale, p.scale_log2 = (float)(x.scale * 1.4426950408889634);
-    p.window_left = x.window_left, p.window_right = x.window_right;
+    // A window wider than sq + sk is unbounded in effect; clamped, the kernels' bounds cannot overflow.
+    p.window_left = x.window_left < 0 ? -1 : std::min(x.window_left, x.sq + x.sk);
+    p.window_right = x.window_right < 0 ? -1 : std::min(x.window_right, x.sq + x.sk);
     p.top_left = (x.flags & FK_ATTN_TOP_LEFT) != 0;
     p.async = rows_aligned(x.q, x.q_batch, x.q_row, x.q_head, varlen) &&
               rows_aligned(x.k, x.k_batch, x.k_row, x.k_head, varlen) &&
