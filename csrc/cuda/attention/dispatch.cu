@@ -9,7 +9,8 @@
 // fwd  16-bit  sm_80+  otherwise                                      fwd_mma_sm80      the general kernel
 // fwd (both rows): GQA with sq x group <= 128 (64 at D 256) packs the group's heads into one CTA's
 //      rows (pack_gqa): K / V read once per group, CTAs counted per kv head.
-// bwd  16-bit  sm_80+  any (FK_ATTN_DETERMINISTIC or not)             bwd_mma_sm80      the general kernel
+// bwd  16-bit  sm_80+  any (bitwise deterministic with or without      bwd_mma_sm80      the general kernel
+//                      FK_ATTN_DETERMINISTIC: no atomics, dQ kernel)
 // any  fp32 / fp64     -                                              (TypeError)
 // any  any     < sm_80 -                                              (RuntimeError)
 //
