@@ -1,0 +1,270 @@
+// Shared by the attention strategies: the kernel parameters, the plan, the per-sequence geometry
+// (varlen offsets, the mask band and the tile ranges it implies), shared-memory tile loads and the
+// register-fragment helpers of the mma.sync kernels. dispatch.cu decides which strategy runs.
+#pragma once
+
+#include "../common.cuh"
+#include "../matmul/matmul.cuh"  // cp.async, ldmatrix, mma.sync wrappers and the swizzled tile
+
+namespace fk::attn {
+
+using mm::cp_async_16;
+using mm::cp_async_commit;
+using mm::cp_async_wait;
+using mm::ldmatrix_x4;
+using mm::ldmatrix_x4_trans;
+using mm::mma_m16n8k16;
+using mm::SwizzledTile;
+
+// fk_attention_args as the kernels take it (by value), plus what the plan adds.
+struct Params {
+    const void *q, *k, *v;
+    void *out;
+    float *lse;
+    const void *dout;
+    void *dq, *dk, *dv;
+    const int32_t *cu_q, *cu_k;
+    int64_t batch, sq, sk, heads, kv_heads, d;
+    int64_t q_batch, q_row, q_head;
+    int64_t k_batch, k_row, k_head;
+    int64_t v_batch, v_row, v_head;
+    int64_t o_batch, o_row, o_head;
+    int64_t do_batch, do_row, do_head;
+    float scale, scale_log2;          // scale, and scale * log2(e) for exp2
+    int64_t window_left, window_right;
+    bool top_left;
+    bool async;                       // rows 16-byte aligned: cp.async loads, else element loads
+    bool pack_gqa;                    // forward: a CTA's rows are (query, head of the kv head's group)
+    int splits;                       // forward: key ranges per query tile (1: no split)
+    float *part_out, *part_lse;       // split forward: partial outputs (fp32) and their lse
+    float *dvec;                      // backward: rowsum(dO * O), (batch, heads, sq) fp32
+};
+
+// A/B switches (FASTKERN_NVCC_FLAGS=-D...): the key tile of the forward and of the dQ kernel at
+// D <= 128, and how many resident CTA slots an SM a split forward fills (2 a wave).
+#ifndef FK_ATTN_FWD_BN
+#define FK_ATTN_FWD_BN 64
+#endif
+#ifndef FK_ATTN_DQ_BN
+#define FK_ATTN_DQ_BN 64
+#endif
+#ifndef FK_ATTN_DKV_BM  // query rows a ring slot of the dK / dV kernel at D 128
+#define FK_ATTN_DKV_BM 32
+#endif
+#ifndef FK_ATTN_SPLIT_SLOTS
+#define FK_ATTN_SPLIT_SLOTS 2
+#endif
+
+// ---- host side ----------------------------------------------------------------------------------
+
+enum class Strategy { kEmpty, kFwdMmaSm80, kFwdSplitMmaSm80, kBwdMmaSm80 };
+const char *strategy_name(Strategy s);
+
+struct Plan {
+    Strategy strategy = Strategy::kEmpty;
+    int d_bucket = 0;   // 64, 128 or 256: the template instance; columns >= d are predicated off
+    int splits = 1;     // split-KV forward: key ranges per query tile
+    bool pack_gqa = false;  // forward: the heads sharing a kv head packed into one CTA's rows
+    int64_t workspace_bytes = 0;
+};
+
+fk_status launch_fwd_mma_sm80(const Plan &plan, const Params &p, fk_dtype dtype, int device, cudaStream_t stream);
+fk_status launch_bwd_mma_sm80(const Plan &plan, const Params &p, fk_dtype dtype, int device, cudaStream_t stream);
+
+// ---- per-sequence geometry ----------------------------------------------------------------------
+
+// Sequence b: its first row in the dense outputs (varlen: in q / k), its lengths, the mask's shift.
+struct Seq {
+    int64_t q0, k0;  // first row of the sequence in (batch * sq | total_q) and (batch * sk | total_k)
+    int sq, sk;      // its lengths
+    int64_t shift;   // query i sees key j iff j - i - shift in [-window_left, window_right]
+};
+
+__device__ __forceinline__ Seq seq_of(const Params &p, int b) {
+    Seq s;
+    if (p.cu_q) {
+        s.q0 = p.cu_q[b];
+        s.sq = p.cu_q[b + 1] - p.cu_q[b];
+        s.k0 = p.cu_k[b];
+        s.sk = p.cu_k[b + 1] - p.cu_k[b];
+    } else {
+        s.q0 = (int64_t)b * p.sq;  // row offset in the dense (batch, s, ...) outputs
+        s.sq = (int)p.sq;
+        s.k0 = (int64_t)b * p.sk;
+        s.sk = (int)p.sk;
+    }
+    s.shift = p.top_left ? 0 : (int64_t)s.sk - s.sq;
+    return s;
+}
+
+// Offset of sequence b's row 0 in an input strided like q (rows q_row, sequences q_batch; varlen:
+// row `first` of the packed rows).
+__device__ __forceinline__ int64_t seq_offset(const Params &p, int b, int64_t first, int64_t batch_stride,
+                                              int64_t row_stride) {
+    return p.cu_q ? first * row_stride : (int64_t)b * batch_stride;
+}
+
+// Index of (b, h, i) in the fp32 lse: (batch, heads, sq), or (heads, total_q) for varlen.
+__device__ __forceinline__ int64_t lse_index(const Params &p, const Seq &s, int b, int h, int i) {
+    if (p.cu_q) return (int64_t)h * p.cu_q[p.batch] + s.q0 + i;
+    return ((int64_t)b * p.heads + h) * p.sq + i;
+}
+
+// Index of (b, h, i) in the per-row fp32 workspaces (dvec, split lse): (batch, heads, sq max).
+__device__ __forceinline__ int64_t row_index(const Params &p, int b, int h, int i) {
+    return ((int64_t)b * p.heads + h) * p.sq + i;
+}
+
+// The half-open key range [lo, hi) that query rows [m0, m1) see (hi <= lo: none).
+struct Range { int lo, hi; };
+__device__ __forceinline__ Range key_range(const Params &p, const Seq &s, int m0, int m1) {
+    int64_t lo = 0, hi = s.sk;
+    if (p.window_left >= 0) lo = max(lo, (int64_t)m0 + s.shift - p.window_left);
+    if (p.window_right >= 0) hi = min(hi, (int64_t)m1 - 1 + s.shift + p.window_right + 1);
+    return {(int)lo, (int)max(hi, lo)};
+}
+// The query range [lo, hi) that sees at least one of keys [n0, n1).
+__device__ __forceinline__ Range query_range(const Params &p, const Seq &s, int n0, int n1) {
+    int64_t lo = 0, hi = s.sq;
+    if (p.window_right >= 0) lo = max(lo, (int64_t)n0 - s.shift - p.window_right);
+    if (p.window_left >= 0) hi = min(hi, (int64_t)n1 - 1 - s.shift + p.window_left + 1);
+    return {(int)lo, (int)max(hi, lo)};
+}
+// Whether query i sees key j (both inside the sequence's lengths).
+__device__ __forceinline__ bool visible(const Params &p, const Seq &s, int i, int j) {
+    const int64_t rel = (int64_t)j - i - s.shift;
+    return j < s.sk && i < s.sq && (p.window_right < 0 || rel <= p.window_right) &&
+           (p.window_left < 0 || rel >= -p.window_left);
+}
+// Whether every (i, j) of rows [m0, m0 + bm) x keys [n0, n0 + bn) is visible (no masking needed).
+__device__ __forceinline__ bool tile_visible(const Params &p, const Seq &s, int m0, int bm, int n0, int bn) {
+    return n0 + bn <= s.sk && m0 + bm <= s.sq &&
+           (p.window_right < 0 || (int64_t)n0 + bn - 1 - m0 - s.shift <= p.window_right) &&
+           (p.window_left < 0 || (int64_t)n0 - (m0 + bm - 1) - s.shift >= -p.window_left);
+}
+
+// ---- shared-memory tiles ------------------------------------------------------------------------
+
+// Loads rows x cols (cols a multiple of 8) of g (row stride `stride` elements) into the swizzled
+// kRows x kCols tile; the rest of the tile is zero-filled. async: 16-byte cp.async (rows 16-byte
+// aligned), else element loads through registers (any alignment).
+template <typename T, int kRows, int kCols, int kThreads>
+__device__ __forceinline__ void load_tile(T *smem, const T *g, int64_t stride, int rows, int cols, bool async) {
+    using Tile = SwizzledTile<kRows, kCols>;
+    constexpr int kChunksPerRow = kCols / 8, kChunks = kRows * kChunksPerRow;
+    constexpr int kPerThread = (kChunks + kThreads - 1) / kThreads;
+    if (async) {
+#pragma unroll
+        for (int i = 0; i < kPerThread; i++) {
+            const int idx = i * kThreads + threadIdx.x;
+            if (kChunks % kThreads != 0 && idx >= kChunks) break;
+            const int r = idx / kChunksPerRow, c = (idx % kChunksPerRow) * 8;
+            const bool in = r < rows && c < cols;
+            cp_async_16(smem + Tile::offset(r, c), g + (in ? r * stride + c : 0), in ? 16 : 0);
+        }
+    } else {
+        // One chunk at a time: unrolled, the element loads would hold registers the kernels'
+        // accumulators need (they are live across this call).
+#pragma unroll 1
+        for (int i = 0; i < kPerThread; i++) {
+            const int idx = i * kThreads + threadIdx.x;
+            if (idx >= kChunks) break;
+            const int r = idx / kChunksPerRow, c = (idx % kChunksPerRow) * 8;
+            const bool in = r < rows && c < cols;
+            const T *src = g + (in ? r * stride + c : 0);
+            Pack<T> v;
+#pragma unroll
+            for (int e = 0; e < 8; e++) v.v[e] = in ? src[e] : from_f32<T>(0.0f);
+            store_pack(smem + Tile::offset(r, c), v);
+        }
+    }
+}
+
+// The same for rows at arbitrary addresses: row r (< rows) starts at row_ptr(r).
+template <typename T, int kRows, int kCols, int kThreads, typename RowPtr>
+__device__ __forceinline__ void load_rows(T *smem, int rows, int cols, bool async, RowPtr row_ptr) {
+    using Tile = SwizzledTile<kRows, kCols>;
+    constexpr int kChunksPerRow = kCols / 8, kChunks = kRows * kChunksPerRow;
+#pragma unroll 1
+    for (int idx = threadIdx.x; idx < kChunks; idx += kThreads) {
+        const int r = idx / kChunksPerRow, c = (idx % kChunksPerRow) * 8;
+        const bool in = r < rows && c < cols;
+        const T *src = in ? row_ptr(r) + c : row_ptr(0);
+        if (async) {
+            cp_async_16(smem + Tile::offset(r, c), src, in ? 16 : 0);
+        } else {
+            Pack<T> v;
+#pragma unroll
+            for (int e = 0; e < 8; e++) v.v[e] = in ? src[e] : from_f32<T>(0.0f);
+            store_pack(smem + Tile::offset(r, c), v);
+        }
+    }
+}
+
+// ---- register fragments -------------------------------------------------------------------------
+
+// Two fp32 values as one register of two 16-bit T (lo in the low half).
+template <typename T> __device__ __forceinline__ uint32_t pack2(float lo, float hi) {
+    if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+        __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+        return *reinterpret_cast<uint32_t *>(&v);
+    } else {
+        __half2 v = __floats2half2_rn(lo, hi);
+        return *reinterpret_cast<uint32_t *>(&v);
+    }
+}
+
+// The A fragment (16 x 16, k = columns 16 kk .. 16 kk + 15) made of two m16n8 accumulator tiles
+// 2 kk and 2 kk + 1: the accumulator layout of m16n8k16 is the A layout of the next product.
+template <typename T, int N>
+__device__ __forceinline__ void acc_to_a(uint32_t (&a)[4], const float (&c)[N][4], int kk) {
+    a[0] = pack2<T>(c[2 * kk][0], c[2 * kk][1]);
+    a[1] = pack2<T>(c[2 * kk][2], c[2 * kk][3]);
+    a[2] = pack2<T>(c[2 * kk + 1][0], c[2 * kk + 1][1]);
+    a[3] = pack2<T>(c[2 * kk + 1][2], c[2 * kk + 1][3]);
+}
+
+// A fragment of rows m .. m + 15, columns kk .. kk + 15 of a row-major swizzled tile.
+template <typename Tile, typename T>
+__device__ __forceinline__ void load_a(uint32_t (&a)[4], const T *tile, int m, int kk, int lane) {
+    ldmatrix_x4(a, tile + Tile::offset(m + (lane & 15), kk + (lane >> 4) * 8));
+}
+// B fragments of n-tiles n / 8 and n / 8 + 1, k = kk .. kk + 15, from a tile whose rows are n
+// (k contiguous, "K-major": K for Q Kᵀ).
+template <typename Tile, typename T>
+__device__ __forceinline__ void load_b_rows_n(uint32_t (&b0)[2], uint32_t (&b1)[2], const T *tile, int n, int kk, int lane) {
+    const int j = lane >> 3, r = lane & 7;
+    uint32_t q[4];
+    ldmatrix_x4(q, tile + Tile::offset(n + (j >> 1) * 8 + r, kk + (j & 1) * 8));
+    b0[0] = q[0], b0[1] = q[1], b1[0] = q[2], b1[1] = q[3];
+}
+// The same from a tile whose rows are k (n contiguous: V for P V).
+template <typename Tile, typename T>
+__device__ __forceinline__ void load_b_rows_k(uint32_t (&b0)[2], uint32_t (&b1)[2], const T *tile, int n, int kk, int lane) {
+    const int j = lane >> 3, r = lane & 7;
+    uint32_t q[4];
+    ldmatrix_x4_trans(q, tile + Tile::offset(kk + (j & 1) * 8 + r, n + (j >> 1) * 8));
+    b0[0] = q[0], b0[1] = q[1], b1[0] = q[2], b1[1] = q[3];
+}
+
+// Sum / max over the 4 lanes of a quad (the lanes holding one accumulator row).
+__device__ __forceinline__ float quad_sum(float v) {
+    v += __shfl_xor_sync(0xffffffffu, v, 1);
+    return v + __shfl_xor_sync(0xffffffffu, v, 2);
+}
+__device__ __forceinline__ float quad_max(float v) {
+    v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, 1));
+    return fmaxf(v, __shfl_xor_sync(0xffffffffu, v, 2));
+}
+
+// Stores two adjacent elements (v0 at p[0], v1 at p[1]) as T: one 4-byte store when aligned.
+template <typename T> __device__ __forceinline__ void store2(T *p, float v0, float v1) {
+    if ((reinterpret_cast<uintptr_t>(p) & 3) == 0) {
+        *reinterpret_cast<uint32_t *>(p) = pack2<T>(v0, v1);
+    } else {
+        p[0] = from_f32<T>(v0);
+        p[1] = from_f32<T>(v1);
+    }
+}
+
+}  // namespace fk::attn

@@ -1,0 +1,213 @@
+// Attention on the GPU: which strategy runs for which call. First matching row wins.
+//
+// dir  dtype   device  shape                                          strategy          why
+// any  16-bit  any     batch or heads == 0, or sq == 0 (bwd: sq ==    empty             nothing to do
+//                      sk == 0; other empty sides get zero grads)
+// fwd  16-bit  sm_80+  query-tile CTAs < SMs and >= 4 key tiles a      fwd_split_mma_sm80 one query still
+//                      CTA: splits = min(floor(2 SMs / CTAs), key                        fills the GPU
+//                      tiles / 2, 64) >= 2                                               (flash-decoding)
+// fwd  16-bit  sm_80+  otherwise                                      fwd_mma_sm80      the general kernel
+// fwd (both rows): GQA with sq x group <= 128 (64 at D 256) packs the group's heads into one CTA's
+//      rows (pack_gqa): K / V read once per group, CTAs counted per kv head.
+// bwd  16-bit  sm_80+  any (bitwise deterministic with or without      bwd_mma_sm80      the general kernel
+//                      FK_ATTN_DETERMINISTIC: no atomics, dQ kernel)
+// any  fp32 / fp64     -                                              (TypeError)
+// any  any     < sm_80 -                                              (RuntimeError)
+//
+// Every row: head-dim instances D 64 (d <= 64), 128 (d <= 128), 256 (d <= 256); rows whose every
+// tensor has a 16-byte aligned base and strides that are multiples of 8 elements take cp.async,
+// others element loads (p.async). The Hopper kernels (TMA + wgmma) are not written yet, so
+// FK_ATTN_FORCE_GENERAL changes nothing today.
+//
+// Workspace: forward split: splits x batch x heads x sq x (1 + d) fp32 (partial lse, then outputs);
+// backward: batch x heads x sq fp32 (rowsum(dO * O)). varlen sizes use the maximum lengths.
+#include <algorithm>
+#include <cmath>
+
+#include "attention.cuh"
+
+namespace fk::attn {
+
+const char *strategy_name(Strategy s) {
+    switch (s) {
+    case Strategy::kFwdMmaSm80: return "fwd_mma_sm80";
+    case Strategy::kFwdSplitMmaSm80: return "fwd_split_mma_sm80";
+    case Strategy::kBwdMmaSm80: return "bwd_mma_sm80";
+    default: return "empty";
+    }
+}
+
+namespace {
+
+constexpr int kMaxSplits = 64;
+
+// Forward with no query rows, or backward with no rows at all (sq == 0 still zeroes dk, dv).
+bool nothing_to_do(const fk_attention_args &x, int backward) {
+    return x.batch == 0 || x.heads == 0 || (backward ? x.sq == 0 && x.sk == 0 : x.sq == 0);
+}
+
+int d_bucket(int64_t d) { return d <= 64 ? 64 : d <= 128 ? 128 : 256; }
+
+// The forward kernel's query tile (fwd_mma_sm80.cu FwdCfg) and key tile per bucket.
+int fwd_block_m(int bucket) { return bucket <= 128 ? 128 : 64; }
+int fwd_block_n(int bucket) { return bucket <= 128 ? FK_ATTN_FWD_BN : 32; }
+
+// Floats of the split forward's partial lse, rounded up to 16 bytes (the partial outputs follow it
+// and take 8-byte stores).
+int64_t split_lse_floats(int64_t splits, const fk_attention_args &x) {
+    return (splits * x.batch * x.heads * x.sq + 3) / 4 * 4;
+}
+
+// Pure: the strategy, instance and workspace for `x` on a device of `sms` SMs.
+Plan plan_attention(const fk_attention_args &x, int backward, int sms) {
+    Plan plan;
+    if (nothing_to_do(x, backward)) return plan;
+    plan.d_bucket = d_bucket(x.d);
+    if (backward) {
+        plan.strategy = Strategy::kBwdMmaSm80;
+        plan.workspace_bytes = x.batch * x.heads * x.sq * (int64_t)sizeof(float);
+        return plan;
+    }
+    plan.strategy = Strategy::kFwdMmaSm80;
+    const int64_t group = x.heads / x.kv_heads, bm = fwd_block_m(plan.d_bucket);
+    plan.pack_gqa = group > 1 && x.sq * group <= bm;
+    const int64_t ctas = plan.pack_gqa ? x.kv_heads * x.batch : (x.sq + bm - 1) / bm * x.heads * x.batch;
+    const int64_t key_tiles = (x.sk + fwd_block_n(plan.d_bucket) - 1) / fwd_block_n(plan.d_bucket);
+    if (ctas < sms && key_tiles >= 4) {
+        // One wave at two resident CTAs an SM (the D <= 128 instances' 96 KB on Hopper): a second,
+        // partial wave would cost as much as the first.
+        int64_t splits = std::min<int64_t>({FK_ATTN_SPLIT_SLOTS * sms / ctas, key_tiles / 2, kMaxSplits});
+        splits = std::min<int64_t>(splits, 65535 / std::max<int64_t>(x.batch, 1));
+        if (splits > 1) {
+            plan.strategy = Strategy::kFwdSplitMmaSm80;
+            plan.splits = (int)splits;
+            plan.workspace_bytes = (split_lse_floats(splits, x) + splits * x.batch * x.heads * x.sq * x.d) * (int64_t)sizeof(float);
+        }
+    }
+    return plan;
+}
+
+bool rows_aligned(const void *p, int64_t batch, int64_t row, int64_t head, bool varlen) {
+    return p == nullptr || (aligned16(p) && row % 8 == 0 && head % 8 == 0 && (varlen || batch % 8 == 0));
+}
+
+fk_status check_args(const fk_attention_args &x, int backward, const char *op) {
+    if (x.dtype == FK_FLOAT32 || x.dtype == FK_FLOAT64)
+        return fk_fail(FK_ERR_TYPE, "%s: CUDA attention supports float16 and bfloat16, not %s", op,
+                       x.dtype == FK_FLOAT32 ? "float32" : "float64");
+    if (x.dtype != FK_FLOAT16 && x.dtype != FK_BFLOAT16)
+        return fk_fail(FK_ERR_TYPE, "%s: dtype code %d is unknown", op, (int)x.dtype);
+    if (x.batch < 0 || x.sq < 0 || x.sk < 0 || x.heads < 0 || x.kv_heads < 0)
+        return fk_fail(FK_ERR_VALUE, "%s: negative size (batch %lld, sq %lld, sk %lld, heads %lld, kv_heads %lld)",
+                       op, (long long)x.batch, (long long)x.sq, (long long)x.sk, (long long)x.heads,
+                       (long long)x.kv_heads);
+    if (x.d < 8 || x.d > 256 || x.d % 8 != 0)
+        return fk_fail(FK_ERR_VALUE, "%s: head dim d must be a multiple of 8 in 8..256, got %lld", op, (long long)x.d);
+    if (x.heads > 0 && (x.kv_heads < 1 || x.heads % x.kv_heads != 0))
+        return fk_fail(FK_ERR_VALUE, "%s: heads (%lld) must be a multiple of kv_heads (%lld)", op,
+                       (long long)x.heads, (long long)x.kv_heads);
+    if (x.window_left < -1 || x.window_right < -1)
+        return fk_fail(FK_ERR_VALUE, "%s: window sizes must be >= -1, got (%lld, %lld)", op,
+                       (long long)x.window_left, (long long)x.window_right);
+    if (!std::isfinite(x.scale))
+        return fk_fail(FK_ERR_VALUE, "%s: scale must be finite, got %g", op, x.scale);
+    if ((x.cu_seqlens_q == nullptr) != (x.cu_seqlens_k == nullptr))
+        return fk_fail(FK_ERR_VALUE, "%s: cu_seqlens_q and cu_seqlens_k must both be given or both be NULL", op);
+    if (x.sq > INT32_MAX || x.sk > INT32_MAX)
+        return fk_fail(FK_ERR_VALUE, "%s: sequence lengths must be < 2^31 (sq %lld, sk %lld)", op,
+                       (long long)x.sq, (long long)x.sk);
+    if (x.heads > 65535 || x.batch > (x.d > 128 ? 32767 : 65535))  // grid.y, grid.z (D 256 bwd: 2 z a sequence)
+        return fk_fail(FK_ERR_VALUE, "%s: at most 65535 heads and %d sequences (heads %lld, batch %lld)", op,
+                       x.d > 128 ? 32767 : 65535, (long long)x.heads, (long long)x.batch);
+    if (nothing_to_do(x, backward)) return FK_OK;
+    // Empty sides may come as NULL (an empty torch tensor's data pointer).
+    if (x.sq > 0 && (!x.q || !x.out || !x.lse || (backward && (!x.dout || !x.dq))))
+        return fk_fail(FK_ERR_VALUE, "%s: q, out, lse%s must not be NULL", op, backward ? ", dout and dq" : "");
+    if (x.sk > 0 && (!x.k || !x.v || (backward && (!x.dk || !x.dv))))
+        return fk_fail(FK_ERR_VALUE, "%s: k, v%s must not be NULL", op, backward ? ", dk and dv" : "");
+    return FK_OK;
+}
+
+Params params_of(const fk_attention_args &x, const Plan &plan) {
+    const bool varlen = x.cu_seqlens_q != nullptr;
+    Params p{};
+    p.q = x.q, p.k = x.k, p.v = x.v, p.out = x.out, p.lse = static_cast<float *>(x.lse), p.dout = x.dout;
+    p.dq = x.dq, p.dk = x.dk, p.dv = x.dv, p.cu_q = x.cu_seqlens_q, p.cu_k = x.cu_seqlens_k;
+    p.batch = x.batch, p.sq = x.sq, p.sk = x.sk, p.heads = x.heads, p.kv_heads = x.kv_heads, p.d = x.d;
+    p.q_batch = x.q_batch, p.q_row = x.q_row, p.q_head = x.q_head;
+    p.k_batch = x.k_batch, p.k_row = x.k_row, p.k_head = x.k_head;
+    p.v_batch = x.v_batch, p.v_row = x.v_row, p.v_head = x.v_head;
+    p.o_batch = x.o_batch, p.o_row = x.o_row, p.o_head = x.o_head;
+    p.do_batch = x.do_batch, p.do_row = x.do_row, p.do_head = x.do_head;
+    p.scale = (float)x.scale, p.scale_log2 = (float)(x.scale * 1.4426950408889634);
+    // A window wider than sq + sk is unbounded in effect; clamped, the kernels' bounds cannot overflow.
+    p.window_left = x.window_left < 0 ? -1 : std::min(x.window_left, x.sq + x.sk);
+    p.window_right = x.window_right < 0 ? -1 : std::min(x.window_right, x.sq + x.sk);
+    p.top_left = (x.flags & FK_ATTN_TOP_LEFT) != 0;
+    p.async = rows_aligned(x.q, x.q_batch, x.q_row, x.q_head, varlen) &&
+              rows_aligned(x.k, x.k_batch, x.k_row, x.k_head, varlen) &&
+              rows_aligned(x.v, x.v_batch, x.v_row, x.v_head, varlen) &&
+              rows_aligned(x.out, x.o_batch, x.o_row, x.o_head, varlen) &&
+              rows_aligned(x.dout, x.do_batch, x.do_row, x.do_head, varlen);
+    p.splits = plan.splits;
+    p.pack_gqa = plan.pack_gqa;
+    float *ws = static_cast<float *>(x.workspace);
+    if (plan.strategy == Strategy::kFwdSplitMmaSm80) {
+        p.part_lse = ws;
+        p.part_out = ws + split_lse_floats(plan.splits, x);
+    } else if (plan.strategy == Strategy::kBwdMmaSm80) {
+        p.dvec = ws;
+    }
+    return p;
+}
+
+int device_sms(int device) { return sm_count(device); }
+
+fk_status run(const fk_attention_args *args, int backward, int device, void *stream) {
+    using namespace fk::attn;
+    const char *op = backward ? "attention_bwd" : "attention_fwd";
+    const fk_attention_args &x = *args;
+    fk_status status = check_args(x, backward, op);
+    if (status != FK_OK) return status;
+    if (nothing_to_do(x, backward)) return FK_OK;
+    FK_CUDA_ENTER(op, device);
+    if (compute_major(device) < 8)
+        return fk_fail(FK_ERR_RUNTIME, "%s: needs a GPU of compute capability 8.0 or newer", op);
+    const Plan plan = plan_attention(x, backward, device_sms(device));
+    if (plan.workspace_bytes > 0 && (x.workspace == nullptr || x.workspace_bytes < plan.workspace_bytes))
+        return fk_fail(FK_ERR_VALUE, "%s: workspace of %lld bytes needed (fk_cuda_attention_workspace), got %lld",
+                       op, (long long)plan.workspace_bytes, (long long)x.workspace_bytes);
+    const Params p = params_of(x, plan);
+    cudaStream_t s = static_cast<cudaStream_t>(stream);
+    switch (plan.strategy) {
+    case Strategy::kFwdMmaSm80:
+    case Strategy::kFwdSplitMmaSm80: return launch_fwd_mma_sm80(plan, p, x.dtype, device, s);
+    case Strategy::kBwdMmaSm80: return launch_bwd_mma_sm80(plan, p, x.dtype, device, s);
+    default: return FK_OK;
+    }
+}
+
+}  // namespace
+}  // namespace fk::attn
+
+extern "C" int64_t fk_cuda_attention_workspace(const fk_attention_args *args, int backward, int device) {
+    if (fk::attn::check_args(*args, backward, backward ? "attention_bwd" : "attention_fwd") != FK_OK) return 0;
+    fk::DeviceGuard guard(device);
+    if (guard.error != cudaSuccess) return 0;
+    return fk::attn::plan_attention(*args, backward, fk::attn::device_sms(device)).workspace_bytes;
+}
+
+extern "C" fk_status fk_cuda_attention_fwd(const fk_attention_args *args, int device, void *stream) {
+    return fk::attn::run(args, 0, device, stream);
+}
+
+extern "C" fk_status fk_cuda_attention_bwd(const fk_attention_args *args, int device, void *stream) {
+    return fk::attn::run(args, 1, device, stream);
+}
+
+extern "C" const char *fk_cuda_attention_plan(const fk_attention_args *args, int backward, int device) {
+    if (fk::attn::check_args(*args, backward, backward ? "attention_bwd" : "attention_fwd") != FK_OK) return nullptr;
+    fk::DeviceGuard guard(device);
+    if (guard.error != cudaSuccess) return nullptr;
+    return fk::attn::strategy_name(fk::attn::plan_attention(*args, backward, fk::attn::device_sms(device)).strategy);
+}

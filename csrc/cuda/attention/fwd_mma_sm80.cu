@@ -1,0 +1,326 @@
+// attention_fwd_mma_sm80: flash-attention forward on the tensor cores of every GPU from sm_80
+// (mma.sync m16n8k16, fp16 / bf16 in, fp32 accumulate), and attention_fwd_combine, the second pass
+// of its split-KV (flash-decoding) form. dispatch.cu rows "fwd" and "fwd split".
+//
+// Napkin math: 4 B H Sq Sk D FLOPs (half when causal). B 4, H 16, S 4096, D 128: 137 GFLOP, 0.18 ms
+// at the H100's mma.sync rate (~2/3 of its dense wgmma 990 TFLOP/s, so ~650; FlashAttention-2, also
+// mma.sync, reaches 340-350 TFLOP/s on the H200, PERF.md). A CTA of BM query rows reads each K / V
+// tile once for BM rows: 128 x 64 x 128 tiles do 4 MFLOP per 32 KB loaded, 128 FLOPs a byte, far
+// above what L2 must feed. The exponentials (Sq Sk MUFU ops, 1/(4 D) of the MMA FLOPs at D 128) and
+// the softmax bookkeeping are the real cost beside the MMAs.
+// Measured (H200, bf16, self-test harness): B 4 H 16 S 4096 D 128 283 TFLOP/s (causal 240), B 8 H 32
+// S 2048 D 64 256, GQA 32/8 S 8192 causal 270; decoding B 8 H 32/8 Sq 1 Sk 8192 97 us a call (the
+// K / V read alone: 64 us at copy bandwidth). Folding the scale into the exponent's FFMA instead of
+// a multiply pass moved D 128 from 198 to 283.
+//
+// Algorithm: one CTA per (query tile of BM rows, head, sequence[, key range]); 4 warps each own
+// 32 query rows (D 256: 16). Q is loaded once into shared memory; K / V
+// tiles of BN keys stream through a two-slot cp.async ring (tile t + 1 lands while tile t computes).
+// Per tile: S = Q Kᵀ (fp32 accumulators), the mask on tiles that cross its band or the sequence end,
+// the online softmax in registers (exp2, scale x log2(e) folded into one FFMA; running max and sum
+// per row, O rescaled), then O += P V with P converted in registers into the A operand. Key tiles
+// outside the mask band are never visited (the loop bounds come from the mask). Epilogue: O / sum,
+// lse = (max + log2(sum)) ln 2 (max in log2 units); a row with no visible key: out 0, lse +inf.
+// Split form: the CTA's key tiles are cut into p.splits ranges (blockIdx.z), each writing an fp32
+// partial O and its lse to the workspace; attention_fwd_combine merges them (one warp a row). GQA
+// (p.pack_gqa: sq x group <= BM) packs the heads sharing a kv head into one CTA's rows, so K / V
+// are read once per group and the rows fill warps instead of one row a CTA.
+//
+// Head dims: instances for D buckets 64, 128, 256; columns d .. bucket are zero-filled in shared
+// memory (the MMAs run over the whole bucket: unpredicated, fully unrolled) and never stored, so
+// d 72 costs what d 128 does. Rows not 16-byte aligned take element loads into the same ring
+// (p.async false).
+#include "attention.cuh"
+
+namespace fk::attn {
+namespace {
+
+// Tile shape per D bucket: kWarps warps of kMT x 16 query rows (BM in all), BN keys a K / V tile.
+// Two row tiles a warp use each K / V fragment read from shared memory twice (ldmatrix traffic per
+// MMA 0.31 instead of 0.5); D 256 has no registers for a second 16 x 256 fp32 output tile.
+template <int D> struct FwdCfg {
+    static constexpr int kD = D, kWarps = 4;
+    static constexpr int kMT = D <= 128 ? 2 : 1;
+    static constexpr int BM = 16 * kMT * kWarps, BN = D <= 128 ? FK_ATTN_FWD_BN : 32;
+    static constexpr int kThreads = 32 * kWarps;
+    using QTile = SwizzledTile<BM, D>;
+    using KVTile = SwizzledTile<BN, D>;
+    // Q, then two slots of (K, V): 128 x 128 + 4 x 64 x 128 16-bit = 96 KB at D 128.
+    static constexpr int kSmemBytes = 2 * (QTile::kElems + 4 * KVTile::kElems);
+};
+
+constexpr float kLn2 = 0.693147180559945309f;
+
+template <typename T, typename Cfg>
+__global__ void __launch_bounds__(Cfg::kThreads) attention_fwd_mma_sm80(Params p) {
+    constexpr int D = Cfg::kD, BM = Cfg::BM, BN = Cfg::BN, kMT = Cfg::kMT, kNT = BN / 8, kDT = D / 8;
+    using QTile = typename Cfg::QTile;
+    using KVTile = typename Cfg::KVTile;
+    extern __shared__ __align__(128) unsigned char smem_raw[];
+    T *sq_tile = reinterpret_cast<T *>(smem_raw);
+    T *sk_tile = sq_tile + QTile::kElems;           // slot s: sk_tile + s * KVTile::kElems
+    T *sv_tile = sk_tile + 2 * KVTile::kElems;
+
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    // Rows of a (sequence, blockIdx.y): queries of head blockIdx.y, or with p.pack_gqa the queries
+    // of every head sharing kv head blockIdx.y, row r = query r / group of head g group + r % group.
+    const int group = (int)(p.heads / p.kv_heads), b = blockIdx.z / p.splits, split = blockIdx.z % p.splits;
+    const int g = p.pack_gqa ? blockIdx.y : blockIdx.y / group;
+    const int d = (int)p.d;
+    auto row_query = [&](int r) { return p.pack_gqa ? r / group : r; };
+    auto row_head = [&](int r) { return p.pack_gqa ? g * group + r % group : (int)blockIdx.y; };
+    grid_dependency_sync();
+    const Seq s = seq_of(p, b);
+    const int rows = p.pack_gqa ? s.sq * group : s.sq;
+    const int m0 = blockIdx.x * BM;
+    if (m0 >= rows) return;  // varlen: this sequence is shorter than the longest
+
+    const T *q = static_cast<const T *>(p.q) + seq_offset(p, b, s.q0, p.q_batch, p.q_row);
+    const T *k = static_cast<const T *>(p.k) + seq_offset(p, b, s.k0, p.k_batch, p.k_row) + g * p.k_head;
+    const T *v = static_cast<const T *>(p.v) + seq_offset(p, b, s.k0, p.v_batch, p.v_row) + g * p.v_head;
+
+    // Key tiles [t_lo, t_hi) this CTA visits: the mask band of its rows, then its split's share.
+    const Range keys = key_range(p, s, row_query(m0), row_query(min(m0 + BM, rows) - 1) + 1);
+    int t_lo = keys.lo / BN, t_hi = keys.hi > keys.lo ? (keys.hi + BN - 1) / BN : t_lo;
+    if (p.splits > 1) {
+        const int per = (t_hi - t_lo + p.splits - 1) / p.splits;
+        t_lo = min(t_hi, t_lo + split * per);
+        t_hi = min(t_hi, t_lo + per);
+    }
+
+    if (p.pack_gqa)
+        load_rows<T, BM, D, Cfg::kThreads>(sq_tile, rows - m0, d, p.async, [&](int r) {
+            return q + (int64_t)row_query(m0 + r) * p.q_row + row_head(m0 + r) * p.q_head;
+        });
+    else
+        load_tile<T, BM, D, Cfg::kThreads>(sq_tile, q + (int64_t)m0 * p.q_row + row_head(0) * p.q_head, p.q_row,
+                                           rows - m0, d, p.async);
+    cp_async_commit();
+    auto load_kv = [&](int slot, int t) {
+        const int n0 = t * BN;
+        load_tile<T, BN, D, Cfg::kThreads>(sk_tile + slot * KVTile::kElems, k + (int64_t)n0 * p.k_row, p.k_row,
+                                           s.sk - n0, d, p.async);
+        load_tile<T, BN, D, Cfg::kThreads>(sv_tile + slot * KVTile::kElems, v + (int64_t)n0 * p.v_row, p.v_row,
+                                           s.sk - n0, d, p.async);
+    };
+    if (t_lo < t_hi) load_kv(0, t_lo);
+    cp_async_commit();
+
+    // Columns past d are zeros in shared memory: the MMAs run over the whole bucket, unpredicated.
+    const int wm0 = warp * 16 * kMT;                // this warp's rows in the tile
+    const bool active = m0 + wm0 < rows;            // warps past the sequence skip the math
+    const int r0 = m0 + wm0 + (lane >> 2);          // rows held: r0 + 16 mt + 8 hr
+    int query[kMT][2];                              // their query indices
+#pragma unroll
+    for (int mt = 0; mt < kMT; mt++) query[mt][0] = row_query(r0 + 16 * mt), query[mt][1] = row_query(r0 + 16 * mt + 8);
+    // The warp's valid rows as a query range, for the whole-tile mask test.
+    const int wq0 = row_query(m0 + wm0), wq1 = row_query(min(m0 + wm0 + 16 * kMT, max(rows, 1)) - 1) + 1;
+    const bool fold = p.scale_log2 > 0.0f;
+    const float mul = fold ? p.scale_log2 : 1.0f;
+    float acc_o[kMT][kDT][4] = {};
+    float row_max[kMT][2], row_sum[kMT][2] = {};
+#pragma unroll
+    for (int mt = 0; mt < kMT; mt++) row_max[mt][0] = row_max[mt][1] = -INFINITY;
+
+    for (int t = t_lo; t < t_hi; t++) {
+        const int slot = (t - t_lo) & 1;
+        cp_async_wait<0>();
+        __syncthreads();  // tile t (and Q) landed; the other slot is free again
+        if (t + 1 < t_hi) load_kv(slot ^ 1, t + 1);
+        cp_async_commit();
+        if (!active) continue;
+        const T *ks = sk_tile + slot * KVTile::kElems, *vs = sv_tile + slot * KVTile::kElems;
+
+        // S = Q Kᵀ for this warp's kMT x 16 rows x BN keys.
+        float acc_s[kMT][kNT][4] = {};
+#pragma unroll
+        for (int kk = 0; kk < D / 16; kk++) {
+            uint32_t a[kMT][4];
+#pragma unroll
+            for (int mt = 0; mt < kMT; mt++) load_a<QTile>(a[mt], sq_tile, wm0 + 16 * mt, kk * 16, lane);
+#pragma unroll
+            for (int np = 0; np < kNT / 2; np++) {
+                uint32_t b0[2], b1[2];
+                load_b_rows_n<KVTile>(b0, b1, ks, np * 16, kk * 16, lane);
+#pragma unroll
+                for (int mt = 0; mt < kMT; mt++) {
+                    mma_m16n8k16<T>(acc_s[mt][2 * np], a[mt], b0);
+                    mma_m16n8k16<T>(acc_s[mt][2 * np + 1], a[mt], b1);
+                }
+            }
+        }
+
+        // The mask on tiles crossing its band or the sequence end, then the online softmax. The
+        // scale is folded into the exponent's FFMA (p = 2^(s mul - max mul)) when positive; any
+        // other scale multiplies the scores first (mul 1). row_max is in the units of s.
+        const int n0 = t * BN;
+        const bool full = tile_visible(p, s, wq0, wq1 - wq0, n0, BN);
+        if (!fold) {
+#pragma unroll
+            for (int mt = 0; mt < kMT; mt++)
+#pragma unroll
+                for (int nt = 0; nt < kNT; nt++)
+#pragma unroll
+                    for (int e = 0; e < 4; e++) acc_s[mt][nt][e] *= p.scale_log2;
+        }
+#pragma unroll
+        for (int mt = 0; mt < kMT; mt++) {
+            if (!full) {
+#pragma unroll
+                for (int nt = 0; nt < kNT; nt++)
+#pragma unroll
+                    for (int e = 0; e < 4; e++) {
+                        const int i = query[mt][e >> 1], j = n0 + nt * 8 + 2 * (lane & 3) + (e & 1);
+                        if (!visible(p, s, i, j)) acc_s[mt][nt][e] = -INFINITY;
+                    }
+            }
+#pragma unroll
+            for (int hr = 0; hr < 2; hr++) {
+                float mx = row_max[mt][hr];
+#pragma unroll
+                for (int nt = 0; nt < kNT; nt++) mx = fmaxf(mx, fmaxf(acc_s[mt][nt][2 * hr], acc_s[mt][nt][2 * hr + 1]));
+                mx = quad_max(mx);
+                // A row that has seen no key yet keeps max -inf: exponents are taken against 0 then.
+                const float base = mx == -INFINITY ? 0.0f : mx * mul;
+                const float alpha = ex2_ftz(row_max[mt][hr] * mul - base);  // 0 while the old max is -inf
+                row_max[mt][hr] = mx;
+                float sum = 0.0f;
+#pragma unroll
+                for (int nt = 0; nt < kNT; nt++)
+#pragma unroll
+                    for (int e = 0; e < 2; e++) {
+                        const float pv = ex2_ftz(fmaf(acc_s[mt][nt][2 * hr + e], mul, -base));
+                        acc_s[mt][nt][2 * hr + e] = pv;
+                        sum += pv;
+                    }
+                row_sum[mt][hr] = row_sum[mt][hr] * alpha + sum;
+#pragma unroll
+                for (int dt = 0; dt < kDT; dt++) acc_o[mt][dt][2 * hr] *= alpha, acc_o[mt][dt][2 * hr + 1] *= alpha;
+            }
+        }
+
+        // O += P V, P from the accumulators.
+#pragma unroll
+        for (int kk = 0; kk < BN / 16; kk++) {
+            uint32_t a[kMT][4];
+#pragma unroll
+            for (int mt = 0; mt < kMT; mt++) acc_to_a<T>(a[mt], acc_s[mt], kk);
+#pragma unroll
+            for (int np = 0; np < kDT / 2; np++) {
+                uint32_t b0[2], b1[2];
+                load_b_rows_k<KVTile>(b0, b1, vs, np * 16, kk * 16, lane);
+#pragma unroll
+                for (int mt = 0; mt < kMT; mt++) {
+                    mma_m16n8k16<T>(acc_o[mt][2 * np], a[mt], b0);
+                    mma_m16n8k16<T>(acc_o[mt][2 * np + 1], a[mt], b1);
+                }
+            }
+        }
+    }
+    cp_async_wait<0>();
+
+    // Epilogue: O / sum and lse (split: fp32 partials and their lse, -inf for an empty range).
+#pragma unroll
+    for (int mt = 0; mt < kMT; mt++) {
+        const float sums[2] = {quad_sum(row_sum[mt][0]), quad_sum(row_sum[mt][1])};
+#pragma unroll
+        for (int hr = 0; hr < 2; hr++) {
+            const int r = r0 + 16 * mt + hr * 8, i = query[mt][hr], h = row_head(r);
+            if (r >= rows) continue;
+            const float sum = sums[hr];
+            const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
+            const float lse = sum > 0.0f ? (row_max[mt][hr] * mul + log2f(sum)) * kLn2 : (p.splits > 1 ? -INFINITY : INFINITY);
+            const float(&o_acc)[kDT][4] = acc_o[mt];
+            if (p.splits > 1) {
+                const int64_t row = (int64_t)split * p.batch * p.heads * p.sq + row_index(p, b, h, i);
+                float *po = p.part_out + row * d;
+#pragma unroll
+                for (int dt = 0; dt < kDT; dt++) {
+                    const int c = dt * 8 + 2 * (lane & 3);
+                    if (c < d) *reinterpret_cast<float2 *>(po + c) = make_float2(o_acc[dt][2 * hr] * inv, o_acc[dt][2 * hr + 1] * inv);
+                }
+                if ((lane & 3) == 0) p.part_lse[row] = lse;
+            } else {
+                T *o = static_cast<T *>(p.out) + seq_offset(p, b, s.q0, p.o_batch, p.o_row) + h * p.o_head + (int64_t)i * p.o_row;
+#pragma unroll
+                for (int dt = 0; dt < kDT; dt++) {
+                    const int c = dt * 8 + 2 * (lane & 3);
+                    if (c < d) store2<T>(o + c, o_acc[dt][2 * hr] * inv, o_acc[dt][2 * hr + 1] * inv);
+                }
+                if ((lane & 3) == 0) p.lse[lse_index(p, s, b, h, i)] = lse;
+            }
+        }
+    }
+}
+
+// Split-KV second pass: one warp per (sequence, head, row) merges the p.splits partial outputs,
+// weighting each by exp(lse_s - max lse); no visible key anywhere: out 0, lse +inf.
+template <typename T>
+__global__ void __launch_bounds__(128) attention_fwd_combine(Params p) {
+    constexpr int kWarps = 4;
+    const int lane = threadIdx.x % 32;
+    const int64_t row = (int64_t)blockIdx.x * kWarps + threadIdx.x / 32;  // (b, h, i) over (batch, heads, sq)
+    grid_dependency_sync();
+    if (row >= p.batch * p.heads * p.sq) return;
+    const int i = (int)(row % p.sq), h = (int)(row / p.sq % p.heads), b = (int)(row / p.sq / p.heads);
+    const Seq s = seq_of(p, b);
+    if (i >= s.sq) return;
+    const int64_t split_stride = p.batch * p.heads * p.sq;
+    float mx = -INFINITY;
+    for (int sp = 0; sp < p.splits; sp++) mx = fmaxf(mx, p.part_lse[sp * split_stride + row]);
+    const int d = (int)p.d;
+    T *o = static_cast<T *>(p.out) + seq_offset(p, b, s.q0, p.o_batch, p.o_row) + h * p.o_head + (int64_t)i * p.o_row;
+    if (mx == -INFINITY) {
+        for (int c = lane; c < d; c += 32) o[c] = from_f32<T>(0.0f);
+        if (lane == 0) p.lse[lse_index(p, s, b, h, i)] = INFINITY;
+        return;
+    }
+    float acc[8] = {}, total = 0.0f;  // lane holds columns lane + 32 e (d <= 256)
+    for (int sp = 0; sp < p.splits; sp++) {
+        const float w = __expf(p.part_lse[sp * split_stride + row] - mx);
+        total += w;
+        if (w == 0.0f) continue;
+        const float *po = p.part_out + (sp * split_stride + row) * d;
+#pragma unroll
+        for (int e = 0; e < 8; e++)
+            if (lane + 32 * e < d) acc[e] += w * po[lane + 32 * e];
+    }
+#pragma unroll
+    for (int e = 0; e < 8; e++)
+        if (lane + 32 * e < d) o[lane + 32 * e] = from_f32<T>(acc[e] / total);
+    if (lane == 0) p.lse[lse_index(p, s, b, h, i)] = mx + logf(total);
+}
+
+template <typename T, typename Cfg>
+fk_status launch(const Plan &plan, const Params &p, int device, cudaStream_t stream) {
+    auto kernel = attention_fwd_mma_sm80<T, Cfg>;
+    cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::kSmemBytes);
+    if (e != cudaSuccess) return cuda_status(e, "attention_fwd");
+    const int64_t rows = p.pack_gqa ? p.sq * (p.heads / p.kv_heads) : p.sq;
+    const dim3 grid((unsigned)((rows + Cfg::BM - 1) / Cfg::BM), (unsigned)(p.pack_gqa ? p.kv_heads : p.heads),
+                    (unsigned)(p.batch * plan.splits));
+    fk_status st = Launch(grid, dim3(Cfg::kThreads), Cfg::kSmemBytes, stream, device)("attention_fwd", kernel, p);
+    if (st != FK_OK || plan.splits == 1) return st;
+    const int64_t all_rows = p.batch * p.heads * p.sq;
+    return Launch(dim3((unsigned)((all_rows + 3) / 4)), dim3(128), 0, stream, device)("attention_fwd_combine",
+                                                                                attention_fwd_combine<T>, p);
+}
+
+template <typename T> fk_status launch_bucket(const Plan &plan, const Params &p, int device, cudaStream_t stream) {
+    switch (plan.d_bucket) {
+    case 64: return launch<T, FwdCfg<64>>(plan, p, device, stream);
+    case 128: return launch<T, FwdCfg<128>>(plan, p, device, stream);
+    default: return launch<T, FwdCfg<256>>(plan, p, device, stream);
+    }
+}
+
+}  // namespace
+
+// Instances: attention_fwd_mma_sm80 x {__half, __nv_bfloat16} x D {64, 128, 256} = 6,
+// attention_fwd_combine x {__half, __nv_bfloat16} = 2; 8 in all.
+fk_status launch_fwd_mma_sm80(const Plan &plan, const Params &p, fk_dtype dtype, int device, cudaStream_t stream) {
+    if (dtype == FK_BFLOAT16) return launch_bucket<__nv_bfloat16>(plan, p, device, stream);
+    return launch_bucket<__half>(plan, p, device, stream);
+}
+
+}  // namespace fk::attn
