@@ -566,3 +566,39 @@ def test_cuda_plan_names_a_strategy(cuda_path):
 
 def test_plan_on_cpu():
     assert attention_ops._plan(*qkv(1, 4, 4, 1, 1, 8, torch.float32)) == "cpu"
+
+
+@needs_cuda
+def test_cuda_general_and_default_kernels_agree_on_the_same_inputs(monkeypatch):
+    """The sm_80 kernel forced (FASTKERN_ATTENTION_FORCE_GENERAL) and the default (Hopper where it
+    runs) on the same inputs: both within the error rule, and close to each other."""
+    q, k, v = (t.requires_grad_() for t in qkv(2, 1000, 1100, 8, 2, 128, torch.bfloat16, "cuda"))
+    g = torch.randn_like(q)
+    results = {}
+    for path in ("default", "force_general"):
+        if path == "force_general":
+            monkeypatch.setenv("FASTKERN_ATTENTION_FORCE_GENERAL", "1")
+        out = fastkern.flash_attn_func(q, k, v, causal=True)
+        results[path] = (out, *torch.autograd.grad(out, (q, k, v), g))
+    for a, b in zip(results["default"], results["force_general"]):
+        torch.testing.assert_close(a, b, atol=3e-2, rtol=3e-2)
+
+
+@needs_cuda
+def test_cuda_keys_over_2_pow_31_elements():
+    """k / v of more than 2^31 elements (64-bit offsets): one decoding query whose only strong key is
+    the last one reads that key's value."""
+    sk = 2**31 // 128 + 3
+    try:
+        k = torch.zeros(1, sk, 1, 128, device="cuda", dtype=torch.bfloat16)
+        v = torch.zeros(1, sk, 1, 128, device="cuda", dtype=torch.bfloat16)
+    except torch.OutOfMemoryError:
+        pytest.skip("not enough GPU memory")
+    q = torch.zeros(1, 1, 4, 128, device="cuda", dtype=torch.bfloat16)
+    q[..., 0] = 1.0
+    k[0, -1, 0, 0] = 2000.0  # score ~177 against 0 for the other 2^24 keys: the last key takes it all
+    v[0, -1, 0] = torch.arange(128, device="cuda", dtype=torch.bfloat16)
+    out = fastkern.flash_attn_func(q, k, v)
+    torch.testing.assert_close(out[0, 0].float(), v[0, -1, 0].float().expand(4, 128), atol=0.5, rtol=1e-2)
+    del k, v
+    torch.cuda.empty_cache()
