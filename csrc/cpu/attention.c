@@ -2,23 +2,27 @@
  * / bf16 (fp32 arithmetic) and fp64 (fp64 arithmetic), never materialising the Sq x Sk scores.
  *
  * Napkin math: forward 4 Sq Sk d FLOPs per head (two matmuls), backward 14 (seven: the dq pass
- * recomputes S and dP, see below). (1, 1024, 8, 64) fp32 is 2.1 GFLOP forward and 7.5 backward; a
- * 2-core AVX-512 VM sustains ~60 GFLOP/s in the tile micro-kernel, so ~35 ms forward, ~130 ms
- * backward. torch's math SDPA runs the same matmuls in MKL but writes and rereads the 32 MiB of
- * scores and probabilities.
+ * recomputes S and dP, see below). (1, 1024, 8, 64) fp32 is 2.1 GFLOP forward and 7.5 backward; on
+ * a 2-core AVX-512 VM the tile micro-kernel sustains ~50-70 GFLOP/s, so ~35 ms forward, ~75 ms
+ * backward (measured: 40 and 110 ms fwd+bwd, on a shared machine). torch's math SDPA runs the same
+ * matmuls in MKL but writes and rereads the 32 MiB of scores and probabilities.
  *
  * Algorithm (FlashAttention-2 on tiles of kTile = 64 rows, fp32 buffers in the workspace):
- *   forward, one work item per (batch, head, q tile): load the tile of Q (scaled), then for each
- *     tile of keys it can see (tiles wholly masked by causal / window are never visited) load K
- *     transposed and V, S = Q Kᵀ, mask the tile's edge elements, online softmax (running row max m
- *     and sum l, the output rescaled by exp(m_old - m_new)), O += P V; finally O /= l and
- *     lse = m + log l. A row that sees no key gets O = 0 and lse = +inf.
+ *   forward, one work item per (batch, head, q tile): load the tile of Q (scaled) and transpose it
+ *     once, then for each tile of keys it can see (tiles wholly masked by causal / window are never
+ *     visited) load K and V as they lie, Sᵀ = K Qᵀ, mask the tile's edge elements, online softmax
+ *     with the row statistics as vectors across the tile's queries (running max m and sum l, the
+ *     output rescaled by exp(m_old - m_new)), O += P V; finally O /= l and lse = m + log l. A row
+ *     that sees no key gets O = 0 and lse = +inf.
  *   backward, two passes, each writing only what it owns (deterministic, no atomics, the same bits
  *     for any thread count): a dq pass per (batch, head, q tile) computes D = rowsum(dO * O) into the
- *     workspace, then for each visible key tile S, P = exp(S - lse), dP = dO Vᵀ, dS = P (dP - D),
- *     dQ += scale dS K; a dk / dv pass per (batch, kv head, key tile) walks every head of its GQA
- *     group and every q tile that sees it, in the transposed orientation (Sᵀ = K Qᵀ), dV += Pᵀ dO,
- *     dK += scale dSᵀ Q. (Triton's fused-attention tutorial splits its backward the same way.)
+ *     workspace, then for each visible key tile Sᵀ = K Qᵀ, Pᵀ = exp(Sᵀ - lse), dPᵀ = V dOᵀ,
+ *     dSᵀ = Pᵀ (dPᵀ - D), dQ += scale dS K; a dk / dv pass per (batch, kv head, key tile) walks every
+ *     head of its GQA group and every q tile that sees it, S = Q Kᵀ, dP = dO Vᵀ (K and V transposed
+ *     once), dV += Pᵀ dO, dK += scale dSᵀ Q. (Triton's fused-attention tutorial splits its backward
+ *     the same way.) Each item transposes only the operand it keeps (Q, or K and V): the micro-kernel
+ *     reads its A operand by strides, so P and dS are used transposed where they lie; transposing a
+ *     64 x 64 tile per matmul had cost ~25% of the time (1.2x on (1, 1024, 8, 64) fwd+bwd).
  * The matmuls are one register-blocked micro-kernel (attention_tile.h: MR rows x 2 vectors of
  * columns in registers, GNU vector types, instantiated for AVX-512, AVX2 + FMA and a portable
  * build, chosen at run time; FASTKERN_CPU_ISA=generic|avx2|avx512 forces one), exp a vectorised
@@ -206,8 +210,8 @@ static int64_t arith_size(const fk_attention_args *a) { return a->dtype == FK_FL
 /* Bytes of one slot's buffers (the carve order of attention_tile.h, plus alignment). */
 static int64_t slot_bytes(const fk_attention_args *a, int backward) {
     int64_t dp = round_up(a->d, kPad), t = kTile;
-    int64_t elems = backward ? 8 * t * dp + 2 * t * t + 2 * t  /* dk / dv pass, the larger */
-                             : 5 * t * dp + t * t + 2 * t;
+    int64_t elems = backward ? 7 * t * dp + 2 * t * t + 2 * t  /* the dq pass, the larger */
+                             : 5 * t * dp + t * t + 5 * t;
     return elems * arith_size(a) + 16 * 64;
 }
 
