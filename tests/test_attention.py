@@ -369,8 +369,12 @@ def test_fallbacks_are_counted_or_refused():
     fastkern.scaled_dot_product_attention(query, key, value, dropout_p=0.5)
     fastkern.scaled_dot_product_attention(query, key, value, attn_mask=mask)
     fastkern.scaled_dot_product_attention(query, key, value)  # runs fastkern's kernel: not counted
+    wide = query.expand(3, -1, -1, -1)  # batch dims broadcast against key / value's: torch's semantics
+    torch.testing.assert_close(fastkern.scaled_dot_product_attention(wide, key, value),
+                               F.scaled_dot_product_attention(wide, key, value))
     assert fastkern.stats() == {"fallback.scaled_dot_product_attention.attn_mask": 2,
-                                "fallback.scaled_dot_product_attention.dropout_p": 1}
+                                "fallback.scaled_dot_product_attention.dropout_p": 1,
+                                "fallback.scaled_dot_product_attention.shapes": 1}
     assert fastkern.set_fallback(False) is True
     try:
         for kwargs, name in (({"attn_mask": mask}, "attn_mask"), ({"dropout_p": 0.1}, "dropout_p")):
