@@ -4,8 +4,8 @@
  * Napkin math: forward 4 Sq Sk d FLOPs per head (two matmuls), backward 14 (seven: the dq pass
  * recomputes S and dP, see below). (1, 1024, 8, 64) fp32 is 2.1 GFLOP forward and 7.5 backward; on
  * a 2-core AVX-512 VM the tile micro-kernel sustains ~50-70 GFLOP/s, so ~35 ms forward, ~75 ms
- * backward (measured: 40 and 110 ms fwd+bwd, on a shared machine). torch's math SDPA runs the same
- * matmuls in MKL but writes and rereads the 32 MiB of scores and probabilities.
+ * backward (measured on a shared machine: 40 ms forward, 110 ms forward + backward). torch's math
+ * SDPA runs the same matmuls in MKL but writes and rereads the 32 MiB of scores and probabilities.
  *
  * Algorithm (FlashAttention-2 on tiles of kTile = 64 rows, fp32 buffers in the workspace):
  *   forward, one work item per (batch, head, q tile): load the tile of Q (scaled) and transpose it
@@ -144,13 +144,6 @@ static inline void *carve(char **p, int64_t count, int64_t size) {
     void *r = *p;
     *p += (count * size + 63) & ~(int64_t)63;
     return r;
-}
-
-/* Element `i` of a tensor of `dtype` (fp32 arithmetic types only), converted. */
-static inline float elem_f32(fk_dtype dtype, const void *p, int64_t i) {
-    if (dtype == FK_FLOAT32) return ((const float *)p)[i];
-    if (dtype == FK_BFLOAT16) return fk_bf16_to_f32(((const uint16_t *)p)[i]);
-    return fk_f16_to_f32(((const uint16_t *)p)[i]);
 }
 
 #define FK_VEC_ATTRS(isa_list) __attribute__((target(isa_list), optimize("fp-contract=fast")))
