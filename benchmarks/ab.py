@@ -3,7 +3,7 @@
 Times several builds of fastkern._C (each an .so, optionally with environment variables set while
 it runs) against each other and against torch.compile in one process, on the same inputs, in
 alternating rounds, so that a difference of a point or two is not the GPU's drift between two runs.
-Cases come from a `fastkern.bench` suite (--suite softmax or gelu; selected by name with --only);
+Cases come from a `fastkern.bench` suite (--suite softmax, gelu or attention; selected by name with --only);
 every implementation is timed as
 the benchmark times it (CUDA graph replays, inputs rotated past L2). With --margin it also reports,
 for each build, fastkern's worst error over fresh fp32 / bf16 draws as a fraction of the tests'
@@ -64,7 +64,8 @@ class Build:
 def time_cases(builds, suite, only, rounds):
     device = torch.device("cuda")
     results = []
-    for name, nbytes, make_inputs, impls in bench.SUITES[suite](device):
+    for case in bench.SUITES[suite](device):
+        name, nbytes, make_inputs, impls = case[:4]  # (attention cases add an extra dict)
         if only and not any(o in name for o in only):
             continue
         with builds[0]:

@@ -31,7 +31,7 @@ def test_each_impl_timed_in_both_orders_keeps_its_faster_time(monkeypatch):
     half's times must win for a and the second half's for c."""
     calls = []
 
-    def fake_time_ms(fn, sets, device):
+    def fake_time_ms(fn, sets, device, *counts):
         calls.append(fn())
         return 1.0 + len(calls) * (1 if calls[-1] != "c" else -1) / 10, "graph"
 

@@ -259,6 +259,116 @@ static PyObject *py_softmax_plan(PyObject *self, PyObject *args) {
 #endif
 }
 
+/* ---- attention ---------------------------------------------------------------------------------- */
+
+/* Parses fk_attention_args (fastkern.h's field order: 12 pointers as ints, workspace_bytes, batch,
+ * sq, sk, heads, kv_heads, d, the five (batch, row, head) stride triples, scale, window_left,
+ * window_right, dtype, flags), then the device and, when `stream` is not NULL, the stream. */
+static int parse_attention(PyObject *args, fk_attention_args *g, int *device, unsigned long long *stream) {
+    unsigned long long q, k, v, out, lse, dout, dq, dk, dv, cu_q, cu_k, ws;
+    long long n[7], st[15], wl, wr;
+    double scale;
+    int dtype, flags;
+    int ok = stream ? PyArg_ParseTuple(args, "KKKKKKKKKKKKLLLLLLLLLLLLLLLLLLLLLLdLLiiiK", &q, &k, &v, &out,
+                                       &lse, &dout, &dq, &dk, &dv, &cu_q, &cu_k, &ws, &n[0], &n[1], &n[2],
+                                       &n[3], &n[4], &n[5], &n[6], &st[0], &st[1], &st[2], &st[3],
+                                       &st[4], &st[5], &st[6], &st[7], &st[8], &st[9], &st[10], &st[11],
+                                       &st[12], &st[13], &st[14], &scale, &wl, &wr, &dtype, &flags,
+                                       device, stream)
+                    : PyArg_ParseTuple(args, "KKKKKKKKKKKKLLLLLLLLLLLLLLLLLLLLLLdLLiii", &q, &k, &v, &out,
+                                       &lse, &dout, &dq, &dk, &dv, &cu_q, &cu_k, &ws, &n[0], &n[1], &n[2],
+                                       &n[3], &n[4], &n[5], &n[6], &st[0], &st[1], &st[2], &st[3],
+                                       &st[4], &st[5], &st[6], &st[7], &st[8], &st[9], &st[10], &st[11],
+                                       &st[12], &st[13], &st[14], &scale, &wl, &wr, &dtype, &flags,
+                                       device);
+    if (!ok) return 0;
+    *g = (fk_attention_args){PTR(q), PTR(k), PTR(v), PTR(out), PTR(lse), PTR(dout), PTR(dq), PTR(dk),
+                             PTR(dv), (const int32_t *)PTR(cu_q), (const int32_t *)PTR(cu_k), PTR(ws),
+                             n[0], n[1], n[2], n[3], n[4], n[5], n[6],
+                             st[0], st[1], st[2], st[3], st[4], st[5], st[6], st[7], st[8], st[9],
+                             st[10], st[11], st[12], st[13], st[14], scale, wl, wr, (fk_dtype)dtype, flags};
+    return 1;
+}
+
+/* attention_fwd / attention_bwd(... fk_attention_args ..., device, stream) */
+static PyObject *attention_call(PyObject *args, int backward) {
+    fk_attention_args g;
+    int device;
+    unsigned long long stream;
+    if (!parse_attention(args, &g, &device, &stream)) return NULL;
+    fk_status status;
+    if (device < 0) {
+        Py_BEGIN_ALLOW_THREADS
+        status = backward ? fk_cpu_attention_bwd(&g, cpu_threads(stream))
+                          : fk_cpu_attention_fwd(&g, cpu_threads(stream));
+        Py_END_ALLOW_THREADS
+    } else {
+#if FK_HAS_CUDA
+        status = backward ? fk_cuda_attention_bwd(&g, device, PTR(stream))
+                          : fk_cuda_attention_fwd(&g, device, PTR(stream));
+#else
+        return no_cuda("attention");
+#endif
+    }
+    return finish(status);
+}
+
+static PyObject *py_attention_fwd(PyObject *self, PyObject *args) {
+    (void)self;
+    return attention_call(args, 0);
+}
+
+static PyObject *py_attention_bwd(PyObject *self, PyObject *args) {
+    (void)self;
+    return attention_call(args, 1);
+}
+
+/* Splits (backward, ... fk_attention_args ..., device) into the flag and the rest. */
+static int parse_attention_query(PyObject *args, fk_attention_args *g, int *backward, int *device) {
+    Py_ssize_t n = PyTuple_Size(args);
+    if (n < 1) {
+        PyErr_SetString(PyExc_TypeError, "fastkern._C: expected (backward, attention args..., device)");
+        return 0;
+    }
+    *backward = PyObject_IsTrue(PyTuple_GetItem(args, 0));
+    if (*backward < 0) return 0;
+    PyObject *rest = PyTuple_GetSlice(args, 1, n);
+    if (!rest) return 0;
+    int ok = parse_attention(rest, g, device, NULL);
+    Py_DECREF(rest);
+    return ok;
+}
+
+/* attention_workspace(backward, ... fk_attention_args ..., device) -> bytes of workspace */
+static PyObject *py_attention_workspace(PyObject *self, PyObject *args) {
+    (void)self;
+    fk_attention_args g;
+    int backward, device;
+    if (!parse_attention_query(args, &g, &backward, &device)) return NULL;
+    if (device < 0) return PyLong_FromLongLong(fk_cpu_attention_workspace(&g, backward));
+#if FK_HAS_CUDA
+    return PyLong_FromLongLong(fk_cuda_attention_workspace(&g, backward, device));
+#else
+    return no_cuda("attention");
+#endif
+}
+
+/* attention_plan(backward, ... fk_attention_args ..., device) -> the CUDA strategy ("cpu" on CPU) */
+static PyObject *py_attention_plan(PyObject *self, PyObject *args) {
+    (void)self;
+    fk_attention_args g;
+    int backward, device;
+    if (!parse_attention_query(args, &g, &backward, &device)) return NULL;
+    if (device < 0) return PyUnicode_FromString("cpu");
+#if FK_HAS_CUDA
+    const char *plan = fk_cuda_attention_plan(&g, backward, device);
+    if (!plan) return raise_status(FK_ERR_RUNTIME);
+    return PyUnicode_FromString(plan);
+#else
+    return no_cuda("attention");
+#endif
+}
+
 /* build_info() -> dict: version, cuda (compiled in), archs, devices [(name, major, minor)] */
 static PyObject *py_build_info(PyObject *self, PyObject *noargs) {
     (void)self;
@@ -299,6 +409,11 @@ static PyMethodDef methods[] = {
     {"matmul", py_matmul, METH_VARARGS, "C = act(A @ B + bias) (and its pre-activation) on raw pointers."},
     {"matmul_plan", py_matmul_plan, METH_VARARGS, "The CUDA strategy matmul would take ('cpu' on CPU)."},
     {"softmax_plan", py_softmax_plan, METH_VARARGS, "The CUDA softmax strategy and launch shape for a call."},
+    {"attention_fwd", py_attention_fwd, METH_VARARGS, "Flash attention forward (out, lse) on raw pointers."},
+    {"attention_bwd", py_attention_bwd, METH_VARARGS, "Flash attention backward (dq, dk, dv) on raw pointers."},
+    {"attention_workspace", py_attention_workspace, METH_VARARGS,
+     "Workspace bytes an attention call needs (backward flag first, then its arguments and device)."},
+    {"attention_plan", py_attention_plan, METH_VARARGS, "The CUDA attention strategy for a call ('cpu' on CPU)."},
     {"build_info", py_build_info, METH_NOARGS, "Version, CUDA support, archs and visible devices."},
     {NULL, NULL, 0, NULL},
 };

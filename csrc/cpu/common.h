@@ -98,6 +98,9 @@ static inline void fk_store_f32(fk_dtype dtype, const float *in, int64_t start, 
  * ranges depend on items and the thread count only (parallel.c). */
 typedef void (*fk_range_fn)(void *ctx, int64_t begin, int64_t end);
 void fk_parallel_for(int threads, int64_t items, int64_t min_items, fk_range_fn fn, void *ctx);
+/* The threads fk_parallel_for(threads, ...) runs on at most (FASTKERN_CPU_THREADS or the pool size
+ * cap it); fk_parallel_threads(INT32_MAX) is the most any call uses. */
+int fk_parallel_threads(int threads);
 
 /* Elements a thread must have for waking a pool worker (a few us, parallel.c) to pay: the kernels
  * here take ~0.3-3 ns an element. */

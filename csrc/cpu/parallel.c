@@ -109,10 +109,14 @@ static int start_workers(int want) {
     return pool.workers + 1 < want ? pool.workers + 1 : want;
 }
 
+int fk_parallel_threads(int threads) {
+    pthread_once(&pool.once, pool_init);
+    return pool.forced ? pool.size : threads < 1 ? 1 : threads < pool.size ? threads : pool.size;
+}
+
 void fk_parallel_for(int threads, int64_t items, int64_t min_items, fk_range_fn fn, void *ctx) {
     if (items <= 0) return;
-    pthread_once(&pool.once, pool_init);
-    int t = pool.forced ? pool.size : threads < pool.size ? threads : pool.size;
+    int t = fk_parallel_threads(threads);
     int64_t most = min_items > 1 ? items / min_items : items;
     if (most < t) t = most < 1 ? 1 : (int)most;
     if (t <= 1 || pthread_mutex_trylock(&pool.call) != 0) {

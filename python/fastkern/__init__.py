@@ -5,10 +5,13 @@ CUDA C.
     y = fastkern.gelu(x, approximate="tanh", bias=b)
     p = fastkern.softmax(scores, dim=-1, scale=0.125, causal=True)
     h = fastkern.linear(x, w, b, activation="gelu_tanh")
+    o = fastkern.flash_attn_func(q, k, v, causal=True)      # q (B, S, H, D), flash-attn's layout
+    o = fastkern.scaled_dot_product_attention(q, k, v, is_causal=True)   # torch's (B, H, S, D)
 
 Each function matches the torch one it replaces; fastkern.nn has drop-in modules.
 """
-from ._backend import BUILD_INFO
+from ._backend import BUILD_INFO, set_fallback, stats
+from .ops.attention import flash_attn_func, flash_attn_varlen_func, scaled_dot_product_attention
 from .ops.gelu import gelu
 from .ops.matmul import linear, matmul
 from .ops.softmax import log_softmax, softmax
@@ -22,5 +25,6 @@ def cuda_available():
     return BUILD_INFO["cuda"] and len(BUILD_INFO["devices"]) > 0
 
 
-__all__ = ["gelu", "matmul", "linear", "softmax", "log_softmax", "nn", "cuda_available", "BUILD_INFO",
+__all__ = ["gelu", "matmul", "linear", "softmax", "log_softmax", "flash_attn_func", "flash_attn_varlen_func",
+           "scaled_dot_product_attention", "nn", "cuda_available", "stats", "set_fallback", "BUILD_INFO",
            "__version__"]

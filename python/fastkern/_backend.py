@@ -122,3 +122,39 @@ def register_op(name, impl, fake, backward_impl, backward_fake, backward, setup_
         torch.library.register_fake(f"fastkern::{qualname}", fake_kernel)
     torch.library.register_autograd(f"fastkern::{name}", backward, setup_context=setup_context)
     return getattr(torch.ops.fastkern, name).default, getattr(torch.ops.fastkern, name + "_backward").default
+
+
+# ---- fallbacks ---------------------------------------------------------------------------------
+# A public function handed an argument fastkern does not implement (an SDPA attn_mask, dropout)
+# runs torch's own implementation instead and counts it here; fastkern.set_fallback(False) makes
+# that a NotImplementedError naming the argument.
+
+_STATS = {}
+_FALLBACK = [True]
+
+
+def fallback(op, argument):
+    """Records one fallback of fastkern.<op> for `argument`, or raises NotImplementedError when
+    fallbacks are off."""
+    if not _FALLBACK[0]:
+        raise NotImplementedError(f"fastkern.{op}: {argument} is not supported by fastkern's kernels "
+                                  f"(fastkern.set_fallback(True) runs torch's implementation instead)")
+    key = f"fallback.{op}.{argument}"
+    _STATS[key] = _STATS.get(key, 0) + 1
+
+
+def stats(reset=False):
+    """Counters of what ran where, e.g. {"fallback.scaled_dot_product_attention.attn_mask": 3}: calls
+    that fell back to torch, by function and argument. reset=True clears them (returns the old ones)."""
+    out = dict(_STATS)
+    if reset:
+        _STATS.clear()
+    return out
+
+
+def set_fallback(enabled):
+    """Whether unsupported arguments fall back to torch (default True) or raise NotImplementedError;
+    returns the previous setting."""
+    previous = _FALLBACK[0]
+    _FALLBACK[0] = bool(enabled)
+    return previous

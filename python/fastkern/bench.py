@@ -1,4 +1,4 @@
-"""`python -m fastkern.bench [gelu|softmax|all] [--out FILE] [--quick] [--markdown [FILE.json]]`: fastkern against its peers.
+"""`python -m fastkern.bench [gelu|softmax|attention|all] [--out FILE] [--quick] [--markdown [FILE.json]]`: fastkern against its peers.
 
 Every case is timed in one process next to its peers (torch eager, torch.compile, Triton where
 importable) and next to the device's own ceiling, measured in the same run: a device-to-device
@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 
 import fastkern
-from fastkern import bench_report
+from fastkern import bench_attention, bench_report
 
 try:
     import triton
@@ -96,7 +96,7 @@ def _graph_ms(fn, sets, device, repeats):
     return statistics.median(samples)
 
 
-def time_ms(fn, sets, device, repeats=15):
+def time_ms(fn, sets, device, repeats=15, calls=10):
     """(median milliseconds per call, method). CUDA: replays of a captured CUDA graph ("graph"),
     else back-to-back eager calls ("eager") where capture is impossible, each sample starting with
     no L2 lines kept by earlier kernels (release_kept_l2_lines); CPU: wall time."""
@@ -109,7 +109,7 @@ def time_ms(fn, sets, device, repeats=15):
         except Exception:  # noqa: BLE001 - any capture failure falls back to eager timing
             torch.cuda.synchronize(device)
     samples = []
-    calls = len(sets) * -(-10 // len(sets))
+    calls = len(sets) * -(-calls // len(sets))
     for _ in range(repeats):
         release_kept_l2_lines(device)
         if device.type == "cuda":
@@ -127,7 +127,7 @@ def time_ms(fn, sets, device, repeats=15):
     return statistics.median(samples), "eager"
 
 
-def time_impls(impls, sets, device):
+def time_impls(impls, sets, device, repeats=15, calls=10):
     """{impl: (ms, method, [ms in the listed order, ms in reverse])} for a case's implementations,
     each timed twice, in the listed order and then in the reverse order, keeping its faster time.
     What ran before used to move a time, through L2 lines kept by an earlier kernel (see
@@ -135,7 +135,7 @@ def time_impls(impls, sets, device):
     order that remains from deciding a tie, and the JSON keeps both times so it can be seen."""
     runs = {impl: [] for impl in impls}
     for impl in [*impls, *reversed(impls)]:
-        runs[impl].append(time_ms(impls[impl], sets, device))
+        runs[impl].append(time_ms(impls[impl], sets, device, repeats, calls))
     return {impl: (*min(r), [ms for ms, _ in r]) for impl, r in runs.items()}
 
 
@@ -338,7 +338,7 @@ def softmax_cases(device, quick=False):
            })
 
 
-SUITES = {"gelu": gelu_cases, "softmax": softmax_cases}
+SUITES = {"gelu": gelu_cases, "softmax": softmax_cases, "attention": bench_attention.attention_cases}
 
 
 def host_overheads(device):
@@ -377,11 +377,13 @@ def run(suites, device=None, quick=False, only=None):
         "cases": [],
     }
     for suite in suites:
-        for name, nbytes, make_inputs, impls in SUITES[suite](device, quick):
+        for case in SUITES[suite](device, quick):
+            name, nbytes, make_inputs, impls = case[:4]
+            extra = case[4] if len(case) > 4 else {}  # matrix-bound suites: "flops", "strategy"
             if only and only not in name:
                 continue
             sets = input_sets(make_inputs, device, nbytes)
-            timed = time_impls(impls, sets, device)
+            timed = time_impls(impls, sets, device, extra.get("repeats", 15), extra.get("calls", 10))
             del sets
             times = {impl: ms for impl, (ms, _, _) in timed.items()}
             ours = times["fastkern"]
@@ -398,6 +400,9 @@ def run(suites, device=None, quick=False, only=None):
                 "speedup_vs": {k: round(v / ours, 3) for k, v in peers.items()},
                 "best_peer": best_peer,
             })
+            if "flops" in extra:
+                report["cases"][-1]["tflops"] = {k: round(extra["flops"] / v / 1e9, 4) for k, v in times.items()}
+            report["cases"][-1].update({k: v for k, v in extra.items() if k not in ("flops", "repeats", "calls")})
     return report
 
 
@@ -410,6 +415,11 @@ def format_table(report):
              f"{'case':42s} {'fastkern ms':>11s} {'GB/s':>7s} {'%copy':>6s}  speedup vs peers"]
     for c in report["cases"]:
         peers = "  ".join(f"{k} {v:.2f}x" for k, v in c["speedup_vs"].items())
+        if "tflops" in c:  # matrix-bound: TFLOP/s in place of GB/s and % of copy
+            strategy = f"  [{c['strategy']}]" if "strategy" in c else ""
+            lines.append(f"{c['case']:42s} {c['ms']['fastkern']:11.4f} {c['tflops']['fastkern']:7.3f} TFLOP/s  "
+                         f"{peers}{strategy}")
+            continue
         lines.append(f"{c['case']:42s} {c['ms']['fastkern']:11.4f} {c['gbs']['fastkern']:7.0f} "
                      f"{c['pct_of_copy']:6.1f}  {peers}")
     return "\n".join(lines)
