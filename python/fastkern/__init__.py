@@ -5,10 +5,12 @@ CUDA C.
     y = fastkern.gelu(x, approximate="tanh", bias=b)
     p = fastkern.softmax(scores, dim=-1, scale=0.125, causal=True)
     h = fastkern.linear(x, w, b, activation="gelu_tanh")
+    loss = fastkern.cross_entropy(logits, labels, ignore_index=-100)
 
 Each function matches the torch one it replaces; fastkern.nn has drop-in modules.
 """
 from ._backend import BUILD_INFO
+from .ops.cross_entropy import cross_entropy
 from .ops.gelu import gelu
 from .ops.matmul import linear, matmul
 from .ops.softmax import log_softmax, softmax
@@ -22,5 +24,5 @@ def cuda_available():
     return BUILD_INFO["cuda"] and len(BUILD_INFO["devices"]) > 0
 
 
-__all__ = ["gelu", "matmul", "linear", "softmax", "log_softmax", "nn", "cuda_available", "BUILD_INFO",
+__all__ = ["gelu", "cross_entropy", "matmul", "linear", "softmax", "log_softmax", "nn", "cuda_available", "BUILD_INFO",
            "__version__"]

@@ -2,6 +2,7 @@
 import torch
 
 from . import _backend as B
+from .ops.cross_entropy import cross_entropy
 from .ops.gelu import _gelu_backward, _gelu_backward_op, gelu
 from .ops.matmul import _mm, linear
 from .ops.softmax import log_softmax, softmax
@@ -125,6 +126,19 @@ class FusedMLP(torch.nn.Module):
             h = linear(input, fc1.weight, fc1.bias, activation=_MLP_ACTIVATIONS[self.approximate])
             return linear(h, fc2.weight, fc2.bias)
         return _FusedMLPFunction.apply(*args, self.approximate)
+
+
+class CrossEntropyLoss(torch.nn.CrossEntropyLoss):
+    """fastkern's torch.nn.CrossEntropyLoss: same constructor, buffers and repr. (N, C) logits with
+    int64 targets and no class weights go to fastkern.cross_entropy; anything else (a weight, (N, C,
+    d1, ...) inputs, class-probability targets) to torch's own F.cross_entropy."""
+
+    def forward(self, input: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        if (self.weight is None and input.dim() in (1, 2) and target.dtype == torch.int64
+                and input.dim() - target.dim() == 1 and input.device.type in ("cpu", "cuda")):
+            return cross_entropy(input, target, ignore_index=self.ignore_index, reduction=self.reduction,
+                                 label_smoothing=self.label_smoothing)
+        return super().forward(input, target)
 
 
 def _legacy_dim(dim, input):
