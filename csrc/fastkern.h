@@ -113,8 +113,12 @@ const char *fk_cuda_softmax_plan(int backward, int64_t outer, int64_t n, int64_t
  *   loss_i = 0 where t_i == ignore_index (whatever the row holds); `valid` counts the other rows.
  * reduction: FK_REDUCE_NONE writes `rows` losses of `dtype` to loss; FK_REDUCE_SUM / FK_REDUCE_MEAN
  * write one element of `dtype`: sum_i loss_i, or that over valid (0 / 0 = NaN, as torch).
- * lse: `rows` elements, fp32 (fp64 for fp64); valid: one element of the same type. The forward
- * writes both; the backward reads them (never the loss).
+ * lse: `rows` pairs (m_i, log s_i), fp32 (fp64 for fp64): the row's max and the log of its sum of
+ * exp(x - m), so lse_i = m_i + log s_i. Two numbers, not their fp32 sum: the backward's
+ * exp((x - m) - log s) then rounds as torch's log_softmax does, where exp(x - fl(lse)) carried an
+ * error of |lse| ulps into every probability of the row (3x torch's in fp32 gradients).
+ * valid: one element of the lse type. The forward writes both; the backward reads them (never the
+ * loss). Ignored rows get (0, 0).
  * workspace: with a reduction, `rows` elements of the lse type for the per-row losses, summed
  * afterwards in row order (deterministic: the same bits for any thread count or grid); NULL without.
  * backward: dx_ij = g_i * (exp(x_ij - lse_i) - eps / classes - (1 - eps) [j == t_i]), 0 on ignored

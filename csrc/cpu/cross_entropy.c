@@ -8,9 +8,10 @@
  * a new max rescales the running sum once (s *= exp(m_old - m_new), fp64), then the chunk's exps add
  * in fp32 lanes and the chunk's total in fp64 (error ~ a chunk's roundings, not the row's). With
  * label smoothing the chunk's plain sum adds too. lse = m + log s, then the row's loss in fp64.
- * Backward, per row, one read and one write: dx = g * (exp(x - lse) - eps / C), the target's
+ * Backward, per row, one read and one write: dx = g * (exp((x - m) - log s) - eps / C), the target's
  * element minus g * (1 - eps), written chunk by chunk over what was read (so dx may be x).
- * Ignored rows are not read: lse 0, loss 0, dx 0.
+ * The saved statistic is the pair (m, log s), not lse = m + log s (fastkern.h says why).
+ * Ignored rows are not read: statistic (0, 0), loss 0, dx 0.
  * fp64 (gradcheck): the same passes in scalar fp64 with libm's exp.
  * Rows go to the caller's threads in contiguous runs (fk_parallel_for); a reduction's per-row losses
  * land in the workspace and are summed in row order afterwards, so every result is the same bits for
@@ -69,7 +70,7 @@ static double row_grad(const ce_job *j, int64_t row) {
         const vf_##isa zero = {0};                                                                  \
         int64_t c = j->classes, t = j->target[row];                                                 \
         if (t == j->ignore_index) {                                                                 \
-            ((float *)j->lse)[row] = 0.0f;                                                          \
+            ((float *)j->lse)[2 * row] = ((float *)j->lse)[2 * row + 1] = 0.0f;                      \
             put_loss(j, row, 0.0);                                                                  \
             return;                                                                                 \
         }                                                                                           \
@@ -105,7 +106,7 @@ static double row_grad(const ce_job *j, int64_t row) {
         double lse = m + log(s);                                                                    \
         float xt;                                                                                   \
         fk_load_f32(j->dtype, j->x, row * c + t, 1, &xt);                                           \
-        ((float *)j->lse)[row] = (float)lse;                                                        \
+        ((float *)j->lse)[2 * row] = m, ((float *)j->lse)[2 * row + 1] = (float)log(s);             \
         double loss = lse - (1.0 - j->eps) * xt;                                                    \
         if (j->eps != 0.0) loss -= j->eps / (double)c * sx;                                         \
         put_loss(j, row, loss);                                                                     \
@@ -120,7 +121,8 @@ static double row_grad(const ce_job *j, int64_t row) {
             return;                                                                                 \
         }                                                                                           \
         double g = row_grad(j, row);                                                                \
-        float lse = ((const float *)j->lse)[row], gf = (float)g;                                    \
+        float m = ((const float *)j->lse)[2 * row], log_s = ((const float *)j->lse)[2 * row + 1];   \
+        float gf = (float)g;                                                                        \
         float off = (float)(j->eps / (double)c);                                                    \
         for (int64_t j0 = 0; j0 < c; j0 += FK_CHUNK) {                                              \
             int64_t len = c - j0 < FK_CHUNK ? c - j0 : FK_CHUNK;                                    \
@@ -130,11 +132,11 @@ static double row_grad(const ce_job *j, int64_t row) {
             int has_t = t >= j0 && t < j0 + len;                                                    \
             float xt = has_t ? buf[t - j0] : 0.0f;                                                  \
             for (int64_t i = 0; i < padded; i += lanes) {                                           \
-                vf_##isa p = exp_##isa(*(const vf_##isa *)(buf + i) - lse);                         \
+                vf_##isa p = exp_##isa((*(const vf_##isa *)(buf + i) - m) - log_s);                 \
                 *(vf_##isa *)(buf + i) = gf * (p - off);                                            \
             }                                                                                       \
             if (has_t) /* p - 1 cancels near 1: the target's element in fp64 */                     \
-                buf[t - j0] = (float)(g * (exp((double)xt - lse) - j->eps / (double)c - (1.0 - j->eps)));\
+                buf[t - j0] = (float)(g * (exp((double)(xt - m) - log_s) - j->eps / (double)c - (1.0 - j->eps)));\
             fk_store_f32(j->dtype, buf, row * c + j0, len, j->out);                                 \
         }                                                                                           \
     }
@@ -150,7 +152,7 @@ static void ce_fwd_row_f64(const ce_job *j, int64_t row) {
     int64_t c = j->classes, t = j->target[row];
     const double *x = (const double *)j->x + row * c;
     if (t == j->ignore_index) {
-        ((double *)j->lse)[row] = 0.0;
+        ((double *)j->lse)[2 * row] = ((double *)j->lse)[2 * row + 1] = 0.0;
         put_loss(j, row, 0.0);
         return;
     }
@@ -165,7 +167,7 @@ static void ce_fwd_row_f64(const ce_job *j, int64_t row) {
         s += exp(v - ref(m));
     }
     double lse = m + log(s);
-    ((double *)j->lse)[row] = lse;
+    ((double *)j->lse)[2 * row] = m, ((double *)j->lse)[2 * row + 1] = log(s);
     double loss = lse - (1.0 - j->eps) * x[t];
     if (j->eps != 0.0) loss -= j->eps / (double)c * sx;
     put_loss(j, row, loss);
@@ -179,9 +181,10 @@ static void ce_bwd_row_f64(const ce_job *j, int64_t row) {
         memset(dx, 0, (size_t)c * sizeof(double));
         return;
     }
-    double g = row_grad(j, row), lse = ((const double *)j->lse)[row], off = j->eps / (double)c;
+    double g = row_grad(j, row), off = j->eps / (double)c;
+    double m = ((const double *)j->lse)[2 * row], log_s = ((const double *)j->lse)[2 * row + 1];
     for (int64_t i = 0; i < c; i++) {
-        double p = exp(x[i] - lse);
+        double p = exp((x[i] - m) - log_s);
         dx[i] = g * (p - off - (i == t ? 1.0 - j->eps : 0.0));
     }
 }

@@ -13,10 +13,11 @@
 //     unaligned head and its tail element by element), keeping an online (max, sum of exp relative to
 //     it) pair — one read of the row — and, with label smoothing, the plain sum; the pairs merge over
 //     the group (shuffles, then shared memory in a fixed order); lane 0 writes lse and the row's loss
-//     (reduction none: into the loss tensor; else into the fp32 workspace).
+//     (reduction none: into the loss tensor; else into the fp32 workspace); the saved statistic is
+//     the pair (max, log sum), not their sum (fastkern.h says why).
 //   reduce (one CTA): sums the workspace in fp64 in a fixed order and counts the rows not ignored:
 //     the mean is the same bits on every run (no atomics).
-//   backward: one read and one write of the row: dx = g * (exp(x - lse) - eps / C), minus g * (1 - eps)
+//   backward: one read and one write of the row: dx = g * (exp((x - max) - log sum) - eps / C), minus g * (1 - eps)
 //     at the target; the pack read is the pack written, so dx may be x (the eager in-place backward).
 //     Where x and dx differ in 16-byte phase, the row is walked element by element.
 // exp: fp32 data uses accurate expf (its errors meet torch's fp32 ones); 16-bit data one MUFU.EX2
@@ -137,24 +138,24 @@ cross_entropy_fwd_rows(const T *__restrict__ x, const int64_t *__restrict__ targ
     const int64_t row = (int64_t)blockIdx.x * (kThreads / kGroup) + threadIdx.x / kGroup;
     if (row >= rows) return;  // whole groups: a CTA-wide group's row always exists
     const int64_t t = target[row];
-    auto write = [&](float l, float row_lse) {
+    auto write = [&](float l, float row_m, float log_s) {
         if (lane != 0) return;
-        lse[row] = row_lse;
+        lse[2 * row] = row_m, lse[2 * row + 1] = log_s;
         if (row_loss) row_loss[row] = l;
         else loss[row] = fk::from_f32<T>(l);
     };
-    if (t == ignore_index) return write(0.f, 0.f);
+    if (t == ignore_index) return write(0.f, 0.f, 0.f);
     const T *xr = x + row * classes;
     const bool smooth = eps != 0.f;
     RowStats st;
     for_each_pack<T, kGroup>(xr, classes, lane, RowFrame<T>(xr, classes, true),
                              [&](int64_t, const float *v, int count) { st.template add<T>(v, count, smooth); });
     st = merge<T, kGroup>(st);
-    const float row_lse = st.m + logf(st.s);
+    const float log_s = logf(st.s), row_lse = st.m + log_s;
     const float xt = t >= 0 && t < classes ? fk::to_f32(xr[t]) : NAN;
     float l = row_lse - (1.f - eps) * xt;
     if (smooth) l -= eps / (float)classes * st.sx;
-    write(l, row_lse);
+    write(l, st.m, log_s);
 }
 
 // One CTA: the reduction of the per-row losses (fp64, fixed order) and the count of rows not ignored.
@@ -213,16 +214,16 @@ cross_entropy_bwd_rows(const T *__restrict__ grad, const T *x, const int64_t *__
     float g = reduction == FK_REDUCE_NONE ? fk::to_f32(grad[row]) : fk::to_f32(grad[0]);
     if (reduction == FK_REDUCE_MEAN) g /= *valid;
     if (t < 0 || t >= classes) g = NAN;
-    const float l = lse[row], off = eps / (float)classes, hit = 1.f - eps;
+    const float m = lse[2 * row], log_s = lse[2 * row + 1], off = eps / (float)classes, hit = 1.f - eps;
     for_each_pack<T, kGroup>(xr, classes, lane, fr, [&](int64_t col, const float *v, int count) {
         if (count == 1) {
-            dr[col] = fk::from_f32<T>(g * (exp_of<T>(v[0] - l) - off - (col == t ? hit : 0.f)));
+            dr[col] = fk::from_f32<T>(g * (exp_of<T>((v[0] - m) - log_s) - off - (col == t ? hit : 0.f)));
             return;
         }
         fk::Pack<T> out;
 #pragma unroll
         for (int k = 0; k < N; k++)
-            out.v[k] = fk::from_f32<T>(g * (exp_of<T>(v[k] - l) - off - (col + k == t ? hit : 0.f)));
+            out.v[k] = fk::from_f32<T>(g * (exp_of<T>((v[k] - m) - log_s) - off - (col + k == t ? hit : 0.f)));
         fk::store_pack(dr + col, out);
     });
 }

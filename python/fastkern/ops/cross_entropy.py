@@ -1,8 +1,8 @@
 """Cross-entropy fused over the log-softmax: torch.library ops fastkern::cross_entropy and
 fastkern::cross_entropy_backward.
 
-Forward returns the loss (reduced or per row), one fp32 statistic per row (its log-sum-exp; fp64
-for fp64 logits) and the count of rows not ignored (what a mean divides by, kept on the device so
+Forward returns the loss (reduced or per row), one fp32 pair per row (its max and the log of its
+sum of exponentials, whose sum is the row's log-sum-exp; fp64 for fp64 logits) and the count of rows not ignored (what a mean divides by, kept on the device so
 nothing waits for the GPU); autograd saves the logits, the targets and those two, never a
 probability tensor, and the backward writes dlogits = g * (softmax - smoothed one-hot) in one pass.
 
@@ -74,7 +74,7 @@ def _launch(logits, target, ignore_index, label_smoothing, plan):
     x, target = B.dense(logits), B.dense(target)
     stat = _stat_dtype(x)
     loss = torch.empty(rows if red == 0 else (), dtype=x.dtype, device=x.device)
-    lse = torch.empty(rows, dtype=stat, device=x.device)
+    lse = torch.empty(rows, 2, dtype=stat, device=x.device)
     valid = torch.empty((), dtype=stat, device=x.device)
     workspace = torch.empty(rows, dtype=stat, device=x.device) if red and rows else None
     device, stream = B.launch_args(x)
@@ -92,7 +92,7 @@ def _cross_entropy(logits, target, ignore_index, label_smoothing, reduction):
 def _cross_entropy_fake(logits, target, ignore_index, label_smoothing, reduction):
     rows, _, _, red = _check(logits, target, ignore_index, label_smoothing, reduction)
     stat = _stat_dtype(logits)
-    return (logits.new_empty(rows if red == 0 else ()), logits.new_empty(rows, dtype=stat),
+    return (logits.new_empty(rows if red == 0 else ()), logits.new_empty(rows, 2, dtype=stat),
             logits.new_empty((), dtype=stat))
 
 
@@ -107,7 +107,7 @@ def _check_backward(grad, logits, target, lse, valid, ignore_index, label_smooth
         raise ValueError(f"fastkern.{op}: grad must have shape {want} for reduction {reduction!r}, got "
                          f"{tuple(grad.shape)}")
     stat = _stat_dtype(logits)
-    for name, t, shape in (("lse", lse, (rows,)), ("valid", valid, ())):
+    for name, t, shape in (("lse", lse, (rows, 2)), ("valid", valid, ())):
         if not isinstance(t, torch.Tensor) or t.shape != shape or t.dtype != stat or t.device != logits.device:
             raise ValueError(f"fastkern.{op}: {name} must be the {shape} {stat} tensor the forward returned")
     return plan
