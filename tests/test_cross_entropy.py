@@ -206,12 +206,15 @@ def test_opcheck(device):
     x = torch.randn(6, 40, device=device, requires_grad=True)
     t = targets(6, 40, device)
     t3 = targets(6, 40, device, ignore_index=3, ignored=0.5)
-    for args in [(x, t, -100, 0.0, "mean"), (x, t3, 3, 0.1, "sum"), (x, t, -100, 0.2, "none")]:
+    xh = x.detach().bfloat16().requires_grad_()
+    for args in [(x, t, -100, 0.0, "mean", False), (x, t3, 3, 0.1, "sum", False), (x, t, -100, 0.2, "none", False),
+                 (xh, t, -100, 0.0, "mean", True), (xh, t, -100, 0.0, "none", True)]:
         torch.library.opcheck(torch.ops.fastkern.cross_entropy.default, args)
     for reduction in REDUCTIONS:
-        loss, lse, valid = torch.ops.fastkern.cross_entropy.default(x.detach(), t, -100, 0.1, reduction)
-        torch.library.opcheck(torch.ops.fastkern.cross_entropy_backward.default,
-                              (torch.randn_like(loss), x.detach(), t, lse, valid, -100, 0.1, reduction))
+        for logits, fp32_loss in ((x.detach(), False), (xh.detach(), True)):
+            loss, lse, valid = torch.ops.fastkern.cross_entropy.default(logits, t, -100, 0.1, reduction, fp32_loss)
+            torch.library.opcheck(torch.ops.fastkern.cross_entropy_backward.default,
+                                  (torch.randn_like(loss), logits, t, lse, valid, -100, 0.1, reduction, fp32_loss))
 
 
 class Head(torch.nn.Module):
@@ -242,9 +245,10 @@ def test_cpu_threads_give_the_one_thread_results(reduction, poison):
     x, t = torch.randn(300, 5003) * 3, targets(300, 5003, "cpu")
 
     def run():
-        loss, lse, valid = torch.ops.fastkern.cross_entropy.default(x, t, -100, 0.1, reduction)
+        loss, lse, valid = torch.ops.fastkern.cross_entropy.default(x, t, -100, 0.1, reduction, False)
         g = torch.ones_like(loss)
-        return loss, lse, torch.ops.fastkern.cross_entropy_backward.default(g, x, t, lse, valid, -100, 0.1, reduction)
+        return loss, lse, torch.ops.fastkern.cross_entropy_backward.default(g, x, t, lse, valid, -100, 0.1, reduction,
+                                                                             False)
     one, many = on_cpu_threads(1, run), on_cpu_threads(7, run)
     for a, b in zip(one, many):
         assert torch.equal(a, b)
@@ -358,6 +362,27 @@ def test_repeat_bit_for_bit_cuda(dtype):
         assert torch.equal(torch.autograd.grad(y, x)[0], dx0)
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("reduction", REDUCTIONS)
+def test_autocast_gives_an_fp32_loss_from_16_bit_logits(device, reduction):
+    """Under autocast torch's cross_entropy returns fp32 (it upcasts the logits to an fp32 copy);
+    fastkern returns the fp32 loss too, reading the bf16 logits as they are, and its gradient is bf16."""
+    x = (torch.randn(16, 999, device=device) * 3).bfloat16().requires_grad_()
+    t = targets(16, 999, device)
+    with torch.autocast(device, torch.bfloat16):
+        loss = fastkern.cross_entropy(x, t, reduction=reduction, label_smoothing=0.1)
+        ref = F.cross_entropy(x, t, reduction=reduction, label_smoothing=0.1)
+    assert loss.dtype == ref.dtype == torch.float32
+    rx = x.detach().double().requires_grad_()
+    want = F.cross_entropy(rx, t, reduction=reduction, label_smoothing=0.1)
+    torch.testing.assert_close(loss.double(), want, rtol=1e-6, atol=1e-6)
+    g = torch.randn_like(loss)
+    (dx,) = torch.autograd.grad(loss, x, g)
+    (rdx,) = torch.autograd.grad(want, rx, g.double())
+    assert dx.dtype == torch.bfloat16
+    torch.testing.assert_close(dx.double(), rdx, rtol=1e-2, atol=1e-5)
+
+
 @needs_cuda
 def test_autocast_bf16_logits_cuda():
     """Under bf16 autocast the LM head's logits are bf16; fastkern takes them as they are (fp32
@@ -368,5 +393,5 @@ def test_autocast_bf16_logits_cuda():
     with torch.autocast("cuda", torch.bfloat16):
         loss = fastkern.cross_entropy(lin(h), t)
         ref = F.cross_entropy(lin(h), t)
-    assert loss.dtype == torch.bfloat16
-    torch.testing.assert_close(loss.float(), ref.float(), rtol=1e-2, atol=1e-2)
+    assert loss.dtype == ref.dtype == torch.float32
+    torch.testing.assert_close(loss, ref, rtol=1e-3, atol=1e-3)

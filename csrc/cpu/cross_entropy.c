@@ -33,7 +33,7 @@ struct ce_job {
     int64_t classes, ignore_index;
     double eps, g; /* label smoothing; backward with a reduction: the gradient of every row's loss */
     int reduction;
-    fk_dtype dtype;
+    fk_dtype dtype, loss_dtype;
     ce_row_fn row;
 };
 
@@ -45,20 +45,20 @@ static void put_loss(const ce_job *j, int64_t row, double loss) {
     if (j->reduction != FK_REDUCE_NONE) {
         if (j->dtype == FK_FLOAT64) ((double *)j->row_loss)[row] = loss;
         else ((float *)j->row_loss)[row] = (float)loss;
-    } else if (j->dtype == FK_FLOAT64) {
+    } else if (j->loss_dtype == FK_FLOAT64) {
         ((double *)j->out)[row] = loss;
     } else {
         float f = (float)loss;
-        fk_store_f32(j->dtype, &f, row, 1, j->out);
+        fk_store_f32(j->loss_dtype, &f, row, 1, j->out);
     }
 }
 
 /* The gradient of row `row`'s loss. */
 static double row_grad(const ce_job *j, int64_t row) {
     if (j->reduction != FK_REDUCE_NONE) return j->g;
-    if (j->dtype == FK_FLOAT64) return ((const double *)j->grad)[row];
+    if (j->loss_dtype == FK_FLOAT64) return ((const double *)j->grad)[row];
     float g;
-    fk_load_f32(j->dtype, j->grad, row, 1, &g);
+    fk_load_f32(j->loss_dtype, j->grad, row, 1, &g);
     return g;
 }
 
@@ -207,9 +207,12 @@ static void run_rows(void *arg, int64_t begin, int64_t end) {
 /* FK_OK when the sizes, options and every target are in range; counts the rows not ignored. */
 static fk_status check_args(const char *op, const int64_t *target, int64_t rows, int64_t classes,
                             int64_t ignore_index, double eps, int reduction, fk_dtype dtype,
-                            int64_t *valid) {
+                            fk_dtype loss_dtype, int64_t *valid) {
     fk_status status = fk_cpu_check_dtype(dtype, op);
     if (status != FK_OK) return status;
+    if (loss_dtype != dtype && !(loss_dtype == FK_FLOAT32 && dtype != FK_FLOAT64))
+        return fk_fail(FK_ERR_TYPE, "%s: the loss dtype code %d must be the logits' (%d) or float32", op,
+                       (int)loss_dtype, (int)dtype);
     if (rows < 0 || classes < 0) return fk_fail(FK_ERR_VALUE, "%s: negative size", op);
     if (reduction != FK_REDUCE_NONE && reduction != FK_REDUCE_MEAN && reduction != FK_REDUCE_SUM)
         return fk_fail(FK_ERR_VALUE, "%s: unknown reduction code %d", op, reduction);
@@ -248,43 +251,43 @@ static void store_scalar(fk_dtype dtype, double v, void *p, int64_t at) {
 fk_status fk_cpu_cross_entropy_fwd(const void *x, const int64_t *target, void *loss, void *lse,
                                    void *valid, void *workspace, int64_t rows, int64_t classes,
                                    int64_t ignore_index, double label_smoothing, int reduction,
-                                   fk_dtype dtype, int threads) {
+                                   fk_dtype dtype, fk_dtype loss_dtype, int threads) {
     int64_t count = 0;
     fk_status status = check_args("cross_entropy", target, rows, classes, ignore_index,
-                                  label_smoothing, reduction, dtype, &count);
+                                  label_smoothing, reduction, dtype, loss_dtype, &count);
     if (status != FK_OK) return status;
     if (classes == 0 && count > 0)
         return fk_fail(FK_ERR_VALUE, "cross_entropy: no classes (logits of shape (%lld, 0))",
                        (long long)rows);
     fk_dtype stat = dtype == FK_FLOAT64 ? FK_FLOAT64 : FK_FLOAT32;
     ce_job j = {x, NULL, target, loss, lse, workspace, classes, ignore_index, label_smoothing, 0.0,
-                reduction, dtype, pick_row(dtype, 0)};
+                reduction, dtype, loss_dtype, pick_row(dtype, 0)};
     fk_parallel_for(threads, rows, fk_min_items(classes), run_rows, &j);
     store_scalar(stat, (double)count, valid, 0);
     if (reduction == FK_REDUCE_NONE) return FK_OK;
     double total = 0.0; /* in row order: the same bits for any thread count */
     for (int64_t r = 0; r < rows; r++)
         total += stat == FK_FLOAT64 ? ((const double *)workspace)[r] : ((const float *)workspace)[r];
-    store_scalar(dtype, reduction == FK_REDUCE_MEAN ? total / (double)count : total, loss, 0);
+    store_scalar(loss_dtype, reduction == FK_REDUCE_MEAN ? total / (double)count : total, loss, 0);
     return FK_OK;
 }
 
 fk_status fk_cpu_cross_entropy_bwd(const void *grad, const void *x, const int64_t *target,
                                    const void *lse, const void *valid, void *dx, int64_t rows,
                                    int64_t classes, int64_t ignore_index, double label_smoothing,
-                                   int reduction, fk_dtype dtype, int threads) {
+                                   int reduction, fk_dtype dtype, fk_dtype loss_dtype, int threads) {
     int64_t count = 0;
     fk_status status = check_args("cross_entropy_backward", target, rows, classes, ignore_index,
-                                  label_smoothing, reduction, dtype, &count);
+                                  label_smoothing, reduction, dtype, loss_dtype, &count);
     if (status != FK_OK) return status;
     fk_dtype stat = dtype == FK_FLOAT64 ? FK_FLOAT64 : FK_FLOAT32;
     double g = 0.0;
     if (reduction != FK_REDUCE_NONE && rows > 0) {
-        g = load_scalar(dtype, grad);
+        g = load_scalar(loss_dtype, grad);
         if (reduction == FK_REDUCE_MEAN) g /= load_scalar(stat, valid);
     }
     ce_job j = {x, grad, target, dx, (void *)lse, NULL, classes, ignore_index, label_smoothing, g,
-                reduction, dtype, pick_row(dtype, 1)};
+                reduction, dtype, loss_dtype, pick_row(dtype, 1)};
     fk_parallel_for(threads, rows, fk_min_items(classes), run_rows, &j);
     return FK_OK;
 }

@@ -39,6 +39,15 @@ template <typename T> __device__ __forceinline__ float exp_of(float t) {
 // exp is taken relative to the max, or to 0 while the max is -inf, so -inf - -inf never makes NaN.
 __device__ __forceinline__ float exp_ref(float m) { return m == -INFINITY ? 0.f : m; }
 
+// The loss (or its gradient) of row `i`, stored as T or, under autocast, as fp32.
+template <typename T> __device__ __forceinline__ void store_loss(void *loss, int64_t i, float v, bool fp32) {
+    if (fp32) static_cast<float *>(loss)[i] = v;
+    else static_cast<T *>(loss)[i] = fk::from_f32<T>(v);
+}
+template <typename T> __device__ __forceinline__ float load_loss(const void *grad, int64_t i, bool fp32) {
+    return fp32 ? static_cast<const float *>(grad)[i] : fk::to_f32(static_cast<const T *>(grad)[i]);
+}
+
 // A thread's running statistics of its elements of a row.
 struct RowStats {
     float m = -INFINITY, s = 0.f, sx = 0.f;
@@ -130,9 +139,9 @@ __device__ __forceinline__ void for_each_pack(const T *xr, int64_t n, int lane, 
 
 template <typename T, int kGroup>
 __global__ void __launch_bounds__(kThreads)
-cross_entropy_fwd_rows(const T *__restrict__ x, const int64_t *__restrict__ target, T *__restrict__ loss,
+cross_entropy_fwd_rows(const T *__restrict__ x, const int64_t *__restrict__ target, void *__restrict__ loss,
                        float *__restrict__ lse, float *__restrict__ row_loss, int64_t rows, int64_t classes,
-                       int64_t ignore_index, float eps) {
+                       int64_t ignore_index, float eps, bool loss_fp32) {
     fk::grid_dependency_sync();
     const int lane = threadIdx.x % kGroup;
     const int64_t row = (int64_t)blockIdx.x * (kThreads / kGroup) + threadIdx.x / kGroup;
@@ -142,7 +151,7 @@ cross_entropy_fwd_rows(const T *__restrict__ x, const int64_t *__restrict__ targ
         if (lane != 0) return;
         lse[2 * row] = row_m, lse[2 * row + 1] = log_s;
         if (row_loss) row_loss[row] = l;
-        else loss[row] = fk::from_f32<T>(l);
+        else store_loss<T>(loss, row, l, loss_fp32);
     };
     if (t == ignore_index) return write(0.f, 0.f, 0.f);
     const T *xr = x + row * classes;
@@ -161,8 +170,8 @@ cross_entropy_fwd_rows(const T *__restrict__ x, const int64_t *__restrict__ targ
 // One CTA: the reduction of the per-row losses (fp64, fixed order) and the count of rows not ignored.
 template <typename T>
 __global__ void __launch_bounds__(1024)
-cross_entropy_fwd_reduce(const float *__restrict__ row_loss, const int64_t *__restrict__ target, T *__restrict__ loss,
-                         float *__restrict__ valid, int64_t rows, int64_t ignore_index, int reduction) {
+cross_entropy_fwd_reduce(const float *__restrict__ row_loss, const int64_t *__restrict__ target, void *__restrict__ loss,
+                         float *__restrict__ valid, int64_t rows, int64_t ignore_index, int reduction, bool loss_fp32) {
     fk::grid_dependency_sync();
     double total = 0.0;
     double count = 0.0;
@@ -182,15 +191,15 @@ cross_entropy_fwd_reduce(const float *__restrict__ row_loss, const int64_t *__re
     total = 0.0, count = 0.0;
     for (int w = 0; w < (int)(blockDim.x / 32); w++) total += red_total[w], count += red_count[w];
     *valid = (float)count;
-    if (reduction == FK_REDUCE_MEAN) *loss = fk::from_f32<T>((float)(total / count));
-    else if (reduction == FK_REDUCE_SUM) *loss = fk::from_f32<T>((float)total);
+    if (reduction == FK_REDUCE_MEAN) store_loss<T>(loss, 0, (float)(total / count), loss_fp32);
+    else if (reduction == FK_REDUCE_SUM) store_loss<T>(loss, 0, (float)total, loss_fp32);
 }
 
 template <typename T, int kGroup>
 __global__ void __launch_bounds__(kThreads)
-cross_entropy_bwd_rows(const T *__restrict__ grad, const T *x, const int64_t *__restrict__ target,
+cross_entropy_bwd_rows(const void *__restrict__ grad, const T *x, const int64_t *__restrict__ target,
                        const float *__restrict__ lse, const float *__restrict__ valid, T *dx, int64_t rows,
-                       int64_t classes, int64_t ignore_index, float eps, int reduction) {
+                       int64_t classes, int64_t ignore_index, float eps, int reduction, bool loss_fp32) {
     // x and dx may be one buffer (no __restrict__ on them): each pack is read, then written, by one thread
     fk::grid_dependency_sync();
     constexpr int N = fk::Pack<T>::N;
@@ -211,7 +220,7 @@ cross_entropy_bwd_rows(const T *__restrict__ grad, const T *x, const int64_t *__
         for (int64_t i = fr.tail_start + lane; i < classes; i += kGroup) dr[i] = zero.v[0];
         return;
     }
-    float g = reduction == FK_REDUCE_NONE ? fk::to_f32(grad[row]) : fk::to_f32(grad[0]);
+    float g = load_loss<T>(grad, reduction == FK_REDUCE_NONE ? row : 0, loss_fp32);
     if (reduction == FK_REDUCE_MEAN) g /= *valid;
     if (t < 0 || t >= classes) g = NAN;
     const float m = lse[2 * row], log_s = lse[2 * row + 1], off = eps / (float)classes, hit = 1.f - eps;
@@ -228,9 +237,9 @@ cross_entropy_bwd_rows(const T *__restrict__ grad, const T *x, const int64_t *__
     });
 }
 
-template <typename T> fk_status launch_fwd(const T *x, const int64_t *target, T *loss, float *lse, float *valid,
+template <typename T> fk_status launch_fwd(const T *x, const int64_t *target, void *loss, float *lse, float *valid,
                                            float *workspace, int64_t rows, int64_t classes, int64_t ignore_index,
-                                           float eps, int reduction, int device, cudaStream_t stream) {
+                                           float eps, int reduction, bool loss_fp32, int device, cudaStream_t stream) {
     const char *op = "cross_entropy";
     float *row_loss = reduction == FK_REDUCE_NONE ? nullptr : workspace;
     if (rows > 0) {
@@ -239,20 +248,22 @@ template <typename T> fk_status launch_fwd(const T *x, const int64_t *target, T 
         const dim3 grid((unsigned)((rows + per_cta - 1) / per_cta));
         fk_status status = warp
             ? fk::Launch(grid, dim3(kThreads), 0, stream, device)(op, cross_entropy_fwd_rows<T, 32>, x, target, loss,
-                                                                   lse, row_loss, rows, classes, ignore_index, eps)
+                                                                   lse, row_loss, rows, classes, ignore_index, eps,
+                                                                   loss_fp32)
             : fk::Launch(grid, dim3(kThreads), 0, stream, device)(op, cross_entropy_fwd_rows<T, kThreads>, x, target,
                                                                    loss, lse, row_loss, rows, classes, ignore_index,
-                                                                   eps);
+                                                                   eps, loss_fp32);
         if (status != FK_OK) return status;
     }
     return fk::Launch(dim3(1), dim3(1024), 0, stream, device)(op, cross_entropy_fwd_reduce<T>, (const float *)row_loss,
-                                                              target, loss, valid, rows, ignore_index, reduction);
+                                                              target, loss, valid, rows, ignore_index, reduction,
+                                                              loss_fp32);
 }
 
-template <typename T> fk_status launch_bwd(const T *grad, const T *x, const int64_t *target, const float *lse,
+template <typename T> fk_status launch_bwd(const void *grad, const T *x, const int64_t *target, const float *lse,
                                            const float *valid, T *dx, int64_t rows, int64_t classes,
-                                           int64_t ignore_index, float eps, int reduction, int device,
-                                           cudaStream_t stream) {
+                                           int64_t ignore_index, float eps, int reduction, bool loss_fp32,
+                                           int device, cudaStream_t stream) {
     if (rows == 0 || classes == 0) return FK_OK;
     const char *op = "cross_entropy_backward";
     const bool warp = classes <= kWarpMaxClasses;
@@ -260,13 +271,17 @@ template <typename T> fk_status launch_bwd(const T *grad, const T *x, const int6
     const dim3 grid((unsigned)((rows + per_cta - 1) / per_cta));
     return warp ? fk::Launch(grid, dim3(kThreads), 0, stream, device)(op, cross_entropy_bwd_rows<T, 32>, grad, x,
                                                                       target, lse, valid, dx, rows, classes,
-                                                                      ignore_index, eps, reduction)
+                                                                      ignore_index, eps, reduction, loss_fp32)
                 : fk::Launch(grid, dim3(kThreads), 0, stream, device)(op, cross_entropy_bwd_rows<T, kThreads>, grad,
                                                                       x, target, lse, valid, dx, rows, classes,
-                                                                      ignore_index, eps, reduction);
+                                                                      ignore_index, eps, reduction, loss_fp32);
 }
 
-fk_status check(const char *op, int64_t rows, int64_t classes, double eps, int reduction) {
+fk_status check(const char *op, int64_t rows, int64_t classes, double eps, int reduction, fk_dtype dtype,
+                fk_dtype loss_dtype) {
+    if (loss_dtype != dtype && loss_dtype != FK_FLOAT32)
+        return fk_fail(FK_ERR_TYPE, "%s: the loss dtype code %d must be the logits' (%d) or float32", op,
+                       (int)loss_dtype, (int)dtype);
     if (rows < 0 || classes < 0) return fk_fail(FK_ERR_VALUE, "%s: negative size", op);
     if (rows > (int64_t)0x7fffffff) return fk_fail(FK_ERR_VALUE, "%s: more than 2^31 - 1 rows", op);
     if (reduction != FK_REDUCE_NONE && reduction != FK_REDUCE_MEAN && reduction != FK_REDUCE_SUM)
@@ -280,25 +295,26 @@ fk_status check(const char *op, int64_t rows, int64_t classes, double eps, int r
 extern "C" fk_status fk_cuda_cross_entropy_fwd(const void *x, const int64_t *target, void *loss, float *lse,
                                                float *valid, float *workspace, int64_t rows, int64_t classes,
                                                int64_t ignore_index, double label_smoothing, int reduction,
-                                               fk_dtype dtype, int device, void *stream) {
-    fk_status status = check("cross_entropy", rows, classes, label_smoothing, reduction);
+                                               fk_dtype dtype, fk_dtype loss_dtype, int device, void *stream) {
+    fk_status status = check("cross_entropy", rows, classes, label_smoothing, reduction, dtype, loss_dtype);
     if (status != FK_OK) return status;
     if (reduction != FK_REDUCE_NONE && rows > 0 && workspace == nullptr)
         return fk_fail(FK_ERR_VALUE, "cross_entropy: a reduction needs the per-row workspace");
     FK_CUDA_ENTER("cross_entropy", device);
     FK_DISPATCH_CUDA_DTYPE(dtype, "cross_entropy",
-        return launch_fwd<T>((const T *)x, target, (T *)loss, lse, valid, workspace, rows, classes, ignore_index,
-                             (float)label_smoothing, reduction, device, (cudaStream_t)stream));
+        return launch_fwd<T>((const T *)x, target, loss, lse, valid, workspace, rows, classes, ignore_index,
+                             (float)label_smoothing, reduction, loss_dtype != dtype, device, (cudaStream_t)stream));
 }
 
 extern "C" fk_status fk_cuda_cross_entropy_bwd(const void *grad, const void *x, const int64_t *target,
                                                const float *lse, const float *valid, void *dx, int64_t rows,
                                                int64_t classes, int64_t ignore_index, double label_smoothing,
-                                               int reduction, fk_dtype dtype, int device, void *stream) {
-    fk_status status = check("cross_entropy_backward", rows, classes, label_smoothing, reduction);
+                                               int reduction, fk_dtype dtype, fk_dtype loss_dtype, int device,
+                                               void *stream) {
+    fk_status status = check("cross_entropy_backward", rows, classes, label_smoothing, reduction, dtype, loss_dtype);
     if (status != FK_OK) return status;
     FK_CUDA_ENTER("cross_entropy_backward", device);
     FK_DISPATCH_CUDA_DTYPE(dtype, "cross_entropy_backward",
-        return launch_bwd<T>((const T *)grad, (const T *)x, target, lse, valid, (T *)dx, rows, classes, ignore_index,
-                             (float)label_smoothing, reduction, device, (cudaStream_t)stream));
+        return launch_bwd<T>(grad, (const T *)x, target, lse, valid, (T *)dx, rows, classes, ignore_index,
+                             (float)label_smoothing, reduction, loss_dtype != dtype, device, (cudaStream_t)stream));
 }

@@ -31,16 +31,20 @@ INPLACE_BACKWARD = True
 
 torch.library.define(
     "fastkern::cross_entropy",
-    "(Tensor logits, Tensor target, int ignore_index, float label_smoothing, str reduction)"
+    "(Tensor logits, Tensor target, int ignore_index, float label_smoothing, str reduction, bool fp32_loss)"
     " -> (Tensor, Tensor, Tensor)")
 torch.library.define(
     "fastkern::cross_entropy_backward",
     "(Tensor grad, Tensor logits, Tensor target, Tensor lse, Tensor valid, int ignore_index,"
-    " float label_smoothing, str reduction) -> Tensor")
+    " float label_smoothing, str reduction, bool fp32_loss) -> Tensor")
 
 
 def _stat_dtype(x):
     return torch.float64 if x.dtype == torch.float64 else torch.float32
+
+
+def _loss_dtype(logits, fp32_loss):
+    return torch.float32 if fp32_loss and logits.dtype in (torch.float16, torch.bfloat16) else logits.dtype
 
 
 def _check(logits, target, ignore_index, label_smoothing, reduction, op="cross_entropy"):
@@ -68,40 +72,44 @@ def _check(logits, target, ignore_index, label_smoothing, reduction, op="cross_e
     return rows, classes, code, red
 
 
-def _launch(logits, target, ignore_index, label_smoothing, plan):
-    """(loss, lse, valid) for validated arguments."""
+def _launch(logits, target, ignore_index, label_smoothing, fp32_loss, plan):
+    """(loss, lse, valid) for validated arguments; the loss in fp32 with `fp32_loss` (autocast)."""
     rows, classes, code, red = plan
     x, target = B.dense(logits), B.dense(target)
     stat = _stat_dtype(x)
-    loss = torch.empty(rows if red == 0 else (), dtype=x.dtype, device=x.device)
+    loss_dtype = _loss_dtype(x, fp32_loss)
+    loss = torch.empty(rows if red == 0 else (), dtype=loss_dtype, device=x.device)
     lse = torch.empty(rows, 2, dtype=stat, device=x.device)
     valid = torch.empty((), dtype=stat, device=x.device)
     workspace = torch.empty(rows, dtype=stat, device=x.device) if red and rows else None
     device, stream = B.launch_args(x)
     _C.cross_entropy_fwd(x.data_ptr(), target.data_ptr(), loss.data_ptr(), lse.data_ptr(), valid.data_ptr(),
                          B.ptr(workspace), rows, classes, int(ignore_index), float(label_smoothing), red, code,
-                         device, stream)
+                         B._DTYPE_CODES[loss_dtype], device, stream)
     return loss, lse, valid
 
 
-def _cross_entropy(logits, target, ignore_index, label_smoothing, reduction):
-    return _launch(logits, target, ignore_index, label_smoothing,
+def _cross_entropy(logits, target, ignore_index, label_smoothing, reduction, fp32_loss):
+    return _launch(logits, target, ignore_index, label_smoothing, fp32_loss,
                    _check(logits, target, ignore_index, label_smoothing, reduction))
 
 
-def _cross_entropy_fake(logits, target, ignore_index, label_smoothing, reduction):
+def _cross_entropy_fake(logits, target, ignore_index, label_smoothing, reduction, fp32_loss):
     rows, _, _, red = _check(logits, target, ignore_index, label_smoothing, reduction)
     stat = _stat_dtype(logits)
-    return (logits.new_empty(rows if red == 0 else ()), logits.new_empty(rows, 2, dtype=stat),
+    return (logits.new_empty(rows if red == 0 else (), dtype=_loss_dtype(logits, fp32_loss)), logits.new_empty(rows, 2, dtype=stat),
             logits.new_empty((), dtype=stat))
 
 
-def _check_backward(grad, logits, target, lse, valid, ignore_index, label_smoothing, reduction):
+def _check_backward(grad, logits, target, lse, valid, ignore_index, label_smoothing, reduction, fp32_loss):
     op = "cross_entropy_backward"
     plan = _check(logits, target, ignore_index, label_smoothing, reduction, op)
     rows, red = plan[0], plan[3]
     B.check_tensor(grad, op, "grad")
-    B.check_same(grad, logits, op, "grad", "logits")
+    if grad.device != logits.device:
+        raise ValueError(f"fastkern.{op}: grad is on {grad.device} but logits is on {logits.device}")
+    if grad.dtype != _loss_dtype(logits, fp32_loss):
+        raise TypeError(f"fastkern.{op}: grad has dtype {grad.dtype}, the loss {_loss_dtype(logits, fp32_loss)}")
     want = (rows,) if red == 0 else ()
     if grad.shape != want:
         raise ValueError(f"fastkern.{op}: grad must have shape {want} for reduction {reduction!r}, got "
@@ -113,7 +121,7 @@ def _check_backward(grad, logits, target, lse, valid, ignore_index, label_smooth
     return plan
 
 
-def _backward_launch(grad, logits, target, lse, valid, ignore_index, label_smoothing, plan, out=None):
+def _backward_launch(grad, logits, target, lse, valid, ignore_index, label_smoothing, fp32_loss, plan, out=None):
     """dlogits for validated arguments, written into `out` when given (it may be logits itself)."""
     rows, classes, code, red = plan
     grad, x, target = B.dense(grad), B.dense(logits), B.dense(target)
@@ -122,30 +130,31 @@ def _backward_launch(grad, logits, target, lse, valid, ignore_index, label_smoot
         device, stream = B.launch_args(x)
         _C.cross_entropy_bwd(grad.data_ptr(), x.data_ptr(), target.data_ptr(), lse.data_ptr(), valid.data_ptr(),
                              dx.data_ptr(), rows, classes, int(ignore_index), float(label_smoothing), red, code,
-                             device, stream)
+                             B._DTYPE_CODES[_loss_dtype(x, fp32_loss)], device, stream)
     return dx
 
 
-def _cross_entropy_backward(grad, logits, target, lse, valid, ignore_index, label_smoothing, reduction):
-    plan = _check_backward(grad, logits, target, lse, valid, ignore_index, label_smoothing, reduction)
-    return _backward_launch(grad, logits, target, lse, valid, ignore_index, label_smoothing, plan)
+def _cross_entropy_backward(grad, logits, target, lse, valid, ignore_index, label_smoothing, reduction, fp32_loss):
+    plan = _check_backward(grad, logits, target, lse, valid, ignore_index, label_smoothing, reduction, fp32_loss)
+    return _backward_launch(grad, logits, target, lse, valid, ignore_index, label_smoothing, fp32_loss, plan)
 
 
-def _cross_entropy_backward_fake(grad, logits, target, lse, valid, ignore_index, label_smoothing, reduction):
-    _check_backward(grad, logits, target, lse, valid, ignore_index, label_smoothing, reduction)
+def _cross_entropy_backward_fake(grad, logits, target, lse, valid, ignore_index, label_smoothing, reduction,
+                                 fp32_loss):
+    _check_backward(grad, logits, target, lse, valid, ignore_index, label_smoothing, reduction, fp32_loss)
     return torch.empty_like(logits, memory_format=torch.contiguous_format)
 
 
 def _setup_context(ctx, inputs, output):
-    logits, target, ignore_index, label_smoothing, reduction = inputs
+    logits, target, ignore_index, label_smoothing, reduction, fp32_loss = inputs
     ctx.save_for_backward(logits, target, output[1], output[2])
-    ctx.args = (ignore_index, label_smoothing, reduction)
+    ctx.args = (ignore_index, label_smoothing, reduction, fp32_loss)
 
 
 def _backward(ctx, grad, grad_lse=None, grad_valid=None):
     logits, target, lse, valid = ctx.saved_tensors
     backward = _cross_entropy_backward if B.plain_eager(grad, logits) else _cross_entropy_backward_op
-    return backward(grad, logits, target, lse, valid, *ctx.args), None, None, None, None
+    return backward(grad, logits, target, lse, valid, *ctx.args), None, None, None, None, None
 
 
 # ---- writing dlogits over the saved logits (the module docstring says when) ---------------------
@@ -212,9 +221,9 @@ class _CrossEntropyFunction(torch.autograd.Function):
     (`plan`), and a backward that may write dlogits over the saved logits."""
 
     @staticmethod
-    def forward(ctx, logits, target, ignore_index, label_smoothing, reduction, plan):
-        output = _launch(logits, target, ignore_index, label_smoothing, plan)
-        _setup_context(ctx, (logits, target, ignore_index, label_smoothing, reduction), output)
+    def forward(ctx, logits, target, ignore_index, label_smoothing, reduction, fp32_loss, plan):
+        output = _launch(logits, target, ignore_index, label_smoothing, fp32_loss, plan)
+        _setup_context(ctx, (logits, target, ignore_index, label_smoothing, reduction, fp32_loss), output)
         ctx.plan = plan
         ctx.mark_non_differentiable(output[1], output[2])
         return output
@@ -224,14 +233,15 @@ class _CrossEntropyFunction(torch.autograd.Function):
         (logits, target, lse, valid), refs = _saved_and_refs(ctx)
         if not B.plain_eager(grad, logits):
             return (*_backward(ctx, grad), None)
-        ignore_index, label_smoothing, _ = ctx.args
+        ignore_index, label_smoothing, _, fp32_loss = ctx.args
         free = (INPLACE_BACKWARD and _FREE is not None and refs == _FREE and logits.grad_fn is not None
                 and not logits._is_view() and logits.is_contiguous())
         out = logits if free else None
-        dx = _backward_launch(grad, logits, target, lse, valid, ignore_index, label_smoothing, ctx.plan, out)
+        dx = _backward_launch(grad, logits, target, lse, valid, ignore_index, label_smoothing, fp32_loss, ctx.plan,
+                              out)
         if out is not None:  # a second backward through this graph must not read dlogits as logits
             torch.autograd.graph.increment_version(logits)
-        return dx, None, None, None, None, None
+        return dx, None, None, None, None, None, None
 
 
 _FREE = _calibrate()
@@ -241,10 +251,7 @@ _cross_entropy_op, _cross_entropy_backward_op = B.register_op(
     _backward, _setup_context)
 
 
-def cross_entropy(logits, target, *, ignore_index=-100, reduction="mean", label_smoothing=0.0):
-    """torch.nn.functional.cross_entropy(logits, target, ignore_index=..., reduction=...,
-    label_smoothing=...) for (N, C) logits of any float dtype (or (C,) with a 0-d target) and int64
-    class targets, computed in fp32 (fp64 for fp64) and returned in the logits' dtype."""
+def _call(logits, target, ignore_index, reduction, label_smoothing, fp32_loss):
     if type(ignore_index) is not int and (not isinstance(ignore_index, int) or isinstance(ignore_index, bool)):
         raise TypeError(f"fastkern.cross_entropy: ignore_index must be an int, got {type(ignore_index).__name__}")
     if not isinstance(label_smoothing, (int, float)) or isinstance(label_smoothing, bool):
@@ -259,9 +266,19 @@ def cross_entropy(logits, target, *, ignore_index=-100, reduction="mean", label_
     plan = _check(logits, target, ignore_index, label_smoothing, reduction)  # refused here by name
     route = B.route(logits)
     if route == B.DIRECT:
-        loss = _launch(logits, target, ignore_index, label_smoothing, plan)[0]
+        loss = _launch(logits, target, ignore_index, label_smoothing, fp32_loss, plan)[0]
     elif route == B.GRAD:
-        loss = _cross_entropy_apply(logits, target, ignore_index, label_smoothing, reduction, plan)[0]
+        loss = _cross_entropy_apply(logits, target, ignore_index, label_smoothing, reduction, fp32_loss, plan)[0]
     else:
-        loss = _cross_entropy_op(logits, target, ignore_index, label_smoothing, reduction)[0]
+        loss = _cross_entropy_op(logits, target, ignore_index, label_smoothing, reduction, fp32_loss)[0]
     return loss.squeeze(0) if squeeze and reduction == "none" else loss
+
+
+def cross_entropy(logits, target, *, ignore_index=-100, reduction="mean", label_smoothing=0.0):
+    """torch.nn.functional.cross_entropy(logits, target, ignore_index=..., reduction=...,
+    label_smoothing=...) for (N, C) logits of any float dtype (or (C,) with a 0-d target) and int64
+    class targets, computed in fp32 (fp64 for fp64). The loss has the logits' dtype, or fp32 for
+    16-bit logits under autocast, as torch's (which autocasts the logits to an fp32 copy first; this
+    reads the 16-bit logits as they are)."""
+    fp32_loss = isinstance(logits, torch.Tensor) and torch.is_autocast_enabled(logits.device.type)
+    return _call(logits, target, ignore_index, reduction, label_smoothing, fp32_loss)
