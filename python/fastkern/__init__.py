@@ -15,6 +15,7 @@ from .ops.gelu import gelu
 from .ops.matmul import linear, matmul
 from .ops.softmax import log_softmax, softmax
 from . import nn
+from .patch import PatchReport, patch, register_transformers
 
 __version__ = BUILD_INFO["version"]
 
@@ -24,5 +25,6 @@ def cuda_available():
     return BUILD_INFO["cuda"] and len(BUILD_INFO["devices"]) > 0
 
 
-__all__ = ["gelu", "cross_entropy", "matmul", "linear", "softmax", "log_softmax", "nn", "cuda_available", "BUILD_INFO",
+__all__ = ["gelu", "cross_entropy", "matmul", "linear", "softmax", "log_softmax", "nn", "patch", "PatchReport",
+           "register_transformers", "cuda_available", "BUILD_INFO",
            "__version__"]
