@@ -10,6 +10,16 @@ from .ops.matmul import _mm, linear, matmul
 from .ops.softmax import log_softmax, softmax
 
 
+def _autocast(x, *params):
+    """x and params in autocast's dtype when autocast is on for x's device (as torch's F.linear is
+    cast): fastkern's ops are custom ops, which autocast does not see."""
+    device = x.device.type
+    if not torch.is_autocast_enabled(device):
+        return (x, *params)
+    dtype = torch.get_autocast_dtype(device)
+    return tuple(t if t is None or t.dtype == dtype else t.to(dtype) for t in (x, *params))
+
+
 class GELU(torch.nn.Module):
     """fastkern's torch.nn.GELU: same constructor, same repr, same numbers."""
 
@@ -56,7 +66,8 @@ class Linear(torch.nn.Linear):
         self.activation = activation
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
-        return linear(input, self.weight, self.bias, activation=self.activation)
+        input, weight, bias = _autocast(input, self.weight, self.bias)
+        return linear(input, weight, bias, activation=self.activation)
 
     def extra_repr(self) -> str:
         base = super().extra_repr()
@@ -163,7 +174,8 @@ class Conv1D(torch.nn.Module):
         return new.train(conv.training)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return matmul(x, self.weight, bias=self.bias, activation=self.activation)
+        x, weight, bias = _autocast(x, self.weight, self.bias)
+        return matmul(x, weight, bias=bias, activation=self.activation)
 
     def extra_repr(self) -> str:
         base = f"nf={self.nf}, nx={self.nx}"
