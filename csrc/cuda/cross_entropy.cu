@@ -1,7 +1,7 @@
 // Cross-entropy forward and backward on the GPU, fused over the log-softmax (fastkern.h: formulas).
 //
 // Table (one strategy, two group widths; first matching row wins):
-//   classes <= kWarpMaxClasses   a warp a row, 8 rows a CTA      short rows fill the CTA (D-80)
+//   classes <= kWarpMaxClasses   a warp a row, 8 rows a CTA      short rows fill the CTA
 //   otherwise                    a 256-thread CTA a row          GPT-2's 50257: ~25 packs a thread
 // Napkin math: bf16 (16384, 50257), the GPT-2 LM head at 16 x 1024 tokens: the forward reads 1.65 GB
 // once (0.39 ms at the H200's 4.25 TB/s copy rate, 0.55 ms on an H100), the backward reads and
@@ -17,8 +17,8 @@
 //     the pair (max, log sum), not their sum (fastkern.h says why).
 //   reduce (one CTA): sums the workspace in fp64 in a fixed order and counts the rows not ignored:
 //     the mean is the same bits on every run (no atomics).
-//   backward: one read and one write of the row: dx = g * (exp((x - max) - log sum) - eps / C), minus g * (1 - eps)
-//     at the target; the pack read is the pack written, so dx may be x (the eager in-place backward).
+//   backward: one read and one write of the row: dx = g * (exp((x - max) - log sum) - eps / C),
+//     minus g * (1 - eps) at the target; the pack read is the pack written, so dx may be x (the eager in-place backward).
 //     Where x and dx differ in 16-byte phase, the row is walked element by element.
 // exp: fp32 data uses accurate expf (its errors meet torch's fp32 ones); 16-bit data one MUFU.EX2
 // (exp_ftz), which is far inside the rounding of the 16-bit output.
@@ -29,7 +29,7 @@ namespace {
 
 constexpr int kThreads = 256;          // threads a CTA, either group width
 constexpr int kUnroll = 4;             // packs a thread has in flight (64 bytes)
-constexpr int64_t kWarpMaxClasses = 4096;  // rows up to 8 KB of bf16 a warp each (D-80)
+constexpr int64_t kWarpMaxClasses = 4096;  // rows up to 8 KB of bf16 a warp each: a first guess, not yet A/B'd
 
 template <typename T> __device__ __forceinline__ float exp_of(float t) {
     if constexpr (std::is_same_v<T, float>) return expf(t);
