@@ -57,3 +57,22 @@ def test_patched_linear_follows_autocast():
         ref = torch.nn.functional.linear(x, lin[0].weight, lin[0].bias)
     assert y.dtype == ref.dtype == torch.bfloat16
     torch.testing.assert_close(y.float(), ref.float(), rtol=2e-2, atol=2e-2)
+
+
+def test_lm_head_logits_take_their_own_gradient(monkeypatch):
+    """The script's LM head gives (B * T, vocab) logits no one else holds: fastkern's cross-entropy
+    backward writes dlogits over them (the one call that bumps their version), with and without
+    bf16 autocast."""
+    train = load()
+    bumped = []
+    real = torch.autograd.graph.increment_version
+    monkeypatch.setattr(torch.autograd.graph, "increment_version", lambda t: (bumped.append(t.shape), real(t)))
+    model = train.GPT(320, 64, 2, 64, 4)
+    fastkern.patch(model)
+    x = torch.randint(0, 320, (2, 64))
+    for amp in (False, True):
+        with torch.autocast("cpu", torch.bfloat16, enabled=amp):
+            _, loss = model(x, x)
+        assert loss.dtype == torch.float32
+        loss.backward()
+    assert bumped == [torch.Size([128, 320])] * 2
