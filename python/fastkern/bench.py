@@ -432,9 +432,9 @@ def run(suites, device=None, quick=False, only=None):
             if only and only not in name:
                 continue
             sets = input_sets(make_inputs, device, nbytes)
-            peaks = ({impl: peak_memory_mb(fn, sets[0], device) for impl, fn in impls.items()}
-                     if suite in MEMORY_SUITES else None)
             timed = time_impls(impls, sets, device)
+            peaks = ({impl: peak_memory_mb(fn, sets[0], device) for impl, fn in impls.items()}  # warmed up
+                     if suite in MEMORY_SUITES else None)
             del sets
             times = {impl: ms for impl, (ms, _, _) in timed.items()}
             ours = times["fastkern"]
