@@ -76,3 +76,35 @@ def test_lm_head_logits_take_their_own_gradient(monkeypatch):
         assert loss.dtype == torch.float32
         loss.backward()
     assert bumped == [torch.Size([128, 320])] * 2
+
+
+@pytest.mark.parametrize("dist", ["ddp", "fsdp"])
+def test_two_cpu_ranks_under_torchrun(dist, tmp_path):
+    """--dist ddp / fsdp (FSDP2's fully_shard) on two CPU ranks (gloo) with fastkern's kernels: the
+    run finishes, the loss falls, and both wrappers give the same curve (the same data and init)."""
+    import os
+    import shutil
+    import subprocess
+    import sys
+    if not torch.distributed.is_available():
+        pytest.skip("torch.distributed is not available")
+    torchrun = shutil.which("torchrun", path=os.path.dirname(sys.executable)) or shutil.which("torchrun")
+    if torchrun is None:
+        pytest.skip("no torchrun")
+    env = dict(os.environ, OMP_NUM_THREADS="1",
+               PYTHONPATH=os.pathsep.join([str(SCRIPT.parent.parent / "python"), os.environ.get("PYTHONPATH", "")]))
+    args = list(TINY)
+    args[args.index("--steps") + 1] = "6"
+    out = subprocess.run([torchrun, "--nproc-per-node", "2", str(SCRIPT), "--dist", dist, "--kernels", "fastkern",
+                          "--out-dir", str(tmp_path), *args], env=env, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    losses = json.loads((tmp_path / f"train-fastkern-{dist}.json").read_text())["losses"]
+    assert len(losses) == 6 and losses[-1] < losses[0] - 0.3
+    test_two_cpu_ranks_under_torchrun.curves[dist] = losses
+    if len(test_two_cpu_ranks_under_torchrun.curves) == 2:
+        ddp, fsdp = test_two_cpu_ranks_under_torchrun.curves.values()
+        for a, b in zip(ddp, fsdp):
+            assert abs(a - b) < 1e-3 * abs(a)
+
+
+test_two_cpu_ranks_under_torchrun.curves = {}
