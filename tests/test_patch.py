@@ -300,3 +300,21 @@ def test_transformers_models_match_unpatched(family, device):
             torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-4 * max(b.abs().max().item(), 1e-3))
     if family == "gpt2":
         assert "NewGELUActivation -> fastkern" in str(report) and "Conv1D" in str(report)
+
+
+def test_causal_lm_loss_follows_transformers_semantics():
+    """fastkern.patch's loss for transformers' causal LMs: labels shifted by one, -100 ignored, the
+    mean, or the sum over num_items_in_batch when given; an fp32 loss from bf16 logits."""
+    causal_lm_loss = sys.modules["fastkern.patch"].causal_lm_loss
+    logits = torch.randn(2, 9, 50, dtype=torch.bfloat16, requires_grad=True)
+    labels = torch.randint(0, 50, (2, 9))
+    labels[0, 3] = -100
+    shifted = F.pad(labels, (0, 1), value=-100)[..., 1:].reshape(-1)
+    flat = logits.float().reshape(-1, 50)
+    want = F.cross_entropy(flat, shifted)
+    got = causal_lm_loss(logits, labels, 50)
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    want_sum = F.cross_entropy(flat, shifted, reduction="sum") / 13
+    torch.testing.assert_close(causal_lm_loss(logits, labels, 50, num_items_in_batch=torch.tensor(13)), want_sum,
+                               rtol=1e-5, atol=1e-5)
