@@ -106,6 +106,48 @@ const char *fk_cuda_softmax_plan(int backward, int64_t outer, int64_t n, int64_t
                                  int log, fk_dtype dtype, int aligned, int device, char *shape,
                                  int shape_size);
 
+/* ---- Cross-entropy ------------------------------------------------------------------------------
+ * F.cross_entropy on (rows, classes) logits with int64 class targets, fused over the log-softmax:
+ *   lse_i  = log sum_j exp(x_ij)
+ *   loss_i = lse_i - (1 - eps) x_i,t - eps / classes * sum_j x_ij     (eps: label_smoothing)
+ *   loss_i = 0 where t_i == ignore_index (whatever the row holds); `valid` counts the other rows.
+ * reduction: FK_REDUCE_NONE writes `rows` losses of `loss_dtype` to loss; FK_REDUCE_SUM /
+ * FK_REDUCE_MEAN write one element of `loss_dtype`: sum_i loss_i, or that over valid (0 / 0 = NaN,
+ * as torch). loss_dtype is `dtype` or FK_FLOAT32 (what torch returns under autocast); the backward's
+ * grad has loss_dtype too.
+ * lse: `rows` pairs (m_i, log s_i), fp32 (fp64 for fp64): the row's max and the log of its sum of
+ * exp(x - m), so lse_i = m_i + log s_i. Two numbers, not their fp32 sum: the backward's
+ * exp((x - m) - log s) then rounds as torch's log_softmax does, where exp(x - fl(lse)) carried an
+ * error of |lse| ulps into every probability of the row (3x torch's in fp32 gradients).
+ * valid: one element of the lse type. The forward writes both; the backward reads them (never the
+ * loss). Ignored rows get (0, 0).
+ * workspace: with a reduction, `rows` elements of the lse type for the per-row losses, summed
+ * afterwards in row order (deterministic: the same bits for any thread count or grid); NULL without.
+ * backward: dx_ij = g_i * (exp(x_ij - lse_i) - eps / classes - (1 - eps) [j == t_i]), 0 on ignored
+ * rows, where g_i = grad[i] (none: `rows` elements of loss_dtype), grad[0] (sum) or grad[0] / valid (mean).
+ * dx may be x itself: each element is read once and then written by the same thread.
+ * Targets outside [0, classes) other than ignore_index: the CPU refuses them (FK_ERR_VALUE); the GPU
+ * cannot report without a host sync, so such a row's loss (and its gradient) is NaN.
+ * NaN / inf logits make the row's loss NaN, as in torch (ignored rows stay 0). */
+typedef enum { FK_REDUCE_NONE = 0, FK_REDUCE_MEAN = 1, FK_REDUCE_SUM = 2 } fk_reduction;
+fk_status fk_cpu_cross_entropy_fwd(const void *x, const int64_t *target, void *loss, void *lse,
+                                   void *valid, void *workspace, int64_t rows, int64_t classes,
+                                   int64_t ignore_index, double label_smoothing, int reduction,
+                                   fk_dtype dtype, fk_dtype loss_dtype, int threads);
+fk_status fk_cpu_cross_entropy_bwd(const void *grad, const void *x, const int64_t *target,
+                                   const void *lse, const void *valid, void *dx, int64_t rows,
+                                   int64_t classes, int64_t ignore_index, double label_smoothing,
+                                   int reduction, fk_dtype dtype, fk_dtype loss_dtype, int threads);
+fk_status fk_cuda_cross_entropy_fwd(const void *x, const int64_t *target, void *loss, float *lse,
+                                    float *valid, float *workspace, int64_t rows, int64_t classes,
+                                    int64_t ignore_index, double label_smoothing, int reduction,
+                                    fk_dtype dtype, fk_dtype loss_dtype, int device, void *stream);
+fk_status fk_cuda_cross_entropy_bwd(const void *grad, const void *x, const int64_t *target,
+                                    const float *lse, const float *valid, void *dx, int64_t rows,
+                                    int64_t classes, int64_t ignore_index, double label_smoothing,
+                                    int reduction, fk_dtype dtype, fk_dtype loss_dtype, int device,
+                                    void *stream);
+
 /* ---- Matmul / linear -------------------------------------------------------------------------
  * For b < batch: C[b] = act(A[b] @ B[b] + bias), fp32 accumulation (fp64 for fp64, CPU only).
  *   A[b] is (m, k): element (i, p) at a + b * a_batch + i * a_row + p * a_col, and B[b] is (k, n):

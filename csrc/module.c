@@ -174,6 +174,69 @@ static PyObject *py_softmax_bwd(PyObject *self, PyObject *args) {
     return finish(status);
 }
 
+/* ---- cross-entropy ---------------------------------------------------------------------------- */
+
+/* cross_entropy_fwd(x, target, loss, lse, valid, workspace, rows, classes, ignore_index,
+ *                   label_smoothing, reduction, dtype, loss_dtype, device, stream) */
+static PyObject *py_cross_entropy_fwd(PyObject *self, PyObject *args) {
+    (void)self;
+    unsigned long long x, target, loss, lse, valid, workspace, stream;
+    long long rows, classes, ignore_index;
+    double label_smoothing;
+    int reduction, dtype, loss_dtype, device;
+    if (!PyArg_ParseTuple(args, "KKKKKKLLLdiiiiK", &x, &target, &loss, &lse, &valid, &workspace, &rows,
+                          &classes, &ignore_index, &label_smoothing, &reduction, &dtype, &loss_dtype, &device,
+                          &stream))
+        return NULL;
+    fk_status status;
+    if (device < 0) {
+        Py_BEGIN_ALLOW_THREADS
+        status = fk_cpu_cross_entropy_fwd(PTR(x), PTR(target), PTR(loss), PTR(lse), PTR(valid),
+                                          PTR(workspace), rows, classes, ignore_index, label_smoothing,
+                                          reduction, (fk_dtype)dtype, (fk_dtype)loss_dtype, cpu_threads(stream));
+        Py_END_ALLOW_THREADS
+    } else {
+#if FK_HAS_CUDA
+        status = fk_cuda_cross_entropy_fwd(PTR(x), PTR(target), PTR(loss), PTR(lse), PTR(valid),
+                                           PTR(workspace), rows, classes, ignore_index, label_smoothing,
+                                           reduction, (fk_dtype)dtype, (fk_dtype)loss_dtype, device, PTR(stream));
+#else
+        return no_cuda("cross_entropy");
+#endif
+    }
+    return finish(status);
+}
+
+/* cross_entropy_bwd(grad, x, target, lse, valid, dx, rows, classes, ignore_index, label_smoothing,
+ *                   reduction, dtype, loss_dtype, device, stream) */
+static PyObject *py_cross_entropy_bwd(PyObject *self, PyObject *args) {
+    (void)self;
+    unsigned long long grad, x, target, lse, valid, dx, stream;
+    long long rows, classes, ignore_index;
+    double label_smoothing;
+    int reduction, dtype, loss_dtype, device;
+    if (!PyArg_ParseTuple(args, "KKKKKKLLLdiiiiK", &grad, &x, &target, &lse, &valid, &dx, &rows, &classes,
+                          &ignore_index, &label_smoothing, &reduction, &dtype, &loss_dtype, &device, &stream))
+        return NULL;
+    fk_status status;
+    if (device < 0) {
+        Py_BEGIN_ALLOW_THREADS
+        status = fk_cpu_cross_entropy_bwd(PTR(grad), PTR(x), PTR(target), PTR(lse), PTR(valid), PTR(dx),
+                                          rows, classes, ignore_index, label_smoothing, reduction,
+                                          (fk_dtype)dtype, (fk_dtype)loss_dtype, cpu_threads(stream));
+        Py_END_ALLOW_THREADS
+    } else {
+#if FK_HAS_CUDA
+        status = fk_cuda_cross_entropy_bwd(PTR(grad), PTR(x), PTR(target), PTR(lse), PTR(valid), PTR(dx),
+                                           rows, classes, ignore_index, label_smoothing, reduction,
+                                           (fk_dtype)dtype, (fk_dtype)loss_dtype, device, PTR(stream));
+#else
+        return no_cuda("cross_entropy");
+#endif
+    }
+    return finish(status);
+}
+
 /* ---- matmul ----------------------------------------------------------------------------------- */
 
 /* Parses the fk_matmul_args fields shared by matmul and matmul_plan (in fastkern.h's order); the
@@ -406,6 +469,9 @@ static PyMethodDef methods[] = {
      "fp32 workspace elements the CUDA GELU bias gradient needs."},
     {"softmax_fwd", py_softmax_fwd, METH_VARARGS, "Softmax / log-softmax forward on raw pointers."},
     {"softmax_bwd", py_softmax_bwd, METH_VARARGS, "Softmax / log-softmax backward on raw pointers."},
+    {"cross_entropy_fwd", py_cross_entropy_fwd, METH_VARARGS,
+     "Cross-entropy forward (loss, row log-sum-exp, valid count) on raw pointers."},
+    {"cross_entropy_bwd", py_cross_entropy_bwd, METH_VARARGS, "Cross-entropy backward on raw pointers."},
     {"matmul", py_matmul, METH_VARARGS, "C = act(A @ B + bias) (and its pre-activation) on raw pointers."},
     {"matmul_plan", py_matmul_plan, METH_VARARGS, "The CUDA strategy matmul would take ('cpu' on CPU)."},
     {"softmax_plan", py_softmax_plan, METH_VARARGS, "The CUDA softmax strategy and launch shape for a call."},

@@ -190,6 +190,7 @@ struct softmax_job {
     rows_fn row; /* the rows path's kernel, or NULL for the blocks path */
 };
 
+#include "vec_math.h"
 #include "softmax_rows.h"
 
 static fk_rows block_of(const softmax_job *j, int64_t b) {

@@ -3,7 +3,7 @@
  * lanes, AVX2 + FMA: 8, portable: 4); pick_rows chooses at run time (FASTKERN_CPU_ISA forces one).
  * Rows are walked in chunks of FK_CHUNK keys through a stack buffer: load (converting fp16 / bf16),
  * scale, mask (-inf past the causal diagonal and in the padding to a whole vector), then vector
- * passes; softmax.c's header has the algorithm. Included by softmax.c only. */
+ * passes; softmax.c's header has the algorithm. Included by softmax.c only, after vec_math.h. */
 
 /* Keys of the row `row` left unmasked by the causal mask (all n without one). */
 static inline int64_t row_valid(const softmax_job *j, int64_t row) {
@@ -28,39 +28,8 @@ static inline void load_grad(const softmax_job *j, int64_t row, int64_t j0, int6
     for (int64_t i = len; i < padded; i++) buf[i] = 0.0f;
 }
 
-/* Cephes expf: n = round(x log2 e), r = x - n ln 2 (two-part ln 2), exp(r) by a degree-6
- * polynomial, times 2^n from the exponent bits. ~1 ulp on [-87.3, 88]; below ln(FLT_MIN) 0 (the
- * true value is < 1.2e-38: subnormals are dropped), above 88 clamped (softmax's arguments are <= 0);
- * NaN stays NaN. */
 #define FK_SOFTMAX_ROWS(isa, attrs, lanes)                                                          \
-    typedef float vf_##isa __attribute__((vector_size(4 * lanes), aligned(4)));                    \
-    typedef int32_t vi_##isa __attribute__((vector_size(4 * lanes), aligned(4)));                  \
-    typedef double vd_##isa __attribute__((vector_size(8 * lanes)));                               \
-                                                                                                    \
-    static inline attrs vf_##isa select_##isa(vi_##isa mask, vf_##isa a, vf_##isa b) {            \
-        return (vf_##isa)(((vi_##isa)a & mask) | ((vi_##isa)b & ~mask));                           \
-    }                                                                                               \
-                                                                                                    \
-    static inline attrs vf_##isa exp_##isa(vf_##isa x) {                                           \
-        const vf_##isa zero = {0};                                                                  \
-        vi_##isa tiny = x < -87.33654475f;                                                          \
-        x = select_##isa(tiny, zero - 87.0f, x);                                                    \
-        x = select_##isa(x > 88.0f, zero + 88.0f, x);                                               \
-        vf_##isa t = x * 1.44269504088896341f + 12582912.0f; /* 1.5 * 2^23: rounds to integer */   \
-        vf_##isa n = t - 12582912.0f;                                                               \
-        vi_##isa ni = (vi_##isa)t - 0x4b400000;                                                     \
-        vf_##isa r = x - n * 0.693359375f;                                                          \
-        r = r - n * -2.12194440e-4f;                                                                \
-        vf_##isa p = zero + 1.9875691500e-4f;                                                       \
-        p = p * r + 1.3981999507e-3f;                                                               \
-        p = p * r + 8.3334519073e-3f;                                                               \
-        p = p * r + 4.1665795894e-2f;                                                               \
-        p = p * r + 1.6666665459e-1f;                                                               \
-        p = p * r + 5.0000001201e-1f;                                                               \
-        p = p * (r * r) + r + 1.0f;                                                                 \
-        vf_##isa y = p * (vf_##isa)((ni + 127) << 23);                                              \
-        return (vf_##isa)((vi_##isa)y & ~tiny);                                                     \
-    }                                                                                               \
+    FK_VEC_MATH(isa, attrs, lanes)                                                                  \
                                                                                                     \
     static attrs void softmax_fwd_rows_##isa(const softmax_job *j, int64_t row) {                  \
         float buf[FK_CHUNK] __attribute__((aligned(64)));                                           \
@@ -153,26 +122,18 @@ static inline void load_grad(const softmax_job *j, int64_t row, int64_t j0, int6
         }                                                                                           \
     }
 
-#define FK_VEC_ATTRS(isa_list) __attribute__((target(isa_list), optimize("fp-contract=fast")))
-
 FK_SOFTMAX_ROWS(generic, __attribute__((optimize("fp-contract=fast"))), 4)
 #if defined(__x86_64__) && defined(__GNUC__)
 FK_SOFTMAX_ROWS(avx2, FK_VEC_ATTRS("avx2,fma"), 8)
 FK_SOFTMAX_ROWS(avx512, FK_VEC_ATTRS("avx512f,avx512dq,avx2,fma"), 16)
 #endif
 
-/* The widest rows kernel the CPU runs; FASTKERN_CPU_ISA=generic|avx2|avx512 forces one (one the CPU
- * lacks falls back to the next narrower), so tests cover each on one machine. */
+/* The widest rows kernel the CPU runs (vec_math.h: fk_cpu_isa, FASTKERN_CPU_ISA forces one). */
 static rows_fn pick_rows(int backward) {
-    const char *want = getenv("FASTKERN_CPU_ISA");
-    int generic = want && !strcmp(want, "generic"), avx2 = want && !strcmp(want, "avx2");
 #if defined(__x86_64__) && defined(__GNUC__)
-    __builtin_cpu_init();
-    if (!generic && !avx2 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512dq"))
-        return backward ? softmax_bwd_rows_avx512 : softmax_fwd_rows_avx512;
-    if (!generic && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"))
-        return backward ? softmax_bwd_rows_avx2 : softmax_fwd_rows_avx2;
+    int isa = fk_cpu_isa();
+    if (isa == FK_ISA_AVX512) return backward ? softmax_bwd_rows_avx512 : softmax_fwd_rows_avx512;
+    if (isa == FK_ISA_AVX2) return backward ? softmax_bwd_rows_avx2 : softmax_fwd_rows_avx2;
 #endif
-    (void)generic, (void)avx2;
     return backward ? softmax_bwd_rows_generic : softmax_fwd_rows_generic;
 }

@@ -1,4 +1,4 @@
-"""`python -m fastkern.bench [gelu|softmax|attention|all] [--out FILE] [--quick] [--markdown [FILE.json]]`: fastkern against its peers.
+"""`python -m fastkern.bench [gelu|softmax|attention|cross_entropy|all|train] [--out FILE] [--quick] [--markdown [FILE.json]]`: fastkern against its peers.
 
 Every case is timed in one process next to its peers (torch eager, torch.compile, Triton where
 importable) and next to the device's own ceiling, measured in the same run: a device-to-device
@@ -338,7 +338,59 @@ def softmax_cases(device, quick=False):
            })
 
 
-SUITES = {"gelu": gelu_cases, "softmax": softmax_cases, "attention": bench_attention.attention_cases}
+def cross_entropy_cases(device, quick=False):
+    """fwd+bwd of the GPT-2 LM head's loss: bf16 (16384, 50257) logits (16 x 1024 tokens) and int64
+    targets, 10% of them ignore_index. Peers: F.cross_entropy on the bf16 logits; on their fp32 copy,
+    which is what bf16 autocast (cross_entropy is on its fp32 list) and Hugging Face's loss (logits
+    .float()) run; and torch.compile of each. The logits are leaves here, so fastkern's backward
+    allocates dlogits like the others (in a training step the LM head's logits are a temporary and
+    its backward writes dlogits over them: python -m fastkern.bench train shows that). Bytes: the
+    forward's read plus the backward's read and write of the logits."""
+    rows = 256 if quick or device.type == "cpu" else 16384
+    for dtype, classes in ((torch.bfloat16, 50257), (torch.float32, 50257)):
+        if dtype == torch.float32 and (quick or device.type == "cpu"):
+            continue
+        rows_here = rows if dtype == torch.bfloat16 else rows // 2
+
+        def inputs(dtype=dtype, rows=rows_here, classes=classes):
+            x = (torch.randn(rows, classes, device=device) * 2).to(dtype).requires_grad_()
+            t = torch.randint(0, classes, (rows,), device=device)
+            t[torch.rand(rows, device=device) < 0.1] = -100
+            return x, t
+
+        def fwd_bwd(loss_fn):
+            return lambda x, t: torch.autograd.grad(loss_fn(x, t), x)
+        upcast = lambda x, t: F.cross_entropy(x.float(), t)
+        size = torch.finfo(dtype).bits // 8
+        impls = {"fastkern": fwd_bwd(fastkern.cross_entropy), "torch": fwd_bwd(F.cross_entropy),
+                 "compile": fwd_bwd(_compiled(lambda x, t: F.cross_entropy(x, t)))}
+        if dtype != torch.float32:
+            impls["torch_fp32"] = fwd_bwd(upcast)
+            torch._dynamo.reset()
+            impls["compile_fp32"] = fwd_bwd(torch.compile(upcast))
+        yield (f"cross_entropy fwd+bwd {str(dtype)[6:]} ({rows_here},{classes})", 3 * rows_here * classes * size,
+               inputs, impls)
+
+
+SUITES = {"gelu": gelu_cases, "softmax": softmax_cases, "attention": bench_attention.attention_cases,
+          "cross_entropy": cross_entropy_cases}
+# suites whose cases also report each implementation's peak memory above its inputs
+MEMORY_SUITES = {"cross_entropy"}
+
+
+def peak_memory_mb(fn, inputs, device):
+    """MB allocated at the peak of one call of fn(*inputs), above what was allocated before it (CUDA;
+    None on the CPU)."""
+    if device.type != "cuda":
+        return None
+    torch.cuda.synchronize(device)
+    base = torch.cuda.memory_allocated(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    out = fn(*inputs)
+    torch.cuda.synchronize(device)
+    peak = torch.cuda.max_memory_allocated(device) - base
+    del out
+    return round(peak / 2**20, 1)
 
 
 def host_overheads(device):
@@ -384,6 +436,8 @@ def run(suites, device=None, quick=False, only=None):
                 continue
             sets = input_sets(make_inputs, device, nbytes)
             timed = time_impls(impls, sets, device, extra.get("repeats", 15), extra.get("calls", 10))
+            peaks = ({impl: peak_memory_mb(fn, sets[0], device) for impl, fn in impls.items()}  # warmed up
+                     if suite in MEMORY_SUITES else None)
             del sets
             times = {impl: ms for impl, (ms, _, _) in timed.items()}
             ours = times["fastkern"]
@@ -399,6 +453,7 @@ def run(suites, device=None, quick=False, only=None):
                 "floor_ms": round(nbytes / copy_gbs / 1e6, 5),
                 "speedup_vs": {k: round(v / ours, 3) for k, v in peers.items()},
                 "best_peer": best_peer,
+                **({"peak_mb": peaks} if peaks else {}),
             })
             if "flops" in extra:
                 report["cases"][-1]["tflops"] = {k: round(extra["flops"] / v / 1e9, 4) for k, v in times.items()}
@@ -422,12 +477,16 @@ def format_table(report):
             continue
         lines.append(f"{c['case']:42s} {c['ms']['fastkern']:11.4f} {c['gbs']['fastkern']:7.0f} "
                      f"{c['pct_of_copy']:6.1f}  {peers}")
+        if c.get("peak_mb") and c["peak_mb"].get("fastkern") is not None:
+            lines.append(f"{'':42s} peak MB: " + "  ".join(f"{k} {v:.0f}" for k, v in c["peak_mb"].items()))
     return "\n".join(lines)
 
 
 def main(argv=None):
     parser = argparse.ArgumentParser(prog="python -m fastkern.bench", description=__doc__.splitlines()[0])
-    parser.add_argument("suite", nargs="?", default="all", choices=["all", *SUITES])
+    parser.add_argument("suite", nargs="?", default="all", choices=["all", *SUITES, "train"],
+                        help="'all' runs every kernel suite; 'train' the end-to-end training step "
+                             "(python -m fastkern.bench train --help)")
     parser.add_argument("--out", help="write the JSON report here")
     parser.add_argument("--device", help="cuda or cpu (default: cuda when available)")
     parser.add_argument("--quick", action="store_true", help="smaller sizes, for a smoke run")
@@ -435,6 +494,10 @@ def main(argv=None):
     parser.add_argument("--markdown", nargs="?", const="", metavar="FILE.json",
                         help="print the README's headline table (Markdown): of FILE.json if given, "
                              "else of this run")
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["train"]:  # its own options: bench_train.py
+        from fastkern import bench_train
+        return bench_train.main(argv[1:])
     args = parser.parse_args(argv)
     if args.markdown:
         with open(args.markdown) as f:

@@ -1,10 +1,23 @@
-"""Drop-in modules for the torch.nn ones fastkern replaces, and a helper that swaps them in."""
+"""Drop-in modules for the torch.nn ones fastkern replaces, and a helper that swaps them in.
+fastkern.patch (patch.py) swaps these and the transformers equivalents into a whole model."""
 import torch
+import torch.nn.functional as F
 
 from . import _backend as B
+from .ops.cross_entropy import cross_entropy
 from .ops.gelu import _gelu_backward, _gelu_backward_op, gelu
-from .ops.matmul import _mm, linear
+from .ops.matmul import _mm, linear, matmul
 from .ops.softmax import log_softmax, softmax
+
+
+def _autocast(x, *params):
+    """x and params in autocast's dtype when autocast is on for x's device (as torch's F.linear is
+    cast): fastkern's ops are custom ops, which autocast does not see."""
+    device = x.device.type
+    if not torch.is_autocast_enabled(device):
+        return (x, *params)
+    dtype = torch.get_autocast_dtype(device)
+    return tuple(t if t is None or t.dtype == dtype else t.to(dtype) for t in (x, *params))
 
 
 class GELU(torch.nn.Module):
@@ -53,7 +66,8 @@ class Linear(torch.nn.Linear):
         self.activation = activation
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
-        return linear(input, self.weight, self.bias, activation=self.activation)
+        input, weight, bias = _autocast(input, self.weight, self.bias)
+        return linear(input, weight, bias, activation=self.activation)
 
     def extra_repr(self) -> str:
         base = super().extra_repr()
@@ -125,6 +139,82 @@ class FusedMLP(torch.nn.Module):
             h = linear(input, fc1.weight, fc1.bias, activation=_MLP_ACTIVATIONS[self.approximate])
             return linear(h, fc2.weight, fc2.bias)
         return _FusedMLPFunction.apply(*args, self.approximate)
+
+
+class CrossEntropyLoss(torch.nn.CrossEntropyLoss):
+    """fastkern's torch.nn.CrossEntropyLoss: same constructor, buffers and repr. (N, C) logits with
+    int64 targets and no class weights go to fastkern.cross_entropy; anything else (a weight, (N, C,
+    d1, ...) inputs, class-probability targets) to torch's own F.cross_entropy."""
+
+    def forward(self, input: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        if (self.weight is None and input.dim() in (1, 2) and target.dtype == torch.int64
+                and input.dim() - target.dim() == 1 and input.device.type in ("cpu", "cuda")):
+            return cross_entropy(input, target, ignore_index=self.ignore_index, reduction=self.reduction,
+                                 label_smoothing=self.label_smoothing)
+        return super().forward(input, target)
+
+
+class Conv1D(torch.nn.Module):
+    """fastkern's transformers Conv1D (GPT-2's linear layer, weight stored (in, out)): the same
+    parameters and state_dict ("weight" (nx, nf), "bias" (nf,)), read in place as matmul's row-major
+    B; `activation` (None, 'gelu', 'gelu_tanh') fuses a GELU after it."""
+
+    def __init__(self, nf: int, nx: int, *, activation=None, device=None, dtype=None) -> None:
+        super().__init__()
+        self.nf, self.nx, self.activation = nf, nx, activation
+        self.weight = torch.nn.Parameter(torch.empty(nx, nf, device=device, dtype=dtype))
+        self.bias = torch.nn.Parameter(torch.zeros(nf, device=device, dtype=dtype))
+        torch.nn.init.normal_(self.weight, std=0.02)
+
+    @classmethod
+    def sharing(cls, conv, activation=None):
+        """A fastkern Conv1D holding `conv`'s own Parameters (no copies, nothing allocated)."""
+        new = cls(conv.nf, conv.weight.shape[0], activation=activation, device="meta", dtype=conv.weight.dtype)
+        new.weight, new.bias = conv.weight, conv.bias
+        return new.train(conv.training)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x, weight, bias = _autocast(x, self.weight, self.bias)
+        return matmul(x, weight, bias=bias, activation=self.activation)
+
+    def extra_repr(self) -> str:
+        base = f"nf={self.nf}, nx={self.nx}"
+        return base if self.activation is None else f"{base}, activation={self.activation!r}"
+
+
+class MultiheadAttention(torch.nn.MultiheadAttention):
+    """torch.nn.MultiheadAttention whose attention runs in fastkern.scaled_dot_product_attention
+    where the call allows it: no attention weights asked for (need_weights=False), no key padding
+    mask, packed q/k/v projections, no bias_k / bias_v / add_zero_attn, batched 3-d inputs. Any
+    other call runs torch's own forward. Same parameters, state_dict and constructor."""
+
+    def forward(self, query, key, value, key_padding_mask=None, need_weights=True, attn_mask=None,
+                average_attn_weights=True, is_causal=False):
+        import fastkern
+        sdpa = getattr(fastkern, "scaled_dot_product_attention", None)
+        if (sdpa is None or need_weights or key_padding_mask is not None or not self._qkv_same_embed_dim
+                or self.bias_k is not None or self.add_zero_attn or query.dim() != 3
+                or (attn_mask is not None and attn_mask.dim() not in (2, 3))):
+            return super().forward(query, key, value, key_padding_mask, need_weights, attn_mask,
+                                   average_attn_weights, is_causal)
+        if not self.batch_first:
+            query, key, value = (t.transpose(0, 1) for t in (query, key, value))
+        b, sq, e = query.shape
+        sk, h = key.shape[1], self.num_heads
+        w = self.in_proj_weight.chunk(3)
+        bias = self.in_proj_bias.chunk(3) if self.in_proj_bias is not None else (None,) * 3
+        q, k, v = (F.linear(t, wi, bi).view(b, -1, h, e // h).transpose(1, 2)
+                   for t, wi, bi in zip((query, key, value), w, bias))
+        mask = None
+        if is_causal and attn_mask is not None:
+            attn_mask = None  # torch's hint: the mask given is the causal one
+        elif attn_mask is not None:  # torch's bool masks mark what is hidden, SDPA's what is seen
+            mask = ~attn_mask if attn_mask.dtype == torch.bool else attn_mask
+            mask = mask.view(b, h, sq, sk) if mask.dim() == 3 else mask
+        out = sdpa(q, k, v, attn_mask=mask, dropout_p=self.dropout if self.training else 0.0,
+                   is_causal=bool(is_causal))
+        out = F.linear(out.transpose(1, 2).reshape(b, sq, e), self.out_proj.weight, self.out_proj.bias)
+        return (out if self.batch_first else out.transpose(0, 1)), None
 
 
 def _legacy_dim(dim, input):
