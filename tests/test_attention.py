@@ -451,6 +451,14 @@ def test_bad_input_cuda():
             fastkern.flash_attn_func(*qkv(1, 4, 4, 2, 2, d, torch.bfloat16, "cuda"))
     with pytest.raises(ValueError, match=re.escape("fastkern.flash_attn_func: k is on cpu but q is on cuda:0")):
         fastkern.flash_attn_func(q, k.cpu(), v)
+    # the SDPA drop-in takes what torch's takes: fp32 and other head dims run torch's, counted
+    fastkern.stats(reset=True)
+    qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
+    for args in ((qt.float(), kt.float(), vt.float()), tuple(t[..., :12] for t in (qt, kt, vt))):
+        torch.testing.assert_close(fastkern.scaled_dot_product_attention(*args),
+                                   F.scaled_dot_product_attention(*args))
+    assert fastkern.stats(reset=True) == {"fallback.scaled_dot_product_attention.dtype": 1,
+                                          "fallback.scaled_dot_product_attention.head_dim": 1}
 
 
 # ---- CUDA: the shapes, the default path and the general (sm_80) kernel forced ---------------

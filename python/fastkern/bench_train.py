@@ -119,7 +119,6 @@ def run(models=("gpt", "hf"), device=None, quick=False, steps=None, warmup=None,
     report = {"suite": "train", "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
               "torch": torch.__version__, "fastkern": fastkern.__version__,
               "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-              "has_fastkern_attention": hasattr(fastkern, "scaled_dot_product_attention"),
               "steps": steps, "warmup": warmup, "patch_off": list(patch_off), "cases": []}
     for name, (make, batch, seq, vocab, forward) in _models(models, quick).items():
         case = {"model": name, "batch": batch, "seq": seq, "ways": {}}
@@ -147,8 +146,7 @@ def _ratio(a, b):
 
 
 def format_table(report):
-    lines = [f"device: {report['device']}   torch {report['torch']}   fastkern attention: "
-             f"{'yes' if report['has_fastkern_attention'] else 'no (left to torch)'}   "
+    lines = [f"device: {report['device']}   torch {report['torch']}   "
              f"{report['steps']} timed steps after {report['warmup']}",
              f"{'model':30s} {'way':20s} {'tokens/s':>10s} {'ms/step':>9s} {'peak GiB':>9s} {'loss':>8s}"]
     for case in report["cases"]:

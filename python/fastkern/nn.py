@@ -191,8 +191,8 @@ class MultiheadAttention(torch.nn.MultiheadAttention):
     def forward(self, query, key, value, key_padding_mask=None, need_weights=True, attn_mask=None,
                 average_attn_weights=True, is_causal=False):
         import fastkern
-        sdpa = getattr(fastkern, "scaled_dot_product_attention", None)
-        if (sdpa is None or need_weights or key_padding_mask is not None or not self._qkv_same_embed_dim
+        sdpa = fastkern.scaled_dot_product_attention  # looked up at call time (tests replace it)
+        if (need_weights or key_padding_mask is not None or not self._qkv_same_embed_dim
                 or self.bias_k is not None or self.add_zero_attn or query.dim() != 3
                 or (attn_mask is not None and attn_mask.dim() not in (2, 3))):
             return super().forward(query, key, value, key_padding_mask, need_weights, attn_mask,

@@ -19,8 +19,7 @@ What it takes over (each group behind its keyword):
                  models that route attention through AttentionInterface get the "fastkern"
                  implementation (registered here with the SDPA mask format; from_pretrained(...,
                  attn_implementation="fastkern") works after `import fastkern` when transformers
-                 was imported first, else after fastkern.register_transformers() or a patch call). Until fastkern has
-                 scaled_dot_product_attention, attention is left to torch and the report says so.
+                 was imported first, else after fastkern.register_transformers() or a patch call).
   cross_entropy  torch.nn.CrossEntropyLoss modules; a transformers causal LM's loss_function (the
                  shifted-label loss, on the 16-bit logits as they are, without the fp32 copy).
 Parameters are shared, never copied: state_dicts, optimizers and hooks on parameters keep working.
@@ -119,7 +118,7 @@ class PatchReport:
 
 def _sdpa():
     import fastkern
-    return getattr(fastkern, "scaled_dot_product_attention", None)
+    return fastkern.scaled_dot_product_attention  # looked up at call time (tests replace it)
 
 
 def attention_forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None,
@@ -127,7 +126,7 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
     """transformers' attention-function signature (AttentionInterface), (B, H, S, D) in, (B, S, H, D)
     out, as its sdpa_attention_forward, computed by fastkern.scaled_dot_product_attention (torch's
     until fastkern has one). The mask comes in SDPA's format (registered with sdpa_mask)."""
-    sdpa = _sdpa() or torch.nn.functional.scaled_dot_product_attention
+    sdpa = _sdpa()
     is_causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
     is_causal = bool(query.shape[2] > 1 and attention_mask is None and is_causal)
     extra = {"enable_gqa": True} if getattr(module, "num_key_value_groups", 1) > 1 else {}
@@ -186,10 +185,6 @@ def _patch_hf_model(model, attention, cross_entropy, report):
         name = type(model).__name__
         if getattr(type(model), "_supports_attention_backend", True) is False:
             report.notes.append(f"attention: {name} does not route attention through AttentionInterface: left")
-        elif _sdpa() is None:
-            register_transformers()
-            report.notes.append("attention: left to torch (this fastkern has no scaled_dot_product_attention "
-                                "yet); attn_implementation='fastkern' is registered and runs torch's SDPA")
         elif not register_transformers():
             report.notes.append("attention: this transformers has no AttentionInterface: left")
         else:
@@ -263,9 +258,6 @@ def _replace(child, flags, report):
         if isinstance(child, torch.nn.Linear) and not isinstance(child, fnn.Linear) and kind.__name__ != "NonDynamicallyQuantizableLinear":
             report.leave(_describe(child), "a Linear subclass (its forward may differ)")
     if flags["attention"] and kind is torch.nn.MultiheadAttention:
-        if _sdpa() is None:
-            report.leave(_describe(child), "left to torch: fastkern has no scaled_dot_product_attention yet")
-            return None
         child.__class__ = fnn.MultiheadAttention  # same state, a forward that calls fastkern where it can
         report.add("torch.MultiheadAttention", "fastkern.MultiheadAttention")
         return None

@@ -91,7 +91,9 @@ bool rows_aligned(const void *p, int64_t batch, int64_t row, int64_t head, bool 
     return p == nullptr || (aligned16(p) && row % 8 == 0 && head % 8 == 0 && (varlen || batch % 8 == 0));
 }
 
-fk_status check_args(const fk_attention_args &x, int backward, const char *op) {
+// Sizes, strides and options; with `pointers`, also that the tensors a launch touches are there
+// (the plan and workspace queries take sizes alone).
+fk_status check_args(const fk_attention_args &x, int backward, const char *op, bool pointers = true) {
     if (x.dtype == FK_FLOAT32 || x.dtype == FK_FLOAT64)
         return fk_fail(FK_ERR_TYPE, "%s: CUDA attention supports float16 and bfloat16, not %s", op,
                        x.dtype == FK_FLOAT32 ? "float32" : "float64");
@@ -119,7 +121,7 @@ fk_status check_args(const fk_attention_args &x, int backward, const char *op) {
     if (x.heads > 65535 || x.batch > (x.d > 128 ? 32767 : 65535))  // grid.y, grid.z (D 256 bwd: 2 z a sequence)
         return fk_fail(FK_ERR_VALUE, "%s: at most 65535 heads and %d sequences (heads %lld, batch %lld)", op,
                        x.d > 128 ? 32767 : 65535, (long long)x.heads, (long long)x.batch);
-    if (nothing_to_do(x, backward)) return FK_OK;
+    if (!pointers || nothing_to_do(x, backward)) return FK_OK;
     // Empty sides may come as NULL (an empty torch tensor's data pointer).
     if (x.sq > 0 && (!x.q || !x.out || !x.lse || (backward && (!x.dout || !x.dq))))
         return fk_fail(FK_ERR_VALUE, "%s: q, out, lse%s must not be NULL", op, backward ? ", dout and dq" : "");
@@ -191,7 +193,7 @@ fk_status run(const fk_attention_args *args, int backward, int device, void *str
 }  // namespace fk::attn
 
 extern "C" int64_t fk_cuda_attention_workspace(const fk_attention_args *args, int backward, int device) {
-    if (fk::attn::check_args(*args, backward, backward ? "attention_bwd" : "attention_fwd") != FK_OK) return 0;
+    if (fk::attn::check_args(*args, backward, backward ? "attention_bwd" : "attention_fwd", false) != FK_OK) return 0;
     fk::DeviceGuard guard(device);
     if (guard.error != cudaSuccess) return 0;
     return fk::attn::plan_attention(*args, backward, fk::attn::device_sms(device)).workspace_bytes;
@@ -206,7 +208,8 @@ extern "C" fk_status fk_cuda_attention_bwd(const fk_attention_args *args, int de
 }
 
 extern "C" const char *fk_cuda_attention_plan(const fk_attention_args *args, int backward, int device) {
-    if (fk::attn::check_args(*args, backward, backward ? "attention_bwd" : "attention_fwd") != FK_OK) return nullptr;
+    if (fk::attn::check_args(*args, backward, backward ? "attention_bwd" : "attention_fwd", false) != FK_OK)
+        return nullptr;
     fk::DeviceGuard guard(device);
     if (guard.error != cudaSuccess) return nullptr;
     return fk::attn::strategy_name(fk::attn::plan_attention(*args, backward, fk::attn::device_sms(device)).strategy);

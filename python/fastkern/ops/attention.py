@@ -322,6 +322,10 @@ def _sdpa_unsupported(query, key, value, attn_mask, dropout_p):
         return "value_head_dim"
     if key.shape[:-1] != value.shape[:-1] or key.shape[0] != query.shape[0]:
         return "shapes"  # batch broadcasting, or shapes torch itself refuses with its own message
+    if query.is_cuda and query.dtype not in (torch.float16, torch.bfloat16):
+        return "dtype"  # fp32 SDPA on the GPU (a drop-in must take what torch takes)
+    if query.is_cuda and (query.shape[-1] % 8 or query.shape[-1] > 256):
+        return "head_dim"
     return None
 
 
@@ -330,8 +334,8 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     """torch.nn.functional.scaled_dot_product_attention with torch's layout (B, H, S, D) (or (B, S, D))
     and semantics: is_causal masks top-left aligned (key j > query i), scale defaults to D ** -0.5,
     enable_gqa lets H be a multiple of key / value's heads. A general attn_mask, dropout_p > 0, a
-    value head dim other than the query's, broadcast batch dims or other ranks run torch's SDPA
-    instead, counted in fastkern.stats() (NotImplementedError after fastkern.set_fallback(False))."""
+    value head dim other than the query's, broadcast batch dims, other ranks, and on the GPU fp32 or a
+    head dim not a multiple of 8 up to 256 run torch's SDPA instead, counted in fastkern.stats() (NotImplementedError after fastkern.set_fallback(False))."""
     op = "scaled_dot_product_attention"
     for name, t in (("query", query), ("key", key), ("value", value)):
         B.check_tensor(t, op, name)
