@@ -6,7 +6,7 @@
 // fwd  16-bit  sm_80+  query-tile CTAs < SMs and >= 4 key tiles a      fwd_split_mma_sm80 one query still
 //                      CTA: splits = min(floor(2 SMs / CTAs), key                        fills the GPU
 //                      tiles / 2, 64) >= 2                                               (flash-decoding)
-// fwd  16-bit  sm_90   d 64 or 128, not varlen, no GQA packing,      fwd_wgmma_sm90    TMA + wgmma,
+// fwd  16-bit  sm_90   d 64 or 128, sk > 0, not varlen, no GQA pack, fwd_wgmma_sm90    TMA + wgmma,
 //                      q / k / v bases and strides 16-byte aligned,                      ping-pong
 //                      built for sm_90a, not FK_ATTN_FORCE_GENERAL                       consumers
 // fwd  16-bit  sm_80+  otherwise                                      fwd_mma_sm80      the general kernel
@@ -67,9 +67,11 @@ int64_t split_lse_floats(int64_t splits, const fk_attention_args &x) {
     return (splits * x.batch * x.heads * x.sq + 3) / 4 * 4;
 }
 
-// TMA describes a tensor whose base and (row, head, sequence) strides are 16-byte aligned.
-bool tma_ok(const void *p, int64_t row, int64_t head, int64_t batch) {
-    return aligned16(p) && row % 8 == 0 && head % 8 == 0 && batch % 8 == 0;
+// TMA describes a tensor whose base and (row, head, sequence) strides are 16-byte aligned and
+// whose strides are non-zero where their dimension has more than one index.
+bool tma_ok(const void *p, int64_t row, int64_t head, int64_t batch, const fk_attention_args &x, int64_t heads) {
+    return aligned16(p) && row % 8 == 0 && head % 8 == 0 && batch % 8 == 0 && row > 0 && (heads == 1 || head > 0) &&
+           (x.batch == 1 || batch > 0);
 }
 
 // Pure: the strategy, instance and workspace for `x` on a device of `sms` SMs, of compute
@@ -101,8 +103,8 @@ Plan plan_attention(const fk_attention_args &x, int backward, int sms, int major
         }
     }
     if (major == 9 && kBuiltForSm90a && !(x.flags & FK_ATTN_FORCE_GENERAL) && (x.d == 64 || x.d == 128) &&
-        x.cu_seqlens_q == nullptr && !plan.pack_gqa && tma_ok(x.q, x.q_row, x.q_head, x.q_batch) &&
-        tma_ok(x.k, x.k_row, x.k_head, x.k_batch) && tma_ok(x.v, x.v_row, x.v_head, x.v_batch)) {
+        x.sk > 0 && x.cu_seqlens_q == nullptr && !plan.pack_gqa && tma_ok(x.q, x.q_row, x.q_head, x.q_batch, x, x.heads) &&
+        tma_ok(x.k, x.k_row, x.k_head, x.k_batch, x, x.kv_heads) && tma_ok(x.v, x.v_row, x.v_head, x.v_batch, x, x.kv_heads)) {
         plan.strategy = Strategy::kFwdWgmmaSm90;
         plan.d_bucket = (int)x.d;
     }
