@@ -32,6 +32,9 @@
 #ifndef FK_ATTN_PINGPONG  // A/B switch: consumer warpgroups take turns issuing their matmuls
 #define FK_ATTN_PINGPONG 1
 #endif
+#ifndef FK_ATTN_D64_CONSUMERS  // A/B switch: consumer warpgroups (64 query rows each) at D 64
+#define FK_ATTN_D64_CONSUMERS 3
+#endif
 
 namespace fk::attn {
 namespace {
@@ -40,24 +43,31 @@ using mm::wgmma_m64n128k16;
 using mm::wgmma_m64n128k16_rs;
 using mm::wgmma_m64n64k16_rs;
 
-constexpr int kBM = 128, kBN = 128;                  // query rows a CTA, keys a K / V tile
-constexpr int kConsumers = 2, kThreads = 128 * (1 + kConsumers);
+constexpr int kBN = 128;                             // keys a K / V tile
 constexpr int kBoxCols = 64;                         // a 128-byte swizzled TMA box is 64 columns wide
 constexpr float kLn2 = 0.693147180559945309f;
 
-// D 128: two stages fill 160 KB; D 64 affords a third (112 KB), one more tile of TMA latency hidden.
+// D 128: two consumer warpgroups (O 64 + S 64 + P 32 registers need 240 a thread), two stages fill
+// 160 KB. D 64: three consumers at 160 registers (O 32 + S 64 + P 32), 192 query rows, three stages
+// (120 KB): each K / V tile serves more rows, and a third warpgroup's softmax hides under two
+// others' matmuls. Registers: 128 x producer + consumers x 128 x consumer <= 64 K.
 template <int D> struct Cfg {
+    static constexpr int kConsumers = D == 64 ? FK_ATTN_D64_CONSUMERS : 2;
+    static constexpr int kBM = 64 * kConsumers, kThreads = 128 * (1 + kConsumers);
     static constexpr int kStages = D == 64 ? 3 : 2;
+    static constexpr int kRegsProducer = kConsumers == 2 ? 24 : 32, kRegsConsumer = kConsumers == 2 ? 240 : 160;
     static constexpr int kBoxes = D / kBoxCols;
     static constexpr uint32_t kQBytes = kBM * D * 2, kKVBytes = kBN * D * 2;
+    static_assert(128 * (kRegsProducer + kConsumers * kRegsConsumer) <= 65536, "register file");
 };
 
-// Named barriers: 0 is __syncthreads; warpgroup c waits on kTurn0 + c for its turn on the tensor cores.
+// Named barriers: 0 is __syncthreads; consumer warpgroup c waits on kTurn0 + c for its turn on the
+// tensor cores (ids 1 .. kConsumers).
 enum NamedBarrier { kTurn0 = 1 };
 
 template <typename T, int D> struct Smem {
     static constexpr int kStages = Cfg<D>::kStages;
-    alignas(1024) T q[kBM * D];             // D / 64 boxes of 128 rows x 64 columns
+    alignas(1024) T q[Cfg<D>::kBM * D];     // D / 64 boxes of kBM rows x 64 columns
     alignas(1024) T k[kStages][kBN * D];    // the same, 128 keys
     alignas(1024) T v[kStages][kBN * D];
     uint64_t q_loaded, k_full[kStages], k_empty[kStages], v_full[kStages], v_empty[kStages];
@@ -79,10 +89,13 @@ struct Work {
     Seq s;
     int b, h, g, m0, t_lo, t_hi;
 };
-__device__ __forceinline__ Work work_of(const Params &p) {
+template <int kBM> __device__ __forceinline__ Work work_of(const Params &p) {
     Work w;
     w.b = blockIdx.z, w.h = blockIdx.y, w.g = w.h / (int)(p.heads / p.kv_heads);
-    w.s = seq_of(p, w.b);
+    // Dense batches only (the plan keeps varlen on sm_80): the geometry comes from the constant
+    // bank and costs the consumers no registers across the key loop.
+    w.s.q0 = (int64_t)w.b * p.sq, w.s.k0 = (int64_t)w.b * p.sk, w.s.sq = (int)p.sq, w.s.sk = (int)p.sk;
+    w.s.shift = p.top_left ? 0 : p.sk - p.sq;
     w.m0 = (gridDim.x - 1 - blockIdx.x) * kBM;  // causal: the tiles with the most keys start first
     const Range keys = key_range(p, w.s, w.m0, min(w.m0 + kBM, w.s.sq));
     w.t_lo = keys.lo / kBN;
@@ -98,7 +111,7 @@ __device__ __forceinline__ void producer(Smem<T, D> &s, const CUtensorMap *map_q
     mbar_arrive_expect_tx(&s.q_loaded, C::kQBytes);
 #pragma unroll
     for (int box = 0; box < C::kBoxes; box++)
-        tma_load_4d(s.q + box * kBM * kBoxCols, map_q, &s.q_loaded, box * kBoxCols, w.m0, w.h, w.b);
+        tma_load_4d(s.q + box * C::kBM * kBoxCols, map_q, &s.q_loaded, box * kBoxCols, w.m0, w.h, w.b);
     Stage<C::kStages> ks, vs;
     for (int t = w.t_lo; t <= w.t_hi; t++) {
         if (t < w.t_hi) {
@@ -128,7 +141,7 @@ template <typename T, int D>
 __device__ __forceinline__ void issue_qk(float (&sc)[kBN / 2], const T *q, const T *k, int c) {
 #pragma unroll
     for (int kk = 0; kk < D / 16; kk++) {
-        const uint64_t dq = smem_desc_sw128(q + (kk / 4) * kBM * kBoxCols + c * 64 * kBoxCols + (kk % 4) * 16, 16, 1024);
+        const uint64_t dq = smem_desc_sw128(q + (kk / 4) * Cfg<D>::kBM * kBoxCols + c * 64 * kBoxCols + (kk % 4) * 16, 16, 1024);
         const uint64_t dk = smem_desc_sw128(k + (kk / 4) * kBN * kBoxCols + (kk % 4) * 16, 16, 1024);
         wgmma_m64n128k16<T, 0, 0>(sc, dq, dk, kk > 0);
     }
@@ -159,21 +172,20 @@ __device__ __forceinline__ void softmax_tile(float (&sc)[kBN / 2], float (&row_m
         for (int e = 0; e < kBN / 2; e++) sc[e] *= p.scale_log2;
     }
     if (!tile_visible(p, s, wm0, 64, n0, kBN)) {
-        // Keys [lo, hi) of the tile that rows r0 and r0 + 8 see, in tile columns (empty past sq).
-        int lo[2], hi[2];
 #pragma unroll
         for (int hr = 0; hr < 2; hr++) {
+            // Keys [lo, hi) of the tile that row r0 + 8 hr sees, in tile columns (empty past sq).
             const int64_t i = r0 + 8 * hr;
             int64_t a = 0, z = i < s.sq ? s.sk : 0;
             if (p.window_left >= 0) a = max(a, i + s.shift - p.window_left);
             if (p.window_right >= 0) z = min(z, i + s.shift + p.window_right + 1);
-            lo[hr] = (int)min(max(a - n0, (int64_t)0), (int64_t)kBN);
-            hi[hr] = (int)min(max(z - n0, (int64_t)0), (int64_t)kBN);
-        }
+            const int lo = (int)min(max(a - n0, (int64_t)0), (int64_t)kBN) - 2 * (lane & 3);
+            const int hi = (int)min(max(z - n0, (int64_t)0), (int64_t)kBN) - 2 * (lane & 3);
 #pragma unroll
-        for (int e = 0; e < kBN / 2; e++) {
-            const int hr = (e >> 1) & 1, j = 8 * (e >> 2) + 2 * (lane & 3) + (e & 1);
-            if (j < lo[hr] || j >= hi[hr]) sc[e] = -INFINITY;
+            for (int j = 0; j < kBN / 8; j++)
+#pragma unroll
+                for (int e = 0; e < 2; e++)
+                    if (8 * j + e < lo || 8 * j + e >= hi) sc[4 * j + 2 * hr + e] = -INFINITY;
         }
     }
 #pragma unroll
@@ -213,14 +225,15 @@ template <int N> __device__ __forceinline__ void rescale(float (&o)[N], const fl
     for (int e = 0; e < N; e++) o[e] *= alpha[(e >> 1) & 1];
 }
 
-// Ping-pong: warpgroup c issues its matmuls between turn_begin and turn_end; the other warpgroup's
-// turn follows. Warpgroup 1 opens with an arrival that lets warpgroup 0 go first and skips its
-// last, so every wait on a barrier meets exactly one arrival.
-__device__ __forceinline__ void turn_begin(int c) {
+// Ping-pong: warpgroup c issues its matmuls between turn_begin and turn_end; warpgroup c + 1's
+// turn follows (round robin). The last warpgroup opens with an arrival that lets warpgroup 0 go
+// first and skips its last one, so every wait on a barrier meets exactly one arrival.
+template <int kConsumers> __device__ __forceinline__ void turn_begin(int c) {
     if (FK_ATTN_PINGPONG) named_barrier_sync(kTurn0 + c, 2 * 128);
 }
-__device__ __forceinline__ void turn_end(int c, bool last) {
-    if (FK_ATTN_PINGPONG && !(c == 1 && last)) named_barrier_arrive(kTurn0 + (c ^ 1), 2 * 128);
+template <int kConsumers> __device__ __forceinline__ void turn_end(int c, bool last) {
+    if (FK_ATTN_PINGPONG && !(c == kConsumers - 1 && last))
+        named_barrier_arrive(kTurn0 + (c + 1 == kConsumers ? 0 : c + 1), 2 * 128);
 }
 
 template <typename T, int D>
@@ -245,6 +258,7 @@ __device__ __forceinline__ void epilogue(const Params &p, const Work &w, const f
 template <typename T, int D>
 __device__ __forceinline__ void consumer(Smem<T, D> &s, const Params &p, const Work &w) {
     using C = Cfg<D>;
+    constexpr int kC = C::kConsumers;
     const int c = threadIdx.x / 128 - 1, t = threadIdx.x % 128;
     const int wm0 = w.m0 + 64 * c, r0 = wm0 + 16 * (t / 32) + (t % 32) / 4;  // rows r0 and r0 + 8
     // The scale folds into the exponent's FFMA when positive; any other scale multiplies S first.
@@ -257,13 +271,13 @@ __device__ __forceinline__ void consumer(Smem<T, D> &s, const Params &p, const W
     Stage<C::kStages> ks, vs;
     mbar_wait(&s.q_loaded, 0);
     if (w.t_lo < w.t_hi) {
-        if (c == 1) turn_end(1, false);  // warpgroup 0 goes first
-        turn_begin(c);
+        if (c == kC - 1) turn_end<kC>(c, false);  // warpgroup 0 goes first
+        turn_begin<kC>(c);
         mbar_wait(&s.k_full[ks.slot], ks.phase);
         wgmma_fence();
         issue_qk<T, D>(sc, s.q, s.k[ks.slot], c);
         wgmma_commit();
-        turn_end(c, false);
+        turn_end<kC>(c, false);
         wgmma_wait<0>();
         wgmma_fence_operands(sc);
         if (t == 0) mbar_arrive(&s.k_empty[ks.slot]);
@@ -271,7 +285,7 @@ __device__ __forceinline__ void consumer(Smem<T, D> &s, const Params &p, const W
         softmax_tile(sc, row_max, row_sum, alpha, p, w.s, wm0, r0, w.t_lo * kBN, fold, mul);
         pack_p<T>(pa, sc);
         for (int kt = w.t_lo + 1; kt < w.t_hi; kt++) {
-            turn_begin(c);
+            turn_begin<kC>(c);
             mbar_wait(&s.k_full[ks.slot], ks.phase);
             wgmma_fence();
             issue_qk<T, D>(sc, s.q, s.k[ks.slot], c);
@@ -279,7 +293,7 @@ __device__ __forceinline__ void consumer(Smem<T, D> &s, const Params &p, const W
             mbar_wait(&s.v_full[vs.slot], vs.phase);
             issue_pv<T, D>(o, pa, s.v[vs.slot]);
             wgmma_commit();
-            turn_end(c, false);
+            turn_end<kC>(c, false);
             wgmma_wait<1>();  // S_t is ready; P_(t-1) V_(t-1) still runs under its softmax
             wgmma_fence_operands(sc);
             if (t == 0) mbar_arrive(&s.k_empty[ks.slot]);
@@ -292,12 +306,12 @@ __device__ __forceinline__ void consumer(Smem<T, D> &s, const Params &p, const W
             rescale(o, alpha);
             pack_p<T>(pa, sc);
         }
-        turn_begin(c);
+        turn_begin<kC>(c);
         mbar_wait(&s.v_full[vs.slot], vs.phase);
         wgmma_fence();
         issue_pv<T, D>(o, pa, s.v[vs.slot]);
         wgmma_commit();
-        turn_end(c, true);
+        turn_end<kC>(c, true);
         wgmma_wait<0>();
         wgmma_fence_operands(o);
         if (t == 0) mbar_arrive(&s.v_empty[vs.slot]);
@@ -306,7 +320,7 @@ __device__ __forceinline__ void consumer(Smem<T, D> &s, const Params &p, const W
 }
 
 template <typename T, int D>
-__global__ void __launch_bounds__(kThreads, 1)
+__global__ void __launch_bounds__(Cfg<D>::kThreads, 1)
     attention_fwd_wgmma_sm90(const __grid_constant__ CUtensorMap map_q, const __grid_constant__ CUtensorMap map_k,
                              const __grid_constant__ CUtensorMap map_v, const Params p) {
 #if FK_SM90A
@@ -315,20 +329,20 @@ __global__ void __launch_bounds__(kThreads, 1)
     if (threadIdx.x == 0) {
         mbar_init(&s.q_loaded, 1);
         for (int i = 0; i < Cfg<D>::kStages; i++) {
-            mbar_init(&s.k_full[i], 1), mbar_init(&s.k_empty[i], kConsumers);
-            mbar_init(&s.v_full[i], 1), mbar_init(&s.v_empty[i], kConsumers);
+            mbar_init(&s.k_full[i], 1), mbar_init(&s.k_empty[i], Cfg<D>::kConsumers);
+            mbar_init(&s.v_full[i], 1), mbar_init(&s.v_empty[i], Cfg<D>::kConsumers);
         }
         fence_barrier_init();
         prefetch_tensormap(&map_q), prefetch_tensormap(&map_k), prefetch_tensormap(&map_v);
     }
     __syncthreads();
     grid_dependency_sync();
-    const Work w = work_of(p);
+    const Work w = work_of<Cfg<D>::kBM>(p);
     if (threadIdx.x < 128) {
-        setmaxnreg_dec<24>();
+        setmaxnreg_dec<Cfg<D>::kRegsProducer>();
         if (threadIdx.x == 0) producer<T, D>(s, &map_q, &map_k, &map_v, w);
     } else {
-        setmaxnreg_inc<240>();
+        setmaxnreg_inc<Cfg<D>::kRegsConsumer>();
         consumer<T, D>(s, p, w);
     }
 #endif
@@ -368,15 +382,16 @@ bool encode(CUtensorMap *map, fk_dtype dtype, const void *base, int64_t d, int64
 
 template <typename T, int D> fk_status launch(const Params &p, fk_dtype dtype, int device, cudaStream_t stream) {
     CUtensorMap map_q, map_k, map_v;
-    if (!encode(&map_q, dtype, p.q, D, p.sq, p.heads, p.batch, p.q_row, p.q_head, p.q_batch, kBM) ||
+    using C = Cfg<D>;
+    if (!encode(&map_q, dtype, p.q, D, p.sq, p.heads, p.batch, p.q_row, p.q_head, p.q_batch, C::kBM) ||
         !encode(&map_k, dtype, p.k, D, p.sk, p.kv_heads, p.batch, p.k_row, p.k_head, p.k_batch, kBN) ||
         !encode(&map_v, dtype, p.v, D, p.sk, p.kv_heads, p.batch, p.v_row, p.v_head, p.v_batch, kBN))
         return fk_fail(FK_ERR_RUNTIME, "attention_fwd: cuTensorMapEncodeTiled failed");
     constexpr auto kernel = attention_fwd_wgmma_sm90<T, D>;
     cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes<D>);
     if (e != cudaSuccess) return cuda_status(e, "attention_fwd");
-    const dim3 grid((unsigned)((p.sq + kBM - 1) / kBM), (unsigned)p.heads, (unsigned)p.batch);
-    return Launch(grid, dim3(kThreads), kSmemBytes<D>, stream, device)("attention_fwd", kernel, map_q, map_k, map_v, p);
+    const dim3 grid((unsigned)((p.sq + C::kBM - 1) / C::kBM), (unsigned)p.heads, (unsigned)p.batch);
+    return Launch(grid, dim3(C::kThreads), kSmemBytes<D>, stream, device)("attention_fwd", kernel, map_q, map_k, map_v, p);
 }
 
 }  // namespace
