@@ -35,6 +35,9 @@
 #ifndef FK_ATTN_D64_CONSUMERS  // A/B switch: consumer warpgroups (64 query rows each) at D 64
 #define FK_ATTN_D64_CONSUMERS 3
 #endif
+#ifndef FK_ATTN_D128_BN  // A/B switch: keys a K / V tile at D 128 (128, or 176 as FlashAttention-3)
+#define FK_ATTN_D128_BN 128
+#endif
 
 namespace fk::attn {
 namespace {
@@ -43,7 +46,6 @@ using mm::wgmma_m64n128k16;
 using mm::wgmma_m64n128k16_rs;
 using mm::wgmma_m64n64k16_rs;
 
-constexpr int kBN = 128;                             // keys a K / V tile
 constexpr int kBoxCols = 64;                         // a 128-byte swizzled TMA box is 64 columns wide
 constexpr float kLn2 = 0.693147180559945309f;
 
@@ -53,7 +55,8 @@ constexpr float kLn2 = 0.693147180559945309f;
 // others' matmuls. Registers: 128 x producer + consumers x 128 x consumer <= 64 K.
 template <int D> struct Cfg {
     static constexpr int kConsumers = D == 64 ? FK_ATTN_D64_CONSUMERS : 2;
-    static constexpr int kBM = 64 * kConsumers, kThreads = 128 * (1 + kConsumers);
+    static constexpr int kBM = 64 * kConsumers, kBN = D == 64 ? 128 : FK_ATTN_D128_BN;  // query rows, keys
+    static constexpr int kThreads = 128 * (1 + kConsumers);
     static constexpr int kStages = D == 64 ? 3 : 2;
     static constexpr int kRegsProducer = kConsumers == 2 ? 24 : 32, kRegsConsumer = kConsumers == 2 ? 240 : 160;
     static constexpr int kBoxes = D / kBoxCols;
@@ -68,8 +71,8 @@ enum NamedBarrier { kTurn0 = 1 };
 template <typename T, int D> struct Smem {
     static constexpr int kStages = Cfg<D>::kStages;
     alignas(1024) T q[Cfg<D>::kBM * D];     // D / 64 boxes of kBM rows x 64 columns
-    alignas(1024) T k[kStages][kBN * D];    // the same, 128 keys
-    alignas(1024) T v[kStages][kBN * D];
+    alignas(1024) T k[kStages][Cfg<D>::kBN * D];  // the same, kBN keys
+    alignas(1024) T v[kStages][Cfg<D>::kBN * D];
     uint64_t q_loaded, k_full[kStages], k_empty[kStages], v_full[kStages], v_empty[kStages];
 };
 template <int D> constexpr int kSmemBytes = sizeof(Smem<__half, D>) + 1024;  // + room to align to 1024
@@ -89,7 +92,7 @@ struct Work {
     Seq s;
     int b, h, g, m0, t_lo, t_hi;
 };
-template <int kBM> __device__ __forceinline__ Work work_of(const Params &p) {
+template <int kBM, int kBN> __device__ __forceinline__ Work work_of(const Params &p) {
     Work w;
     w.b = blockIdx.z, w.h = blockIdx.y, w.g = w.h / (int)(p.heads / p.kv_heads);
     // Dense batches only (the plan keeps varlen on sm_80): the geometry comes from the constant
@@ -108,6 +111,7 @@ template <typename T, int D>
 __device__ __forceinline__ void producer(Smem<T, D> &s, const CUtensorMap *map_q, const CUtensorMap *map_k,
                                          const CUtensorMap *map_v, const Work &w) {
     using C = Cfg<D>;
+    constexpr int kBN = C::kBN;
     mbar_arrive_expect_tx(&s.q_loaded, C::kQBytes);
 #pragma unroll
     for (int box = 0; box < C::kBoxes; box++)
@@ -137,19 +141,20 @@ __device__ __forceinline__ void producer(Smem<T, D> &s, const CUtensorMap *map_q
 
 // S = Q Kᵀ for warpgroup c's 64 rows: K-major operands, 128-byte rows of a box, 8-row groups 1024
 // bytes apart; a k16 step is 32 bytes along a row, every fourth one moves to the next box.
-template <typename T, int D>
+template <typename T, int D, int kBN>
 __device__ __forceinline__ void issue_qk(float (&sc)[kBN / 2], const T *q, const T *k, int c) {
 #pragma unroll
     for (int kk = 0; kk < D / 16; kk++) {
         const uint64_t dq = smem_desc_sw128(q + (kk / 4) * Cfg<D>::kBM * kBoxCols + c * 64 * kBoxCols + (kk % 4) * 16, 16, 1024);
         const uint64_t dk = smem_desc_sw128(k + (kk / 4) * kBN * kBoxCols + (kk % 4) * 16, 16, 1024);
-        wgmma_m64n128k16<T, 0, 0>(sc, dq, dk, kk > 0);
+        if constexpr (kBN == 128) wgmma_m64n128k16<T, 0, 0>(sc, dq, dk, kk > 0);
+        else mm::wgmma_m64n176k16<T, 0, 0>(sc, dq, dk, kk > 0);
     }
 }
 
 // O += P V: V is N-major (d contiguous): 64-column boxes kBN x 128 bytes apart (the leading byte
 // offset), a k16 step is 16 key rows = 2048 bytes.
-template <typename T, int D>
+template <typename T, int D, int kBN>
 __device__ __forceinline__ void issue_pv(float (&o)[D / 2], const uint32_t (&pa)[kBN / 16][4], const T *v) {
 #pragma unroll
     for (int kk = 0; kk < kBN / 16; kk++) {
@@ -163,6 +168,7 @@ __device__ __forceinline__ void issue_pv(float (&o)[D / 2], const uint32_t (&pa)
 // (hr 1); n8 block j, columns 8 j + 2 (lane % 4) (+ 1): acc[4 j + 2 hr] and acc[4 j + 2 hr + 1].
 // Masks S (tiles crossing the band or the sequence end), then the online softmax: new running max,
 // S <- 2^(S mul - max mul), running sum; alpha = the factor O must still be rescaled by.
+template <int kBN>
 __device__ __forceinline__ void softmax_tile(float (&sc)[kBN / 2], float (&row_max)[2], float (&row_sum)[2],
                                              float (&alpha)[2], const Params &p, const Seq &s, int wm0, int r0,
                                              int n0, bool fold, float mul) {
@@ -212,7 +218,7 @@ __device__ __forceinline__ void softmax_tile(float (&sc)[kBN / 2], float (&row_m
 }
 
 // The m64nN accumulator layout is the register-A layout of the next wgmma: P_t as 16-bit pairs.
-template <typename T>
+template <typename T, int kBN>
 __device__ __forceinline__ void pack_p(uint32_t (&pa)[kBN / 16][4], const float (&sc)[kBN / 2]) {
 #pragma unroll
     for (int kk = 0; kk < kBN / 16; kk++)
@@ -258,7 +264,7 @@ __device__ __forceinline__ void epilogue(const Params &p, const Work &w, const f
 template <typename T, int D>
 __device__ __forceinline__ void consumer(Smem<T, D> &s, const Params &p, const Work &w) {
     using C = Cfg<D>;
-    constexpr int kC = C::kConsumers;
+    constexpr int kC = C::kConsumers, kBN = C::kBN;
     const int c = threadIdx.x / 128 - 1, t = threadIdx.x % 128;
     const int wm0 = w.m0 + 64 * c, r0 = wm0 + 16 * (t / 32) + (t % 32) / 4;  // rows r0 and r0 + 8
     // The scale folds into the exponent's FFMA when positive; any other scale multiplies S first.
@@ -275,41 +281,41 @@ __device__ __forceinline__ void consumer(Smem<T, D> &s, const Params &p, const W
         turn_begin<kC>(c);
         mbar_wait(&s.k_full[ks.slot], ks.phase);
         wgmma_fence();
-        issue_qk<T, D>(sc, s.q, s.k[ks.slot], c);
+        issue_qk<T, D, kBN>(sc, s.q, s.k[ks.slot], c);
         wgmma_commit();
         turn_end<kC>(c, false);
         wgmma_wait<0>();
         wgmma_fence_operands(sc);
         if (t == 0) mbar_arrive(&s.k_empty[ks.slot]);
         ks.next();
-        softmax_tile(sc, row_max, row_sum, alpha, p, w.s, wm0, r0, w.t_lo * kBN, fold, mul);
-        pack_p<T>(pa, sc);
+        softmax_tile<kBN>(sc, row_max, row_sum, alpha, p, w.s, wm0, r0, w.t_lo * kBN, fold, mul);
+        pack_p<T, kBN>(pa, sc);
         for (int kt = w.t_lo + 1; kt < w.t_hi; kt++) {
             turn_begin<kC>(c);
             mbar_wait(&s.k_full[ks.slot], ks.phase);
             wgmma_fence();
-            issue_qk<T, D>(sc, s.q, s.k[ks.slot], c);
+            issue_qk<T, D, kBN>(sc, s.q, s.k[ks.slot], c);
             wgmma_commit();
             mbar_wait(&s.v_full[vs.slot], vs.phase);
-            issue_pv<T, D>(o, pa, s.v[vs.slot]);
+            issue_pv<T, D, kBN>(o, pa, s.v[vs.slot]);
             wgmma_commit();
             turn_end<kC>(c, false);
             wgmma_wait<1>();  // S_t is ready; P_(t-1) V_(t-1) still runs under its softmax
             wgmma_fence_operands(sc);
             if (t == 0) mbar_arrive(&s.k_empty[ks.slot]);
             ks.next();
-            softmax_tile(sc, row_max, row_sum, alpha, p, w.s, wm0, r0, kt * kBN, fold, mul);
+            softmax_tile<kBN>(sc, row_max, row_sum, alpha, p, w.s, wm0, r0, kt * kBN, fold, mul);
             wgmma_wait<0>();
             wgmma_fence_operands(o);
             if (t == 0) mbar_arrive(&s.v_empty[vs.slot]);
             vs.next();
             rescale(o, alpha);
-            pack_p<T>(pa, sc);
+            pack_p<T, kBN>(pa, sc);
         }
         turn_begin<kC>(c);
         mbar_wait(&s.v_full[vs.slot], vs.phase);
         wgmma_fence();
-        issue_pv<T, D>(o, pa, s.v[vs.slot]);
+        issue_pv<T, D, kBN>(o, pa, s.v[vs.slot]);
         wgmma_commit();
         turn_end<kC>(c, true);
         wgmma_wait<0>();
@@ -337,7 +343,7 @@ __global__ void __launch_bounds__(Cfg<D>::kThreads, 1)
     }
     __syncthreads();
     grid_dependency_sync();
-    const Work w = work_of<Cfg<D>::kBM>(p);
+    const Work w = work_of<Cfg<D>::kBM, Cfg<D>::kBN>(p);
     if (threadIdx.x < 128) {
         setmaxnreg_dec<Cfg<D>::kRegsProducer>();
         if (threadIdx.x == 0) producer<T, D>(s, &map_q, &map_k, &map_v, w);
@@ -384,8 +390,8 @@ template <typename T, int D> fk_status launch(const Params &p, fk_dtype dtype, i
     CUtensorMap map_q, map_k, map_v;
     using C = Cfg<D>;
     if (!encode(&map_q, dtype, p.q, D, p.sq, p.heads, p.batch, p.q_row, p.q_head, p.q_batch, C::kBM) ||
-        !encode(&map_k, dtype, p.k, D, p.sk, p.kv_heads, p.batch, p.k_row, p.k_head, p.k_batch, kBN) ||
-        !encode(&map_v, dtype, p.v, D, p.sk, p.kv_heads, p.batch, p.v_row, p.v_head, p.v_batch, kBN))
+        !encode(&map_k, dtype, p.k, D, p.sk, p.kv_heads, p.batch, p.k_row, p.k_head, p.k_batch, C::kBN) ||
+        !encode(&map_v, dtype, p.v, D, p.sk, p.kv_heads, p.batch, p.v_row, p.v_head, p.v_batch, C::kBN))
         return fk_fail(FK_ERR_RUNTIME, "attention_fwd: cuTensorMapEncodeTiled failed");
     constexpr auto kernel = attention_fwd_wgmma_sm90<T, D>;
     cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes<D>);
