@@ -35,6 +35,9 @@
 #ifndef FK_ATTN_D64_CONSUMERS  // A/B switch: consumer warpgroups (64 query rows each) at D 64
 #define FK_ATTN_D64_CONSUMERS 3
 #endif
+#ifndef FK_ATTN_PERSISTENT  // A/B switch: one CTA an SM walking the query tiles (0: one CTA a tile)
+#define FK_ATTN_PERSISTENT 1
+#endif
 #ifndef FK_ATTN_D128_BN  // A/B switch: keys a K / V tile at D 128 (128, or 176 as FlashAttention-3)
 #define FK_ATTN_D128_BN 128
 #endif
@@ -73,7 +76,7 @@ template <typename T, int D> struct Smem {
     alignas(1024) T q[Cfg<D>::kBM * D];     // D / 64 boxes of kBM rows x 64 columns
     alignas(1024) T k[kStages][Cfg<D>::kBN * D];  // the same, kBN keys
     alignas(1024) T v[kStages][Cfg<D>::kBN * D];
-    uint64_t q_loaded, k_full[kStages], k_empty[kStages], v_full[kStages], v_empty[kStages];
+    uint64_t q_full, q_empty, k_full[kStages], k_empty[kStages], v_full[kStages], v_empty[kStages];
 };
 template <int D> constexpr int kSmemBytes = sizeof(Smem<__half, D>) + 1024;  // + room to align to 1024
 static_assert(kSmemBytes<128> <= 227 * 1024 && kSmemBytes<64> <= 227 * 1024, "fits Hopper's shared memory");
@@ -87,47 +90,57 @@ template <int kStages> struct Stage {
     }
 };
 
-// This CTA's query tile and the key tiles [t_lo, t_hi) its rows see.
+// Query tile `tile` of the persistent walk (query tiles fastest, the ones with the most keys first
+// under a causal mask, so the heads sharing K / V in L2 run together) and the key tiles [t_lo, t_hi)
+// its rows see.
 struct Work {
     Seq s;
     int b, h, g, m0, t_lo, t_hi;
 };
-template <int kBM, int kBN> __device__ __forceinline__ Work work_of(const Params &p) {
+template <int kBM, int kBN> __device__ __forceinline__ Work work_of(const Params &p, int64_t tile, int m_tiles) {
     Work w;
-    w.b = blockIdx.z, w.h = blockIdx.y, w.g = w.h / (int)(p.heads / p.kv_heads);
+    w.b = (int)(tile / m_tiles / p.heads), w.h = (int)(tile / m_tiles % p.heads);
+    w.g = w.h / (int)(p.heads / p.kv_heads);
     // Dense batches only (the plan keeps varlen on sm_80): the geometry comes from the constant
     // bank and costs the consumers no registers across the key loop.
     w.s.q0 = (int64_t)w.b * p.sq, w.s.k0 = (int64_t)w.b * p.sk, w.s.sq = (int)p.sq, w.s.sk = (int)p.sk;
     w.s.shift = p.top_left ? 0 : p.sk - p.sq;
-    w.m0 = (gridDim.x - 1 - blockIdx.x) * kBM;  // causal: the tiles with the most keys start first
+    w.m0 = (m_tiles - 1 - (int)(tile % m_tiles)) * kBM;
     const Range keys = key_range(p, w.s, w.m0, min(w.m0 + kBM, w.s.sq));
     w.t_lo = keys.lo / kBN;
     w.t_hi = keys.hi > keys.lo ? (keys.hi + kBN - 1) / kBN : w.t_lo;
     return w;
 }
 
-// One thread: Q, then K_t and V_(t-1) alternately (the order the consumers take them).
+// One thread, per tile of the walk: K_(t_lo), Q (once the consumers are done with the previous
+// tile's), then K_t and V_(t-1) alternately: the order the consumers take them.
 template <typename T, int D>
 __device__ __forceinline__ void producer(Smem<T, D> &s, const CUtensorMap *map_q, const CUtensorMap *map_k,
-                                         const CUtensorMap *map_v, const Work &w) {
+                                         const CUtensorMap *map_v, const Params &p, int m_tiles, int64_t tiles) {
     using C = Cfg<D>;
     constexpr int kBN = C::kBN;
-    mbar_arrive_expect_tx(&s.q_loaded, C::kQBytes);
-#pragma unroll
-    for (int box = 0; box < C::kBoxes; box++)
-        tma_load_4d(s.q + box * C::kBM * kBoxCols, map_q, &s.q_loaded, box * kBoxCols, w.m0, w.h, w.b);
+    Stage<1> qs;
     Stage<C::kStages> ks, vs;
-    for (int t = w.t_lo; t <= w.t_hi; t++) {
-        if (t < w.t_hi) {
-            mbar_wait(&s.k_empty[ks.slot], ks.phase ^ 1);  // the first pass finds every slot free
-            mbar_arrive_expect_tx(&s.k_full[ks.slot], C::kKVBytes);
+    auto load_k = [&](const Work &w, int t) {
+        mbar_wait(&s.k_empty[ks.slot], ks.phase ^ 1);  // the first pass finds every slot free
+        mbar_arrive_expect_tx(&s.k_full[ks.slot], C::kKVBytes);
 #pragma unroll
-            for (int box = 0; box < C::kBoxes; box++)
-                tma_load_4d(s.k[ks.slot] + box * kBN * kBoxCols, map_k, &s.k_full[ks.slot], box * kBoxCols, t * kBN,
-                            w.g, w.b);
-            ks.next();
-        }
-        if (t > w.t_lo) {
+        for (int box = 0; box < C::kBoxes; box++)
+            tma_load_4d(s.k[ks.slot] + box * kBN * kBoxCols, map_k, &s.k_full[ks.slot], box * kBoxCols, t * kBN, w.g,
+                        w.b);
+        ks.next();
+    };
+    for (int64_t tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
+        const Work w = work_of<C::kBM, kBN>(p, tile, m_tiles);
+        if (w.t_lo < w.t_hi) load_k(w, w.t_lo);
+        mbar_wait(&s.q_empty, qs.phase ^ 1);
+        mbar_arrive_expect_tx(&s.q_full, C::kQBytes);
+#pragma unroll
+        for (int box = 0; box < C::kBoxes; box++)
+            tma_load_4d(s.q + box * C::kBM * kBoxCols, map_q, &s.q_full, box * kBoxCols, w.m0, w.h, w.b);
+        qs.next();
+        for (int t = w.t_lo + 1; t <= w.t_hi; t++) {
+            if (t < w.t_hi) load_k(w, t);
             mbar_wait(&s.v_empty[vs.slot], vs.phase ^ 1);
             mbar_arrive_expect_tx(&s.v_full[vs.slot], C::kKVBytes);
 #pragma unroll
@@ -261,8 +274,10 @@ __device__ __forceinline__ void epilogue(const Params &p, const Work &w, const f
     }
 }
 
+// One query tile for warpgroup c: the key loop, Q released after its last S, then the epilogue.
 template <typename T, int D>
-__device__ __forceinline__ void consumer(Smem<T, D> &s, const Params &p, const Work &w) {
+__device__ __forceinline__ void consume_tile(Smem<T, D> &s, const Params &p, const Work &w, Stage<1> &qs,
+                                             Stage<Cfg<D>::kStages> &ks, Stage<Cfg<D>::kStages> &vs) {
     using C = Cfg<D>;
     constexpr int kC = C::kConsumers, kBN = C::kBN;
     const int c = threadIdx.x / 128 - 1, t = threadIdx.x % 128;
@@ -274,8 +289,11 @@ __device__ __forceinline__ void consumer(Smem<T, D> &s, const Params &p, const W
     uint32_t pa[kBN / 16][4];
 #pragma unroll
     for (int e = 0; e < D / 2; e++) o[e] = 0.0f;
-    Stage<C::kStages> ks, vs;
-    mbar_wait(&s.q_loaded, 0);
+    auto release_q = [&]() {
+        if (t == 0) mbar_arrive(&s.q_empty);
+    };
+    mbar_wait(&s.q_full, qs.phase);
+    qs.next();
     if (w.t_lo < w.t_hi) {
         if (c == kC - 1) turn_end<kC>(c, false);  // warpgroup 0 goes first
         turn_begin<kC>(c);
@@ -288,6 +306,7 @@ __device__ __forceinline__ void consumer(Smem<T, D> &s, const Params &p, const W
         wgmma_fence_operands(sc);
         if (t == 0) mbar_arrive(&s.k_empty[ks.slot]);
         ks.next();
+        if (w.t_lo + 1 == w.t_hi) release_q();
         softmax_tile<kBN>(sc, row_max, row_sum, alpha, p, w.s, wm0, r0, w.t_lo * kBN, fold, mul);
         pack_p<T, kBN>(pa, sc);
         for (int kt = w.t_lo + 1; kt < w.t_hi; kt++) {
@@ -304,6 +323,7 @@ __device__ __forceinline__ void consumer(Smem<T, D> &s, const Params &p, const W
             wgmma_fence_operands(sc);
             if (t == 0) mbar_arrive(&s.k_empty[ks.slot]);
             ks.next();
+            if (kt + 1 == w.t_hi) release_q();
             softmax_tile<kBN>(sc, row_max, row_sum, alpha, p, w.s, wm0, r0, kt * kBN, fold, mul);
             wgmma_wait<0>();
             wgmma_fence_operands(o);
@@ -321,10 +341,23 @@ __device__ __forceinline__ void consumer(Smem<T, D> &s, const Params &p, const W
         wgmma_wait<0>();
         wgmma_fence_operands(o);
         if (t == 0) mbar_arrive(&s.v_empty[vs.slot]);
+        vs.next();
+    } else {
+        release_q();  // no key to see: out 0, lse +inf
     }
     epilogue<T, D>(p, w, o, row_max, row_sum, r0, mul);
 }
 
+template <typename T, int D>
+__device__ __forceinline__ void consumer(Smem<T, D> &s, const Params &p, int m_tiles, int64_t tiles) {
+    Stage<1> qs;
+    Stage<Cfg<D>::kStages> ks, vs;
+    for (int64_t tile = blockIdx.x; tile < tiles; tile += gridDim.x)
+        consume_tile<T, D>(s, p, work_of<Cfg<D>::kBM, Cfg<D>::kBN>(p, tile, m_tiles), qs, ks, vs);
+}
+
+// A persistent grid (one CTA an SM, FK_ATTN_PERSISTENT) walks the query tiles: the producer loads
+// the next tile's K and Q while the consumers finish the last one's epilogue.
 template <typename T, int D>
 __global__ void __launch_bounds__(Cfg<D>::kThreads, 1)
     attention_fwd_wgmma_sm90(const __grid_constant__ CUtensorMap map_q, const __grid_constant__ CUtensorMap map_k,
@@ -333,7 +366,7 @@ __global__ void __launch_bounds__(Cfg<D>::kThreads, 1)
     extern __shared__ unsigned char smem_raw[];
     auto &s = *reinterpret_cast<Smem<T, D> *>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
     if (threadIdx.x == 0) {
-        mbar_init(&s.q_loaded, 1);
+        mbar_init(&s.q_full, 1), mbar_init(&s.q_empty, Cfg<D>::kConsumers);
         for (int i = 0; i < Cfg<D>::kStages; i++) {
             mbar_init(&s.k_full[i], 1), mbar_init(&s.k_empty[i], Cfg<D>::kConsumers);
             mbar_init(&s.v_full[i], 1), mbar_init(&s.v_empty[i], Cfg<D>::kConsumers);
@@ -343,13 +376,14 @@ __global__ void __launch_bounds__(Cfg<D>::kThreads, 1)
     }
     __syncthreads();
     grid_dependency_sync();
-    const Work w = work_of<Cfg<D>::kBM, Cfg<D>::kBN>(p);
+    const int m_tiles = (int)((p.sq + Cfg<D>::kBM - 1) / Cfg<D>::kBM);
+    const int64_t tiles = (int64_t)m_tiles * p.heads * p.batch;
     if (threadIdx.x < 128) {
         setmaxnreg_dec<Cfg<D>::kRegsProducer>();
-        if (threadIdx.x == 0) producer<T, D>(s, &map_q, &map_k, &map_v, w);
+        if (threadIdx.x == 0) producer<T, D>(s, &map_q, &map_k, &map_v, p, m_tiles, tiles);
     } else {
         setmaxnreg_inc<Cfg<D>::kRegsConsumer>();
-        consumer<T, D>(s, p, w);
+        consumer<T, D>(s, p, m_tiles, tiles);
     }
 #endif
 }
@@ -396,8 +430,9 @@ template <typename T, int D> fk_status launch(const Params &p, fk_dtype dtype, i
     constexpr auto kernel = attention_fwd_wgmma_sm90<T, D>;
     cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes<D>);
     if (e != cudaSuccess) return cuda_status(e, "attention_fwd");
-    const dim3 grid((unsigned)((p.sq + C::kBM - 1) / C::kBM), (unsigned)p.heads, (unsigned)p.batch);
-    return Launch(grid, dim3(C::kThreads), kSmemBytes<D>, stream, device)("attention_fwd", kernel, map_q, map_k, map_v, p);
+    const int64_t tiles = (p.sq + C::kBM - 1) / C::kBM * p.heads * p.batch;
+    const unsigned grid = (unsigned)(FK_ATTN_PERSISTENT ? std::min<int64_t>(tiles, sm_count(device)) : tiles);
+    return Launch(dim3(grid), dim3(C::kThreads), kSmemBytes<D>, stream, device)("attention_fwd", kernel, map_q, map_k, map_v, p);
 }
 
 }  // namespace
