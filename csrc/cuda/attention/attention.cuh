@@ -66,6 +66,7 @@ struct Plan {
                         // (fwd_wgmma_sm90: d itself, 64 or 128)
     int splits = 1;     // split-KV forward: key ranges per query tile
     bool pack_gqa = false;  // forward: the heads sharing a kv head packed into one CTA's rows
+    bool persistent = false;  // fwd_wgmma_sm90: one CTA an SM walking the query tiles (else one a tile)
     int64_t workspace_bytes = 0;
 };
 

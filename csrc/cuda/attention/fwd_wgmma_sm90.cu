@@ -33,10 +33,7 @@
 #define FK_ATTN_PINGPONG 1
 #endif
 #ifndef FK_ATTN_D64_CONSUMERS  // A/B switch: consumer warpgroups (64 query rows each) at D 64
-#define FK_ATTN_D64_CONSUMERS 3
-#endif
-#ifndef FK_ATTN_PERSISTENT  // A/B switch: one CTA an SM walking the query tiles (0: one CTA a tile)
-#define FK_ATTN_PERSISTENT 1
+#define FK_ATTN_D64_CONSUMERS 2
 #endif
 #ifndef FK_ATTN_D128_BN  // A/B switch: keys a K / V tile at D 128 (128, or 176 as FlashAttention-3)
 #define FK_ATTN_D128_BN 128
@@ -52,10 +49,10 @@ using mm::wgmma_m64n64k16_rs;
 constexpr int kBoxCols = 64;                         // a 128-byte swizzled TMA box is 64 columns wide
 constexpr float kLn2 = 0.693147180559945309f;
 
-// D 128: two consumer warpgroups (O 64 + S 64 + P 32 registers need 240 a thread), two stages fill
-// 160 KB. D 64: three consumers at 160 registers (O 32 + S 64 + P 32), 192 query rows, three stages
-// (120 KB): each K / V tile serves more rows, and a third warpgroup's softmax hides under two
-// others' matmuls. Registers: 128 x producer + consumers x 128 x consumer <= 64 K.
+// Two consumer warpgroups (O + S + P: 160 registers a thread at D 128, 128 at D 64, of 240); D 128
+// fills 160 KB with two stages, D 64 takes three (112 KB). Three consumers at D 64 (192 rows, 160
+// registers: spills) measured 486 vs 476 TFLOP/s at S 4096 as one CTA a tile, but 344 persistent
+// and 307 vs 320 causal (H100): two it is. Registers: 128 x (producer + consumers x consumer) <= 64 K.
 template <int D> struct Cfg {
     static constexpr int kConsumers = D == 64 ? FK_ATTN_D64_CONSUMERS : 2;
     static constexpr int kBM = 64 * kConsumers, kBN = D == 64 ? 128 : FK_ATTN_D128_BN;  // query rows, keys
@@ -356,8 +353,8 @@ __device__ __forceinline__ void consumer(Smem<T, D> &s, const Params &p, int m_t
         consume_tile<T, D>(s, p, work_of<Cfg<D>::kBM, Cfg<D>::kBN>(p, tile, m_tiles), qs, ks, vs);
 }
 
-// A persistent grid (one CTA an SM, FK_ATTN_PERSISTENT) walks the query tiles: the producer loads
-// the next tile's K and Q while the consumers finish the last one's epilogue.
+// The grid walks the query tiles: one CTA an SM when plan.persistent (the producer loads the next
+// tile's K and Q while the consumers finish the last one's epilogue), else one CTA a tile.
 template <typename T, int D>
 __global__ void __launch_bounds__(Cfg<D>::kThreads, 1)
     attention_fwd_wgmma_sm90(const __grid_constant__ CUtensorMap map_q, const __grid_constant__ CUtensorMap map_k,
@@ -420,7 +417,8 @@ bool encode(CUtensorMap *map, fk_dtype dtype, const void *base, int64_t d, int64
               CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
 }
 
-template <typename T, int D> fk_status launch(const Params &p, fk_dtype dtype, int device, cudaStream_t stream) {
+template <typename T, int D>
+fk_status launch(const Params &p, bool persistent, fk_dtype dtype, int device, cudaStream_t stream) {
     CUtensorMap map_q, map_k, map_v;
     using C = Cfg<D>;
     if (!encode(&map_q, dtype, p.q, D, p.sq, p.heads, p.batch, p.q_row, p.q_head, p.q_batch, C::kBM) ||
@@ -431,7 +429,7 @@ template <typename T, int D> fk_status launch(const Params &p, fk_dtype dtype, i
     cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes<D>);
     if (e != cudaSuccess) return cuda_status(e, "attention_fwd");
     const int64_t tiles = (p.sq + C::kBM - 1) / C::kBM * p.heads * p.batch;
-    const unsigned grid = (unsigned)(FK_ATTN_PERSISTENT ? std::min<int64_t>(tiles, sm_count(device)) : tiles);
+    const unsigned grid = (unsigned)(persistent ? std::min<int64_t>(tiles, sm_count(device)) : tiles);
     return Launch(dim3(grid), dim3(C::kThreads), kSmemBytes<D>, stream, device)("attention_fwd", kernel, map_q, map_k, map_v, p);
 }
 
@@ -439,10 +437,12 @@ template <typename T, int D> fk_status launch(const Params &p, fk_dtype dtype, i
 
 // Instances: {__half, __nv_bfloat16} x D {64, 128} = 4.
 fk_status launch_fwd_wgmma_sm90(const Plan &plan, const Params &p, fk_dtype dtype, int device, cudaStream_t stream) {
+    const bool pers = plan.persistent;
     if (dtype == FK_BFLOAT16)
-        return plan.d_bucket == 64 ? launch<__nv_bfloat16, 64>(p, dtype, device, stream)
-                                   : launch<__nv_bfloat16, 128>(p, dtype, device, stream);
-    return plan.d_bucket == 64 ? launch<__half, 64>(p, dtype, device, stream) : launch<__half, 128>(p, dtype, device, stream);
+        return plan.d_bucket == 64 ? launch<__nv_bfloat16, 64>(p, pers, dtype, device, stream)
+                                   : launch<__nv_bfloat16, 128>(p, pers, dtype, device, stream);
+    return plan.d_bucket == 64 ? launch<__half, 64>(p, pers, dtype, device, stream)
+                               : launch<__half, 128>(p, pers, dtype, device, stream);
 }
 
 }  // namespace fk::attn
