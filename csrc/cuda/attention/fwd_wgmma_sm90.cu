@@ -2,27 +2,30 @@
 // specialization). dispatch.cu row "fwd, sm_90, d 64 / 128, TMA-describable q / k / v".
 //
 // Napkin math: 4 B H Sq Sk D FLOPs (half when causal). B 4, H 16, S 4096, D 128: 137 GFLOP, 0.23 ms
-// at cuDNN's ~600 TFLOP/s (H200, PERF.md), 0.30 ms at the 450 we aim for first. A 128-row CTA tile
-// does 4 x 128 x 128 x D FLOPs per 128-key K / V tile (8.4 MFLOP at D 128: ~1.9 us at 4.5 TFLOP/s an
-// SM) for 64 KB of TMA traffic (34 GB/s an SM, L2-resident: far below what L2 feeds). Beside the
-// tensor cores: 128 x 128 exponentials per tile (MUFU: 16 a clock an SM, ~1 us of the 1.9), so the
-// softmax of one tile must run under the matmuls of the next; the mma.sync kernel, which cannot
-// overlap them, stops at 283 TFLOP/s.
+// at cuDNN's ~600 TFLOP/s (H200, PERF.md). A 128-row CTA tile does 4 x 128 x 128 x D FLOPs per
+// 128-key K / V tile (8.4 MFLOP at D 128: ~1.9 us at 4.5 TFLOP/s an SM) for 64 KB of TMA traffic
+// (34 GB/s an SM, L2-resident). Beside the tensor cores: 128 x 128 exponentials a tile (MUFU, 16 a
+// clock an SM: ~0.6 us, a third of the matmuls' time at D 128, two thirds at D 64), so the softmax of one
+// tile must run under the matmuls of the next; the mma.sync kernel cannot, and stops at 283.
 // Registers (a consumer thread, D 128): O 64 + S 64 fp32 + P 32 (16-bit pairs) = 160 of 240.
 // Shared memory: Q 128 x D + kStages x (K + V) 128 x D, 16-bit: D 128 32 + 2 x 64 = 160 KB; D 64
 // 16 + 3 x 32 = 112 KB; one CTA an SM either way (384 threads x 168 registers).
+// Measured (self-test, bf16): B 4 H 16 S 4096 D 128 663 TFLOP/s (H200), 669 (H100), causal 579 /
+// 566; S 8192 688; D 64 B 8 H 32 S 2048 445, causal 320-337; 2.3x the sm_80 kernel at D 128.
 //
-// Algorithm: one CTA per (128-row query tile, head, sequence), longest causal tiles first. Warpgroup 0
-// is the producer: one thread loads Q once, then K_t and V_(t-1) in the order the consumers use
-// them through two mbarrier rings (128-byte swizzle; rows past the sequence end are zero-filled).
-// Warpgroups 1 and 2 each own 64 query rows. Per key tile t: S_t = Q K_tᵀ (wgmma, A and B from
-// shared memory) and O += P_(t-1) V_(t-1) (wgmma, P from registers) are issued together; the
-// softmax of S_t (mask on tiles crossing the band or the sequence end, running max, exp2 with
-// scale x log2(e) folded into one FFMA, running sum) runs while the P V product is still in
-// flight; then O is rescaled and P_t packed to 16 bits. The two warpgroups take turns issuing
-// their matmuls (named barriers kTurn0 + c), so one's softmax hides under the other's matmuls.
-// Key tiles outside the mask band are never loaded. Epilogue: O / sum stored from registers, lse
-// = (max + log2 sum) ln 2; a row that sees no key gets out 0, lse +inf.
+// Algorithm: CTAs walk (128-row query tile, head, sequence) tiles, longest causal tiles first;
+// persistent (one CTA an SM) without a mask band, one CTA a tile with one (plan.persistent).
+// Warpgroup 0 is the producer: one thread loads per tile K_(t_lo), Q, then K_t and V_(t-1) in
+// the order the consumers use them, through mbarrier rings (128-byte swizzle; rows past the
+// sequence end are zero-filled). Warpgroups 1 and 2 each own 64 query rows. Per key tile t:
+// S_t = Q K_tᵀ (wgmma, A and B from shared memory) and O += P_(t-1) V_(t-1) (wgmma, P from
+// registers) are issued together; the softmax of S_t (mask on tiles crossing the band or the
+// sequence end, running max, exp2 with scale x log2(e) folded into one FFMA, running sum) runs
+// while the P V product is in flight; then O is rescaled and P_t packed to 16 bits. The warpgroups
+// take turns issuing their matmuls (named barriers kTurn0 + c; H200, one CTA a tile: D 64 355 ->
+// 417 TFLOP/s, D 128 649 -> 663), so one's softmax hides under the other's matmuls. Key tiles outside the mask band are never loaded.
+// Epilogue: O / sum stored from registers, lse = (max + log2 sum) ln 2; a row that sees no key
+// gets out 0, lse +inf.
 #include "../hopper.cuh"
 #include "../matmul/wgmma_ops.cuh"
 #include "attention.cuh"
@@ -429,7 +432,8 @@ fk_status launch(const Params &p, bool persistent, fk_dtype dtype, int device, c
     cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes<D>);
     if (e != cudaSuccess) return cuda_status(e, "attention_fwd");
     const int64_t tiles = (p.sq + C::kBM - 1) / C::kBM * p.heads * p.batch;
-    const unsigned grid = (unsigned)(persistent ? std::min<int64_t>(tiles, sm_count(device)) : tiles);
+    // (grid.x holds 2^31 - 1 CTAs: a larger walk goes persistent whatever the plan says.)
+    const unsigned grid = (unsigned)(persistent || tiles > INT32_MAX ? std::min<int64_t>(tiles, sm_count(device)) : tiles);
     return Launch(dim3(grid), dim3(C::kThreads), kSmemBytes<D>, stream, device)("attention_fwd", kernel, map_q, map_k, map_v, p);
 }
 
