@@ -10,8 +10,9 @@
 // Registers (a consumer thread, D 128): O 64 + S 64 fp32 + P 32 (16-bit pairs) = 160 of 240.
 // Shared memory: Q 128 x D + kStages x (K + V) 128 x D, 16-bit: D 128 32 + 2 x 64 = 160 KB; D 64
 // 16 + 3 x 32 = 112 KB; one CTA an SM either way (384 threads x 168 registers).
-// Measured (self-test, bf16): B 4 H 16 S 4096 D 128 663 TFLOP/s (H200), 669 (H100), causal 579 /
-// 566; S 8192 688; D 64 B 8 H 32 S 2048 445, causal 320-337; 2.3x the sm_80 kernel at D 128.
+// Measured (self-test, bf16, H100; the H200 within 2%): D 128, 16k tokens, S 512 / 1k / 4k / 16k:
+// 464 / 568 / 674 / 689 TFLOP/s, causal 237 / 362 / 568 / 693; D 64 387 / - / 469 / 499, B 8 H 32
+// S 2048 445. The sm_80 kernel: 285 at D 128 S 4096. Short and causal S lose to per-tile set-up.
 //
 // Algorithm: CTAs walk (128-row query tile, head, sequence) tiles, longest causal tiles first;
 // persistent (one CTA an SM) without a mask band, one CTA a tile with one (plan.persistent).
