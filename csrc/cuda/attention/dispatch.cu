@@ -71,8 +71,8 @@ int64_t split_lse_floats(int64_t splits, const fk_attention_args &x) {
 // TMA describes a tensor whose base and (row, head, sequence) strides are 16-byte aligned and
 // whose strides are non-zero where their dimension has more than one index.
 bool tma_ok(const void *p, int64_t row, int64_t head, int64_t batch, const fk_attention_args &x, int64_t heads) {
-    return aligned16(p) && row % 8 == 0 && head % 8 == 0 && batch % 8 == 0 && row > 0 && (heads == 1 || head > 0) &&
-           (x.batch == 1 || batch > 0);
+    return aligned16(p) && row % 8 == 0 && head % 8 == 0 && batch % 8 == 0 && row > 0 &&
+           (heads == 1 || head > 0) && (x.batch == 1 || batch > 0);
 }
 
 // Pure: the strategy, instance and workspace for `x` on a device of `sms` SMs, of compute
@@ -104,8 +104,10 @@ Plan plan_attention(const fk_attention_args &x, int backward, int sms, int major
         }
     }
     if (major == 9 && kBuiltForSm90a && !(x.flags & FK_ATTN_FORCE_GENERAL) && (x.d == 64 || x.d == 128) &&
-        x.sk > 0 && x.cu_seqlens_q == nullptr && !plan.pack_gqa && tma_ok(x.q, x.q_row, x.q_head, x.q_batch, x, x.heads) &&
-        tma_ok(x.k, x.k_row, x.k_head, x.k_batch, x, x.kv_heads) && tma_ok(x.v, x.v_row, x.v_head, x.v_batch, x, x.kv_heads)) {
+        x.sk > 0 && x.cu_seqlens_q == nullptr && !plan.pack_gqa &&
+        tma_ok(x.q, x.q_row, x.q_head, x.q_batch, x, x.heads) &&
+        tma_ok(x.k, x.k_row, x.k_head, x.k_batch, x, x.kv_heads) &&
+        tma_ok(x.v, x.v_row, x.v_head, x.v_batch, x, x.kv_heads)) {
         plan.strategy = Strategy::kFwdWgmmaSm90;
         plan.d_bucket = (int)x.d;
         // Persistent only without a mask band: its static walk cannot balance causal tiles of
@@ -224,7 +226,8 @@ extern "C" int64_t fk_cuda_attention_workspace(const fk_attention_args *args, in
     if (fk::attn::check_args(*args, backward, backward ? "attention_bwd" : "attention_fwd") != FK_OK) return 0;
     fk::DeviceGuard guard(device);
     if (guard.error != cudaSuccess) return 0;
-    return fk::attn::plan_attention(*args, backward, fk::attn::device_sms(device), fk::compute_major(device)).workspace_bytes;
+    const int sms = fk::attn::device_sms(device), major = fk::compute_major(device);
+    return fk::attn::plan_attention(*args, backward, sms, major).workspace_bytes;
 }
 
 extern "C" fk_status fk_cuda_attention_fwd(const fk_attention_args *args, int device, void *stream) {
@@ -239,5 +242,6 @@ extern "C" const char *fk_cuda_attention_plan(const fk_attention_args *args, int
     if (fk::attn::check_args(*args, backward, backward ? "attention_bwd" : "attention_fwd") != FK_OK) return nullptr;
     fk::DeviceGuard guard(device);
     if (guard.error != cudaSuccess) return nullptr;
-    return fk::attn::strategy_name(fk::attn::plan_attention(*args, backward, fk::attn::device_sms(device), fk::compute_major(device)).strategy);
+    const int sms = fk::attn::device_sms(device), major = fk::compute_major(device);
+    return fk::attn::strategy_name(fk::attn::plan_attention(*args, backward, sms, major).strategy);
 }

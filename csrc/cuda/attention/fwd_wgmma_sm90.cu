@@ -1,36 +1,33 @@
 // attention_fwd_wgmma_sm90: the Hopper flash-attention forward (sm_90a: TMA, wgmma, warp
 // specialization). dispatch.cu row "fwd, sm_90, d 64 / 128, TMA-describable q / k / v".
 //
-// Napkin math: 4 B H Sq Sk D FLOPs (half when causal). B 4, H 16, S 4096, D 128: 137 GFLOP, 0.23 ms
-// at cuDNN's ~600 TFLOP/s (H200, PERF.md). A 128-row CTA tile does 4 x 128 x 128 x D FLOPs per
-// 128-key K / V tile (8.4 MFLOP at D 128: ~1.9 us at 4.5 TFLOP/s an SM) for 64 KB of TMA traffic
-// (34 GB/s an SM, L2-resident). Beside the tensor cores: 128 x 128 exponentials a tile (MUFU, 16 a
-// clock an SM: ~0.6 us, a third of the matmuls' time at D 128, two thirds at D 64), so the softmax of one
-// tile must run under the matmuls of the next; the mma.sync kernel cannot, and stops at 283.
-// Registers (a consumer thread, D 128): O 64 + S 64 fp32 + P 32 (16-bit pairs) = 160 of 240.
-// Shared memory: Q 128 x D + kStages x (K + V) 128 x D, 16-bit: D 128 32 + 2 x 64 = 160 KB; D 64
-// 16 + 3 x 32 = 112 KB; one CTA an SM either way (384 threads x 168 registers).
+// Napkin math: 4 B H Sq Sk D FLOPs (half when causal); B 4, H 16, S 4096, D 128: 137 GFLOP, 0.23 ms
+// at cuDNN's ~600 TFLOP/s (H200, PERF.md). A 128 x 128 tile pair does 8.4 MFLOP at D 128 (~1.9 us
+// at 4.5 TFLOP/s an SM) for 64 KB of L2-resident TMA traffic, and 16 K exponentials (MUFU, 16 a
+// clock: ~0.6 us, a third of the matmul time at D 128, two thirds at D 64): the softmax of one tile
+// must run under the matmuls of the next; the mma.sync kernel cannot, and stops at 285.
+// Registers (consumer, D 128): O 64 + S 64 fp32 + P 32 16-bit pairs = 160 of 240. Shared memory:
+// Q + kStages x (K + V): D 128 32 + 2 x 64 = 160 KB, D 64 16 + 3 x 32 = 112 KB; one CTA an SM.
 // Measured (self-test, bf16, H100; the H200 within 2%): D 128, 16k tokens, S 512 / 1k / 4k / 16k:
 // 464 / 568 / 674 / 689 TFLOP/s, causal 237 / 362 / 568 / 693; D 64 387 / - / 469 / 499, B 8 H 32
-// S 2048 445. The sm_80 kernel: 285 at D 128 S 4096. Short and causal S lose to per-tile set-up.
+// S 2048 445. Short and causal S lose to per-tile set-up.
 //
 // Algorithm: CTAs walk (128-row query tile, head, sequence) tiles, longest causal tiles first;
 // persistent (one CTA an SM) without a mask band, one CTA a tile with one (plan.persistent).
-// Warpgroup 0 is the producer: one thread loads per tile K_(t_lo), Q, then K_t and V_(t-1) in
-// the order the consumers use them, through mbarrier rings (128-byte swizzle; rows past the
-// sequence end are zero-filled). Warpgroups 1 and 2 each own 64 query rows. Per key tile t:
-// S_t = Q K_tᵀ (wgmma, A and B from shared memory) and O += P_(t-1) V_(t-1) (wgmma, P from
-// registers) are issued together; the softmax of S_t (mask on tiles crossing the band or the
-// sequence end, running max, exp2 with scale x log2(e) folded into one FFMA, running sum) runs
-// while the P V product is in flight; then O is rescaled and P_t packed to 16 bits. The warpgroups
-// take turns issuing their matmuls (named barriers kTurn0 + c; H200, one CTA a tile: D 64 355 ->
-// 417 TFLOP/s, D 128 649 -> 663), so one's softmax hides under the other's matmuls. Key tiles outside the mask band are never loaded.
-// Epilogue: O / sum stored from registers, lse = (max + log2 sum) ln 2; a row that sees no key
-// gets out 0, lse +inf.
+// Warpgroup 0, the producer: one thread loads per tile K_(t_lo), Q, then K_t and V_(t-1) through
+// mbarrier rings (128-byte swizzle; rows past the sequence end zero-filled). Warpgroups 1, 2 own
+// 64 query rows each. Per key tile t, S_t = Q K_tᵀ (wgmma SS) and O += P_(t-1) V_(t-1) (wgmma, P
+// from registers) issue together; the softmax of S_t (mask where the tile crosses the band or the
+// end, running max, exp2 with scale x log2 e folded into one FFMA, running sum) runs under the P V
+// product; then O is rescaled and P_t packed. The warpgroups take turns issuing (named barriers
+// kTurn0 + c; H200: D 64 355 -> 417 TFLOP/s, D 128 649 -> 663), one's softmax under the other's
+// matmuls. Key tiles outside the band are never loaded. Epilogue: O / sum from registers, lse =
+// (max + log2 sum) ln 2; a row that sees no key gets out 0, lse +inf.
 #include "../hopper.cuh"
 #include "../matmul/wgmma_ops.cuh"
 #include "attention.cuh"
 
+#include <algorithm>
 #include <cudaTypedefs.h>
 
 #ifndef FK_ATTN_PINGPONG  // A/B switch: consumer warpgroups take turns issuing their matmuls
@@ -51,7 +48,6 @@ using mm::wgmma_m64n128k16_rs;
 using mm::wgmma_m64n64k16_rs;
 
 constexpr int kBoxCols = 64;                         // a 128-byte swizzled TMA box is 64 columns wide
-constexpr float kLn2 = 0.693147180559945309f;
 
 // Two consumer warpgroups (O + S + P: 160 registers a thread at D 128, 128 at D 64, of 240); D 128
 // fills 160 KB with two stages, D 64 takes three (112 KB). Three consumers at D 64 (192 rows, 160
@@ -159,7 +155,8 @@ template <typename T, int D, int kBN>
 __device__ __forceinline__ void issue_qk(float (&sc)[kBN / 2], const T *q, const T *k, int c) {
 #pragma unroll
     for (int kk = 0; kk < D / 16; kk++) {
-        const uint64_t dq = smem_desc_sw128(q + (kk / 4) * Cfg<D>::kBM * kBoxCols + c * 64 * kBoxCols + (kk % 4) * 16, 16, 1024);
+        const T *qk = q + (kk / 4) * Cfg<D>::kBM * kBoxCols + c * 64 * kBoxCols + (kk % 4) * 16;
+        const uint64_t dq = smem_desc_sw128(qk, 16, 1024);
         const uint64_t dk = smem_desc_sw128(k + (kk / 4) * kBN * kBoxCols + (kk % 4) * 16, 16, 1024);
         if constexpr (kBN == 128) wgmma_m64n128k16<T, 0, 0>(sc, dq, dk, kk > 0);
         else mm::wgmma_m64n176k16<T, 0, 0>(sc, dq, dk, kk > 0);
@@ -259,6 +256,7 @@ template <int kConsumers> __device__ __forceinline__ void turn_end(int c, bool l
 template <typename T, int D>
 __device__ __forceinline__ void epilogue(const Params &p, const Work &w, const float (&o)[D / 2],
                                          const float (&row_max)[2], const float (&row_sum)[2], int r0, float mul) {
+    constexpr float kLn2 = 0.693147180559945309f;
     const int lane = threadIdx.x % 32;
 #pragma unroll
     for (int hr = 0; hr < 2; hr++) {
@@ -434,8 +432,10 @@ fk_status launch(const Params &p, bool persistent, fk_dtype dtype, int device, c
     if (e != cudaSuccess) return cuda_status(e, "attention_fwd");
     const int64_t tiles = (p.sq + C::kBM - 1) / C::kBM * p.heads * p.batch;
     // (grid.x holds 2^31 - 1 CTAs: a larger walk goes persistent whatever the plan says.)
-    const unsigned grid = (unsigned)(persistent || tiles > INT32_MAX ? std::min<int64_t>(tiles, sm_count(device)) : tiles);
-    return Launch(dim3(grid), dim3(C::kThreads), kSmemBytes<D>, stream, device)("attention_fwd", kernel, map_q, map_k, map_v, p);
+    const bool walk = persistent || tiles > INT32_MAX;
+    const unsigned grid = (unsigned)(walk ? std::min<int64_t>(tiles, sm_count(device)) : tiles);
+    return Launch(dim3(grid), dim3(C::kThreads), kSmemBytes<D>, stream, device)("attention_fwd", kernel, map_q, map_k,
+                                                                                 map_v, p);
 }
 
 }  // namespace
