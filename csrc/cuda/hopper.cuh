@@ -69,6 +69,17 @@ __device__ __forceinline__ void tma_load_3d(void *dst, const CUtensorMap *map, u
         : "memory");
 #endif
 }
+// The same for a 4-d map (attention: head dim, row, head, sequence).
+__device__ __forceinline__ void tma_load_4d(void *dst, const CUtensorMap *map, uint64_t *bar, int c0, int c1,
+                                            int c2, int c3) {
+#if FK_SM90A
+    asm volatile(
+        "cp.async.bulk.tensor.4d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%3, %4, %5, %6}], [%2];\n" ::"r"(
+            cvta_shared(dst)),
+        "l"(map), "r"(cvta_shared(bar)), "r"(c0), "r"(c1), "r"(c2), "r"(c3)
+        : "memory");
+#endif
+}
 // smem box -> the tensor at (c0, c1, c2) of `map` (clipped at its edges), in this thread's bulk group.
 __device__ __forceinline__ void tma_store_3d(const CUtensorMap *map, const void *src, int c0, int c1, int c2) {
 #if FK_SM90A
@@ -103,6 +114,11 @@ __device__ __forceinline__ void fence_proxy_async_shared() {
 // bar.sync on named barrier `id` (1..15; 0 is __syncthreads) for `count` threads.
 __device__ __forceinline__ void named_barrier_sync(int id, int count) {
     asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(count) : "memory");
+}
+// bar.arrive on named barrier `id` for `count` threads: signals without waiting (the producer side
+// of a bar.sync handshake, e.g. one consumer warpgroup handing the tensor cores to the next).
+__device__ __forceinline__ void named_barrier_arrive(int id, int count) {
+    asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(count) : "memory");
 }
 __device__ __forceinline__ void prefetch_tensormap(const CUtensorMap *map) {
 #if FK_SM90A

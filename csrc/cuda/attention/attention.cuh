@@ -57,18 +57,21 @@ struct Params {
 
 // ---- host side ----------------------------------------------------------------------------------
 
-enum class Strategy { kEmpty, kFwdMmaSm80, kFwdSplitMmaSm80, kBwdMmaSm80 };
+enum class Strategy { kEmpty, kFwdMmaSm80, kFwdSplitMmaSm80, kFwdWgmmaSm90, kBwdMmaSm80 };
 const char *strategy_name(Strategy s);
 
 struct Plan {
     Strategy strategy = Strategy::kEmpty;
     int d_bucket = 0;   // 64, 128 or 256: the template instance; columns >= d are predicated off
+                        // (fwd_wgmma_sm90: d itself, 64 or 128)
     int splits = 1;     // split-KV forward: key ranges per query tile
     bool pack_gqa = false;  // forward: the heads sharing a kv head packed into one CTA's rows
+    bool persistent = false;  // fwd_wgmma_sm90: one CTA an SM walking the query tiles (else one a tile)
     int64_t workspace_bytes = 0;
 };
 
 fk_status launch_fwd_mma_sm80(const Plan &plan, const Params &p, fk_dtype dtype, int device, cudaStream_t stream);
+fk_status launch_fwd_wgmma_sm90(const Plan &plan, const Params &p, fk_dtype dtype, int device, cudaStream_t stream);
 fk_status launch_bwd_mma_sm80(const Plan &plan, const Params &p, fk_dtype dtype, int device, cudaStream_t stream);
 
 // ---- per-sequence geometry ----------------------------------------------------------------------

@@ -6,8 +6,12 @@
 // fwd  16-bit  sm_80+  query-tile CTAs < SMs and >= 4 key tiles a      fwd_split_mma_sm80 one query still
 //                      CTA: splits = min(floor(2 SMs / CTAs), key                        fills the GPU
 //                      tiles / 2, 64) >= 2                                               (flash-decoding)
+// fwd  16-bit  sm_90   d 64 or 128, sk > 0, not varlen, no GQA pack, fwd_wgmma_sm90    TMA + wgmma,
+//                      q / k / v bases and strides 16-byte aligned,                      2.3x sm_80
+//                      built for sm_90a, not FK_ATTN_FORCE_GENERAL;                      (H200)
+//                      persistent grid when no mask band
 // fwd  16-bit  sm_80+  otherwise                                      fwd_mma_sm80      the general kernel
-// fwd (both rows): GQA with sq x group <= 128 (64 at D 256) packs the group's heads into one CTA's
+// fwd (sm_80 rows): GQA with sq x group <= 128 (64 at D 256) packs the group's heads into one CTA's
 //      rows (pack_gqa): K / V read once per group, CTAs counted per kv head.
 // bwd  16-bit  sm_80+  any (bitwise deterministic with or without      bwd_mma_sm80      the general kernel
 //                      FK_ATTN_DETERMINISTIC: no atomics, dQ kernel)
@@ -16,13 +20,15 @@
 //
 // Every row: head-dim instances D 64 (d <= 64), 128 (d <= 128), 256 (d <= 256); rows whose every
 // tensor has a 16-byte aligned base and strides that are multiples of 8 elements take cp.async,
-// others element loads (p.async). The Hopper kernels (TMA + wgmma) are not written yet, so
-// FK_ATTN_FORCE_GENERAL changes nothing today.
+// others element loads (p.async). fwd_wgmma_sm90 instantiates d 64 and 128 exactly (other d keep
+// the sm_80 kernel); its TMA copies need the alignment its row names. No Hopper backward yet.
+// (The fwd_wgmma_sm90 row's figures: its file's napkin math.)
 //
 // Workspace: forward split: splits x batch x heads x sq x (1 + d) fp32 (partial lse, then outputs);
 // backward: batch x heads x sq fp32 (rowsum(dO * O)). varlen sizes use the maximum lengths.
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 
 #include "attention.cuh"
 
@@ -32,6 +38,7 @@ const char *strategy_name(Strategy s) {
     switch (s) {
     case Strategy::kFwdMmaSm80: return "fwd_mma_sm80";
     case Strategy::kFwdSplitMmaSm80: return "fwd_split_mma_sm80";
+    case Strategy::kFwdWgmmaSm90: return "fwd_wgmma_sm90";
     case Strategy::kBwdMmaSm80: return "bwd_mma_sm80";
     default: return "empty";
     }
@@ -40,6 +47,9 @@ const char *strategy_name(Strategy s) {
 namespace {
 
 constexpr int kMaxSplits = 64;
+
+// The Hopper kernel's body exists only in an sm_90a build (FASTKERN_CUDA_ARCHS).
+const bool kBuiltForSm90a = std::strstr(FK_CUDA_ARCHS, "sm_90a") != nullptr;
 
 // Forward with no query rows, or backward with no rows at all (sq == 0 still zeroes dk, dv).
 bool nothing_to_do(const fk_attention_args &x, int backward) {
@@ -58,8 +68,16 @@ int64_t split_lse_floats(int64_t splits, const fk_attention_args &x) {
     return (splits * x.batch * x.heads * x.sq + 3) / 4 * 4;
 }
 
-// Pure: the strategy, instance and workspace for `x` on a device of `sms` SMs.
-Plan plan_attention(const fk_attention_args &x, int backward, int sms) {
+// TMA describes a tensor whose base and (row, head, sequence) strides are 16-byte aligned and
+// whose strides are non-zero where their dimension has more than one index.
+bool tma_ok(const void *p, int64_t row, int64_t head, int64_t batch, const fk_attention_args &x, int64_t heads) {
+    return aligned16(p) && row % 8 == 0 && head % 8 == 0 && batch % 8 == 0 && row > 0 &&
+           (heads == 1 || head > 0) && (x.batch == 1 || batch > 0);
+}
+
+// Pure: the strategy, instance and workspace for `x` on a device of `sms` SMs, of compute
+// capability `major`.
+Plan plan_attention(const fk_attention_args &x, int backward, int sms, int major) {
     Plan plan;
     if (nothing_to_do(x, backward)) return plan;
     plan.d_bucket = d_bucket(x.d);
@@ -82,7 +100,20 @@ Plan plan_attention(const fk_attention_args &x, int backward, int sms) {
             plan.strategy = Strategy::kFwdSplitMmaSm80;
             plan.splits = (int)splits;
             plan.workspace_bytes = (split_lse_floats(splits, x) + splits * x.batch * x.heads * x.sq * x.d) * (int64_t)sizeof(float);
+            return plan;
         }
+    }
+    if (major == 9 && kBuiltForSm90a && !(x.flags & FK_ATTN_FORCE_GENERAL) && (x.d == 64 || x.d == 128) &&
+        x.sk > 0 && x.cu_seqlens_q == nullptr && !plan.pack_gqa &&
+        tma_ok(x.q, x.q_row, x.q_head, x.q_batch, x, x.heads) &&
+        tma_ok(x.k, x.k_row, x.k_head, x.k_batch, x, x.kv_heads) &&
+        tma_ok(x.v, x.v_row, x.v_head, x.v_batch, x, x.kv_heads)) {
+        plan.strategy = Strategy::kFwdWgmmaSm90;
+        plan.d_bucket = (int)x.d;
+        // Persistent only without a mask band: its static walk cannot balance causal tiles of
+        // unequal length as the hardware's CTA scheduler does (S 1024: 568 vs 522 TFLOP/s full,
+        // 327 vs 363 causal, H100).
+        plan.persistent = x.window_left < 0 && x.window_right < 0;
     }
     return plan;
 }
@@ -175,7 +206,7 @@ fk_status run(const fk_attention_args *args, int backward, int device, void *str
     FK_CUDA_ENTER(op, device);
     if (compute_major(device) < 8)
         return fk_fail(FK_ERR_RUNTIME, "%s: needs a GPU of compute capability 8.0 or newer", op);
-    const Plan plan = plan_attention(x, backward, device_sms(device));
+    const Plan plan = plan_attention(x, backward, device_sms(device), compute_major(device));
     if (plan.workspace_bytes > 0 && (x.workspace == nullptr || x.workspace_bytes < plan.workspace_bytes))
         return fk_fail(FK_ERR_VALUE, "%s: workspace of %lld bytes needed (fk_cuda_attention_workspace), got %lld",
                        op, (long long)plan.workspace_bytes, (long long)x.workspace_bytes);
@@ -184,6 +215,7 @@ fk_status run(const fk_attention_args *args, int backward, int device, void *str
     switch (plan.strategy) {
     case Strategy::kFwdMmaSm80:
     case Strategy::kFwdSplitMmaSm80: return launch_fwd_mma_sm80(plan, p, x.dtype, device, s);
+    case Strategy::kFwdWgmmaSm90: return launch_fwd_wgmma_sm90(plan, p, x.dtype, device, s);
     case Strategy::kBwdMmaSm80: return launch_bwd_mma_sm80(plan, p, x.dtype, device, s);
     default: return FK_OK;
     }
@@ -196,7 +228,8 @@ extern "C" int64_t fk_cuda_attention_workspace(const fk_attention_args *args, in
     if (fk::attn::check_args(*args, backward, backward ? "attention_bwd" : "attention_fwd", false) != FK_OK) return 0;
     fk::DeviceGuard guard(device);
     if (guard.error != cudaSuccess) return 0;
-    return fk::attn::plan_attention(*args, backward, fk::attn::device_sms(device)).workspace_bytes;
+    const int sms = fk::attn::device_sms(device), major = fk::compute_major(device);
+    return fk::attn::plan_attention(*args, backward, sms, major).workspace_bytes;
 }
 
 extern "C" fk_status fk_cuda_attention_fwd(const fk_attention_args *args, int device, void *stream) {
@@ -212,5 +245,6 @@ extern "C" const char *fk_cuda_attention_plan(const fk_attention_args *args, int
         return nullptr;
     fk::DeviceGuard guard(device);
     if (guard.error != cudaSuccess) return nullptr;
-    return fk::attn::strategy_name(fk::attn::plan_attention(*args, backward, fk::attn::device_sms(device)).strategy);
+    const int sms = fk::attn::device_sms(device), major = fk::compute_major(device);
+    return fk::attn::strategy_name(fk::attn::plan_attention(*args, backward, sms, major).strategy);
 }

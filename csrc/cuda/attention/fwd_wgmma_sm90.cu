@@ -1,0 +1,453 @@
+// attention_fwd_wgmma_sm90: the Hopper flash-attention forward (sm_90a: TMA, wgmma, warp
+// specialization). dispatch.cu row "fwd, sm_90, d 64 / 128, TMA-describable q / k / v".
+//
+// Napkin math: 4 B H Sq Sk D FLOPs (half when causal); B 4, H 16, S 4096, D 128: 137 GFLOP, 0.23 ms
+// at cuDNN's ~600 TFLOP/s (H200, PERF.md). A 128 x 128 tile pair does 8.4 MFLOP at D 128 (~1.9 us
+// at 4.5 TFLOP/s an SM) for 64 KB of L2-resident TMA traffic, and 16 K exponentials (MUFU, 16 a
+// clock: ~0.6 us, a third of the matmul time at D 128, two thirds at D 64): the softmax of one tile
+// must run under the matmuls of the next; the mma.sync kernel cannot, and stops at 285.
+// Registers (consumer, D 128): O 64 + S 64 fp32 + P 32 16-bit pairs = 160 of 240. Shared memory:
+// Q + kStages x (K + V): D 128 32 + 2 x 64 = 160 KB, D 64 16 + 3 x 32 = 112 KB; one CTA an SM.
+// Measured (self-test, bf16, H100; the H200 within 2%): D 128, 16k tokens, S 512 / 1k / 4k / 16k:
+// 464 / 568 / 674 / 689 TFLOP/s, causal 237 / 362 / 568 / 693; D 64 387 / - / 469 / 499, B 8 H 32
+// S 2048 445. Short and causal S lose to per-tile set-up.
+//
+// Algorithm: CTAs walk (128-row query tile, head, sequence) tiles, longest causal tiles first;
+// persistent (one CTA an SM) without a mask band, one CTA a tile with one (plan.persistent).
+// Warpgroup 0, the producer: one thread loads per tile K_(t_lo), Q, then K_t and V_(t-1) through
+// mbarrier rings (128-byte swizzle; rows past the sequence end zero-filled). Warpgroups 1, 2 own
+// 64 query rows each. Per key tile t, S_t = Q K_tᵀ (wgmma SS) and O += P_(t-1) V_(t-1) (wgmma, P
+// from registers) issue together; the softmax of S_t (mask where the tile crosses the band or the
+// end, running max, exp2 with scale x log2 e folded into one FFMA, running sum) runs under the P V
+// product; then O is rescaled and P_t packed. The warpgroups take turns issuing (named barriers
+// kTurn0 + c; H200: D 64 355 -> 417 TFLOP/s, D 128 649 -> 663), one's softmax under the other's
+// matmuls. Key tiles outside the band are never loaded. Epilogue: O / sum from registers, lse =
+// (max + log2 sum) ln 2; a row that sees no key gets out 0, lse +inf.
+#include "../hopper.cuh"
+#include "../matmul/wgmma_ops.cuh"
+#include "attention.cuh"
+
+#include <algorithm>
+#include <cudaTypedefs.h>
+
+#ifndef FK_ATTN_PINGPONG  // A/B switch: consumer warpgroups take turns issuing their matmuls
+#define FK_ATTN_PINGPONG 1
+#endif
+#ifndef FK_ATTN_D64_CONSUMERS  // A/B switch: consumer warpgroups (64 query rows each) at D 64
+#define FK_ATTN_D64_CONSUMERS 2
+#endif
+#ifndef FK_ATTN_D128_BN  // A/B switch: keys a K / V tile at D 128 (128, or 176 as FlashAttention-3)
+#define FK_ATTN_D128_BN 128
+#endif
+
+namespace fk::attn {
+namespace {
+
+using mm::wgmma_m64n128k16;
+using mm::wgmma_m64n128k16_rs;
+using mm::wgmma_m64n64k16_rs;
+
+constexpr int kBoxCols = 64;                         // a 128-byte swizzled TMA box is 64 columns wide
+
+// Two consumer warpgroups (O + S + P: 160 registers a thread at D 128, 128 at D 64, of 240); D 128
+// fills 160 KB with two stages, D 64 takes three (112 KB). Three consumers at D 64 (192 rows, 160
+// registers: spills) measured 486 vs 476 TFLOP/s at S 4096 as one CTA a tile, but 344 persistent
+// and 307 vs 320 causal (H100): two it is. Registers: 128 x (producer + consumers x consumer) <= 64 K.
+template <int D> struct Cfg {
+    static constexpr int kConsumers = D == 64 ? FK_ATTN_D64_CONSUMERS : 2;
+    static constexpr int kBM = 64 * kConsumers, kBN = D == 64 ? 128 : FK_ATTN_D128_BN;  // query rows, keys
+    static constexpr int kThreads = 128 * (1 + kConsumers);
+    static constexpr int kStages = D == 64 ? 3 : 2;
+    static constexpr int kRegsProducer = kConsumers == 2 ? 24 : 32, kRegsConsumer = kConsumers == 2 ? 240 : 160;
+    static constexpr int kBoxes = D / kBoxCols;
+    static constexpr uint32_t kQBytes = kBM * D * 2, kKVBytes = kBN * D * 2;
+    static_assert(128 * (kRegsProducer + kConsumers * kRegsConsumer) <= 65536, "register file");
+};
+
+// Named barriers: 0 is __syncthreads; consumer warpgroup c waits on kTurn0 + c for its turn on the
+// tensor cores (ids 1 .. kConsumers).
+enum NamedBarrier { kTurn0 = 1 };
+
+template <typename T, int D> struct Smem {
+    static constexpr int kStages = Cfg<D>::kStages;
+    alignas(1024) T q[Cfg<D>::kBM * D];     // D / 64 boxes of kBM rows x 64 columns
+    alignas(1024) T k[kStages][Cfg<D>::kBN * D];  // the same, kBN keys
+    alignas(1024) T v[kStages][Cfg<D>::kBN * D];
+    uint64_t q_full, q_empty, k_full[kStages], k_empty[kStages], v_full[kStages], v_empty[kStages];
+};
+template <int D> constexpr int kSmemBytes = sizeof(Smem<__half, D>) + 1024;  // + room to align to 1024
+static_assert(kSmemBytes<128> <= 227 * 1024 && kSmemBytes<64> <= 227 * 1024, "fits Hopper's shared memory");
+
+// A ring position: the slot and the parity of its current pass.
+template <int kStages> struct Stage {
+    int slot = 0;
+    uint32_t phase = 0;
+    __device__ void next() {
+        if (++slot == kStages) slot = 0, phase ^= 1;
+    }
+};
+
+// Query tile `tile` of the persistent walk (query tiles fastest, the ones with the most keys first
+// under a causal mask, so the heads sharing K / V in L2 run together) and the key tiles [t_lo, t_hi)
+// its rows see.
+struct Work {
+    Seq s;
+    int b, h, g, m0, t_lo, t_hi;
+};
+template <int kBM, int kBN> __device__ __forceinline__ Work work_of(const Params &p, int64_t tile, int m_tiles) {
+    Work w;
+    w.b = (int)(tile / m_tiles / p.heads), w.h = (int)(tile / m_tiles % p.heads);
+    w.g = w.h / (int)(p.heads / p.kv_heads);
+    // Dense batches only (the plan keeps varlen on sm_80): the geometry comes from the constant
+    // bank and costs the consumers no registers across the key loop.
+    w.s.q0 = (int64_t)w.b * p.sq, w.s.k0 = (int64_t)w.b * p.sk, w.s.sq = (int)p.sq, w.s.sk = (int)p.sk;
+    w.s.shift = p.top_left ? 0 : p.sk - p.sq;
+    w.m0 = (m_tiles - 1 - (int)(tile % m_tiles)) * kBM;
+    const Range keys = key_range(p, w.s, w.m0, min(w.m0 + kBM, w.s.sq));
+    w.t_lo = keys.lo / kBN;
+    w.t_hi = keys.hi > keys.lo ? (keys.hi + kBN - 1) / kBN : w.t_lo;
+    return w;
+}
+
+// One thread, per tile of the walk: K_(t_lo), Q (once the consumers are done with the previous
+// tile's), then K_t and V_(t-1) alternately: the order the consumers take them.
+template <typename T, int D>
+__device__ __forceinline__ void producer(Smem<T, D> &s, const CUtensorMap *map_q, const CUtensorMap *map_k,
+                                         const CUtensorMap *map_v, const Params &p, int m_tiles, int64_t tiles) {
+    using C = Cfg<D>;
+    constexpr int kBN = C::kBN;
+    Stage<1> qs;
+    Stage<C::kStages> ks, vs;
+    auto load_k = [&](const Work &w, int t) {
+        mbar_wait(&s.k_empty[ks.slot], ks.phase ^ 1);  // the first pass finds every slot free
+        mbar_arrive_expect_tx(&s.k_full[ks.slot], C::kKVBytes);
+#pragma unroll
+        for (int box = 0; box < C::kBoxes; box++)
+            tma_load_4d(s.k[ks.slot] + box * kBN * kBoxCols, map_k, &s.k_full[ks.slot], box * kBoxCols, t * kBN, w.g,
+                        w.b);
+        ks.next();
+    };
+    for (int64_t tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
+        const Work w = work_of<C::kBM, kBN>(p, tile, m_tiles);
+        if (w.t_lo < w.t_hi) load_k(w, w.t_lo);
+        mbar_wait(&s.q_empty, qs.phase ^ 1);
+        mbar_arrive_expect_tx(&s.q_full, C::kQBytes);
+#pragma unroll
+        for (int box = 0; box < C::kBoxes; box++)
+            tma_load_4d(s.q + box * C::kBM * kBoxCols, map_q, &s.q_full, box * kBoxCols, w.m0, w.h, w.b);
+        qs.next();
+        for (int t = w.t_lo + 1; t <= w.t_hi; t++) {
+            if (t < w.t_hi) load_k(w, t);
+            mbar_wait(&s.v_empty[vs.slot], vs.phase ^ 1);
+            mbar_arrive_expect_tx(&s.v_full[vs.slot], C::kKVBytes);
+#pragma unroll
+            for (int box = 0; box < C::kBoxes; box++)
+                tma_load_4d(s.v[vs.slot] + box * kBN * kBoxCols, map_v, &s.v_full[vs.slot], box * kBoxCols,
+                            (t - 1) * kBN, w.g, w.b);
+            vs.next();
+        }
+    }
+}
+
+// S = Q Kᵀ for warpgroup c's 64 rows: K-major operands, 128-byte rows of a box, 8-row groups 1024
+// bytes apart; a k16 step is 32 bytes along a row, every fourth one moves to the next box.
+template <typename T, int D, int kBN>
+__device__ __forceinline__ void issue_qk(float (&sc)[kBN / 2], const T *q, const T *k, int c) {
+#pragma unroll
+    for (int kk = 0; kk < D / 16; kk++) {
+        const T *qk = q + (kk / 4) * Cfg<D>::kBM * kBoxCols + c * 64 * kBoxCols + (kk % 4) * 16;
+        const uint64_t dq = smem_desc_sw128(qk, 16, 1024);
+        const uint64_t dk = smem_desc_sw128(k + (kk / 4) * kBN * kBoxCols + (kk % 4) * 16, 16, 1024);
+        if constexpr (kBN == 128) wgmma_m64n128k16<T, 0, 0>(sc, dq, dk, kk > 0);
+        else mm::wgmma_m64n176k16<T, 0, 0>(sc, dq, dk, kk > 0);
+    }
+}
+
+// O += P V: V is N-major (d contiguous): 64-column boxes kBN x 128 bytes apart (the leading byte
+// offset), a k16 step is 16 key rows = 2048 bytes.
+template <typename T, int D, int kBN>
+__device__ __forceinline__ void issue_pv(float (&o)[D / 2], const uint32_t (&pa)[kBN / 16][4], const T *v) {
+#pragma unroll
+    for (int kk = 0; kk < kBN / 16; kk++) {
+        const uint64_t dv = smem_desc_sw128(v + kk * 16 * kBoxCols, kBN * kBoxCols * 2, 1024);
+        if constexpr (D == 64) wgmma_m64n64k16_rs<T, 1>(o, pa[kk], dv, 1);
+        else wgmma_m64n128k16_rs<T, 1>(o, pa[kk], dv, 1);
+    }
+}
+
+// Accumulator layout of m64nN: warp w of the warpgroup holds rows 16 w + lane / 4 (hr 0) and + 8
+// (hr 1); n8 block j, columns 8 j + 2 (lane % 4) (+ 1): acc[4 j + 2 hr] and acc[4 j + 2 hr + 1].
+// Masks S (tiles crossing the band or the sequence end), then the online softmax: new running max,
+// S <- 2^(S mul - max mul), running sum; alpha = the factor O must still be rescaled by.
+template <int kBN>
+__device__ __forceinline__ void softmax_tile(float (&sc)[kBN / 2], float (&row_max)[2], float (&row_sum)[2],
+                                             float (&alpha)[2], const Params &p, const Seq &s, int wm0, int r0,
+                                             int n0, bool fold, float mul) {
+    const int lane = threadIdx.x % 32;
+    if (!fold) {
+#pragma unroll
+        for (int e = 0; e < kBN / 2; e++) sc[e] *= p.scale_log2;
+    }
+    if (!tile_visible(p, s, wm0, 64, n0, kBN)) {
+#pragma unroll
+        for (int hr = 0; hr < 2; hr++) {
+            // Keys [lo, hi) of the tile that row r0 + 8 hr sees, in tile columns (empty past sq).
+            const int64_t i = r0 + 8 * hr;
+            int64_t a = 0, z = i < s.sq ? s.sk : 0;
+            if (p.window_left >= 0) a = max(a, i + s.shift - p.window_left);
+            if (p.window_right >= 0) z = min(z, i + s.shift + p.window_right + 1);
+            const int lo = (int)min(max(a - n0, (int64_t)0), (int64_t)kBN) - 2 * (lane & 3);
+            const int hi = (int)min(max(z - n0, (int64_t)0), (int64_t)kBN) - 2 * (lane & 3);
+#pragma unroll
+            for (int j = 0; j < kBN / 8; j++)
+#pragma unroll
+                for (int e = 0; e < 2; e++)
+                    if (8 * j + e < lo || 8 * j + e >= hi) sc[4 * j + 2 * hr + e] = -INFINITY;
+        }
+    }
+#pragma unroll
+    for (int hr = 0; hr < 2; hr++) {
+        float mx = row_max[hr];
+#pragma unroll
+        for (int j = 0; j < kBN / 8; j++) mx = fmaxf(mx, fmaxf(sc[4 * j + 2 * hr], sc[4 * j + 2 * hr + 1]));
+        mx = quad_max(mx);
+        // A row that has seen no key yet keeps max -inf: exponents are taken against 0 then.
+        const float base = mx == -INFINITY ? 0.0f : mx * mul;
+        alpha[hr] = ex2_ftz(row_max[hr] * mul - base);  // 0 while the old max is -inf
+        row_max[hr] = mx;
+        float sum = 0.0f;
+#pragma unroll
+        for (int j = 0; j < kBN / 8; j++)
+#pragma unroll
+            for (int e = 0; e < 2; e++) {
+                const float pv = ex2_ftz(fmaf(sc[4 * j + 2 * hr + e], mul, -base));
+                sc[4 * j + 2 * hr + e] = pv;
+                sum += pv;
+            }
+        row_sum[hr] = row_sum[hr] * alpha[hr] + sum;
+    }
+}
+
+// The m64nN accumulator layout is the register-A layout of the next wgmma: P_t as 16-bit pairs.
+template <typename T, int kBN>
+__device__ __forceinline__ void pack_p(uint32_t (&pa)[kBN / 16][4], const float (&sc)[kBN / 2]) {
+#pragma unroll
+    for (int kk = 0; kk < kBN / 16; kk++)
+#pragma unroll
+        for (int r = 0; r < 4; r++) pa[kk][r] = pack2<T>(sc[8 * kk + 2 * r], sc[8 * kk + 2 * r + 1]);
+}
+
+template <int N> __device__ __forceinline__ void rescale(float (&o)[N], const float (&alpha)[2]) {
+#pragma unroll
+    for (int e = 0; e < N; e++) o[e] *= alpha[(e >> 1) & 1];
+}
+
+// Ping-pong: warpgroup c issues its matmuls between turn_begin and turn_end; warpgroup c + 1's
+// turn follows (round robin). The last warpgroup opens with an arrival that lets warpgroup 0 go
+// first and skips its last one, so every wait on a barrier meets exactly one arrival.
+template <int kConsumers> __device__ __forceinline__ void turn_begin(int c) {
+    if (FK_ATTN_PINGPONG) named_barrier_sync(kTurn0 + c, 2 * 128);
+}
+template <int kConsumers> __device__ __forceinline__ void turn_end(int c, bool last) {
+    if (FK_ATTN_PINGPONG && !(c == kConsumers - 1 && last))
+        named_barrier_arrive(kTurn0 + (c + 1 == kConsumers ? 0 : c + 1), 2 * 128);
+}
+
+template <typename T, int D>
+__device__ __forceinline__ void epilogue(const Params &p, const Work &w, const float (&o)[D / 2],
+                                         const float (&row_max)[2], const float (&row_sum)[2], int r0, float mul) {
+    constexpr float kLn2 = 0.693147180559945309f;
+    const int lane = threadIdx.x % 32;
+#pragma unroll
+    for (int hr = 0; hr < 2; hr++) {
+        const int i = r0 + 8 * hr;
+        const float sum = quad_sum(row_sum[hr]);
+        if (i >= w.s.sq) continue;
+        const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
+        T *out = static_cast<T *>(p.out) + (int64_t)w.b * p.o_batch + (int64_t)i * p.o_row + (int64_t)w.h * p.o_head;
+#pragma unroll
+        for (int j = 0; j < D / 8; j++)
+            store2<T>(out + 8 * j + 2 * (lane & 3), o[4 * j + 2 * hr] * inv, o[4 * j + 2 * hr + 1] * inv);
+        if ((lane & 3) == 0)
+            p.lse[lse_index(p, w.s, w.b, w.h, i)] = sum > 0.0f ? (row_max[hr] * mul + log2f(sum)) * kLn2 : INFINITY;
+    }
+}
+
+// One query tile for warpgroup c: the key loop, Q released after its last S, then the epilogue.
+template <typename T, int D>
+__device__ __forceinline__ void consume_tile(Smem<T, D> &s, const Params &p, const Work &w, Stage<1> &qs,
+                                             Stage<Cfg<D>::kStages> &ks, Stage<Cfg<D>::kStages> &vs) {
+    using C = Cfg<D>;
+    constexpr int kC = C::kConsumers, kBN = C::kBN;
+    const int c = threadIdx.x / 128 - 1, t = threadIdx.x % 128;
+    const int wm0 = w.m0 + 64 * c, r0 = wm0 + 16 * (t / 32) + (t % 32) / 4;  // rows r0 and r0 + 8
+    // The scale folds into the exponent's FFMA when positive; any other scale multiplies S first.
+    const bool fold = p.scale_log2 > 0.0f;
+    const float mul = fold ? p.scale_log2 : 1.0f;
+    float o[D / 2], sc[kBN / 2], row_max[2] = {-INFINITY, -INFINITY}, row_sum[2] = {0.0f, 0.0f}, alpha[2];
+    uint32_t pa[kBN / 16][4];
+#pragma unroll
+    for (int e = 0; e < D / 2; e++) o[e] = 0.0f;
+    auto release_q = [&]() {
+        if (t == 0) mbar_arrive(&s.q_empty);
+    };
+    mbar_wait(&s.q_full, qs.phase);
+    qs.next();
+    if (w.t_lo < w.t_hi) {
+        if (c == kC - 1) turn_end<kC>(c, false);  // warpgroup 0 goes first
+        turn_begin<kC>(c);
+        mbar_wait(&s.k_full[ks.slot], ks.phase);
+        wgmma_fence();
+        issue_qk<T, D, kBN>(sc, s.q, s.k[ks.slot], c);
+        wgmma_commit();
+        turn_end<kC>(c, false);
+        wgmma_wait<0>();
+        wgmma_fence_operands(sc);
+        if (t == 0) mbar_arrive(&s.k_empty[ks.slot]);
+        ks.next();
+        if (w.t_lo + 1 == w.t_hi) release_q();
+        softmax_tile<kBN>(sc, row_max, row_sum, alpha, p, w.s, wm0, r0, w.t_lo * kBN, fold, mul);
+        pack_p<T, kBN>(pa, sc);
+        for (int kt = w.t_lo + 1; kt < w.t_hi; kt++) {
+            turn_begin<kC>(c);
+            mbar_wait(&s.k_full[ks.slot], ks.phase);
+            wgmma_fence();
+            issue_qk<T, D, kBN>(sc, s.q, s.k[ks.slot], c);
+            wgmma_commit();
+            mbar_wait(&s.v_full[vs.slot], vs.phase);
+            issue_pv<T, D, kBN>(o, pa, s.v[vs.slot]);
+            wgmma_commit();
+            turn_end<kC>(c, false);
+            wgmma_wait<1>();  // S_t is ready; P_(t-1) V_(t-1) still runs under its softmax
+            wgmma_fence_operands(sc);
+            if (t == 0) mbar_arrive(&s.k_empty[ks.slot]);
+            ks.next();
+            if (kt + 1 == w.t_hi) release_q();
+            softmax_tile<kBN>(sc, row_max, row_sum, alpha, p, w.s, wm0, r0, kt * kBN, fold, mul);
+            wgmma_wait<0>();
+            wgmma_fence_operands(o);
+            if (t == 0) mbar_arrive(&s.v_empty[vs.slot]);
+            vs.next();
+            rescale(o, alpha);
+            pack_p<T, kBN>(pa, sc);
+        }
+        turn_begin<kC>(c);
+        mbar_wait(&s.v_full[vs.slot], vs.phase);
+        wgmma_fence();
+        issue_pv<T, D, kBN>(o, pa, s.v[vs.slot]);
+        wgmma_commit();
+        turn_end<kC>(c, true);
+        wgmma_wait<0>();
+        wgmma_fence_operands(o);
+        if (t == 0) mbar_arrive(&s.v_empty[vs.slot]);
+        vs.next();
+    } else {
+        release_q();  // no key to see: out 0, lse +inf
+    }
+    epilogue<T, D>(p, w, o, row_max, row_sum, r0, mul);
+}
+
+template <typename T, int D>
+__device__ __forceinline__ void consumer(Smem<T, D> &s, const Params &p, int m_tiles, int64_t tiles) {
+    Stage<1> qs;
+    Stage<Cfg<D>::kStages> ks, vs;
+    for (int64_t tile = blockIdx.x; tile < tiles; tile += gridDim.x)
+        consume_tile<T, D>(s, p, work_of<Cfg<D>::kBM, Cfg<D>::kBN>(p, tile, m_tiles), qs, ks, vs);
+}
+
+// The grid walks the query tiles: one CTA an SM when plan.persistent (the producer loads the next
+// tile's K and Q while the consumers finish the last one's epilogue), else one CTA a tile.
+template <typename T, int D>
+__global__ void __launch_bounds__(Cfg<D>::kThreads, 1)
+    attention_fwd_wgmma_sm90(const __grid_constant__ CUtensorMap map_q, const __grid_constant__ CUtensorMap map_k,
+                             const __grid_constant__ CUtensorMap map_v, const Params p) {
+#if FK_SM90A
+    extern __shared__ unsigned char smem_raw[];
+    auto &s = *reinterpret_cast<Smem<T, D> *>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
+    if (threadIdx.x == 0) {
+        mbar_init(&s.q_full, 1), mbar_init(&s.q_empty, Cfg<D>::kConsumers);
+        for (int i = 0; i < Cfg<D>::kStages; i++) {
+            mbar_init(&s.k_full[i], 1), mbar_init(&s.k_empty[i], Cfg<D>::kConsumers);
+            mbar_init(&s.v_full[i], 1), mbar_init(&s.v_empty[i], Cfg<D>::kConsumers);
+        }
+        fence_barrier_init();
+        prefetch_tensormap(&map_q), prefetch_tensormap(&map_k), prefetch_tensormap(&map_v);
+    }
+    __syncthreads();
+    grid_dependency_sync();
+    const int m_tiles = (int)((p.sq + Cfg<D>::kBM - 1) / Cfg<D>::kBM);
+    const int64_t tiles = (int64_t)m_tiles * p.heads * p.batch;
+    if (threadIdx.x < 128) {
+        setmaxnreg_dec<Cfg<D>::kRegsProducer>();
+        if (threadIdx.x == 0) producer<T, D>(s, &map_q, &map_k, &map_v, p, m_tiles, tiles);
+    } else {
+        setmaxnreg_inc<Cfg<D>::kRegsConsumer>();
+        consumer<T, D>(s, p, m_tiles, tiles);
+    }
+#endif
+}
+
+// ---- host: tensor maps and launch ---------------------------------------------------------------
+
+PFN_cuTensorMapEncodeTiled_v12000 encode_fn() {
+    static PFN_cuTensorMapEncodeTiled_v12000 fn = [] {
+        void *ptr = nullptr;
+        cudaDriverEntryPointQueryResult result;
+        if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &ptr, 12000, cudaEnableDefault, &result) !=
+                cudaSuccess ||
+            result != cudaDriverEntryPointSuccess)
+            ptr = nullptr;
+        return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(ptr);
+    }();
+    return fn;
+}
+
+// A 4-d map (d, rows, heads, sequences) of 16-bit elements in 64 x `box_rows` boxes, 128-byte
+// swizzle, rows past `rows` zero-filled. A dimension of size 1 takes any valid stride.
+bool encode(CUtensorMap *map, fk_dtype dtype, const void *base, int64_t d, int64_t rows, int64_t heads,
+            int64_t batch, int64_t row, int64_t head, int64_t seq, int box_rows) {
+    auto fn = encode_fn();
+    if (!fn) return false;
+    if (heads == 1) head = row * rows;
+    if (batch == 1) seq = head * heads;
+    const cuuint64_t dims[4] = {(cuuint64_t)d, (cuuint64_t)rows, (cuuint64_t)heads, (cuuint64_t)batch};
+    const cuuint64_t strides[3] = {(cuuint64_t)row * 2, (cuuint64_t)head * 2, (cuuint64_t)seq * 2};
+    const cuuint32_t box[4] = {kBoxCols, (cuuint32_t)box_rows, 1, 1}, elem_strides[4] = {1, 1, 1, 1};
+    return fn(map, dtype == FK_BFLOAT16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16, 4,
+              const_cast<void *>(base), dims, strides, box, elem_strides, CU_TENSOR_MAP_INTERLEAVE_NONE,
+              CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+              CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
+}
+
+template <typename T, int D>
+fk_status launch(const Params &p, bool persistent, fk_dtype dtype, int device, cudaStream_t stream) {
+    CUtensorMap map_q, map_k, map_v;
+    using C = Cfg<D>;
+    if (!encode(&map_q, dtype, p.q, D, p.sq, p.heads, p.batch, p.q_row, p.q_head, p.q_batch, C::kBM) ||
+        !encode(&map_k, dtype, p.k, D, p.sk, p.kv_heads, p.batch, p.k_row, p.k_head, p.k_batch, C::kBN) ||
+        !encode(&map_v, dtype, p.v, D, p.sk, p.kv_heads, p.batch, p.v_row, p.v_head, p.v_batch, C::kBN))
+        return fk_fail(FK_ERR_RUNTIME, "attention_fwd: cuTensorMapEncodeTiled failed");
+    constexpr auto kernel = attention_fwd_wgmma_sm90<T, D>;
+    cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes<D>);
+    if (e != cudaSuccess) return cuda_status(e, "attention_fwd");
+    const int64_t tiles = (p.sq + C::kBM - 1) / C::kBM * p.heads * p.batch;
+    // (grid.x holds 2^31 - 1 CTAs: a larger walk goes persistent whatever the plan says.)
+    const bool walk = persistent || tiles > INT32_MAX;
+    const unsigned grid = (unsigned)(walk ? std::min<int64_t>(tiles, sm_count(device)) : tiles);
+    return Launch(dim3(grid), dim3(C::kThreads), kSmemBytes<D>, stream, device)("attention_fwd", kernel, map_q, map_k,
+                                                                                 map_v, p);
+}
+
+}  // namespace
+
+// Instances: {__half, __nv_bfloat16} x D {64, 128} = 4.
+fk_status launch_fwd_wgmma_sm90(const Plan &plan, const Params &p, fk_dtype dtype, int device, cudaStream_t stream) {
+    const bool pers = plan.persistent;
+    if (dtype == FK_BFLOAT16)
+        return plan.d_bucket == 64 ? launch<__nv_bfloat16, 64>(p, pers, dtype, device, stream)
+                                   : launch<__nv_bfloat16, 128>(p, pers, dtype, device, stream);
+    return plan.d_bucket == 64 ? launch<__half, 64>(p, pers, dtype, device, stream)
+                               : launch<__half, 128>(p, pers, dtype, device, stream);
+}
+
+}  // namespace fk::attn
