@@ -2,6 +2,7 @@
  * ISA with target attributes (one build runs everywhere; the caller picks at run time with
  * fk_cpu_isa()). Per ISA `isa` (lanes: AVX-512 16, AVX2 + FMA + F16C 8, portable 4):
  *   vf_isa / vi_isa / vu_isa   float / int32 / uint32 vectors (4-byte aligned: unaligned access)
+ *   vd_isa                     lanes doubles (two registers' worth), for fp64 sums
  *   vload_isa(dtype, p, i)     lanes elements p[i..] as fp32: fp32 as is, bf16 by a 16-bit shift,
  *                              fp16 by F16C (vcvtph2ps) where present
  *   vstore_isa(dtype, v, p, i) the reverse, rounding to nearest even (bf16 in integer lanes, NaN
@@ -51,7 +52,8 @@ static inline int fk_cpu_isa(void) {
     typedef float vf_##isa __attribute__((vector_size(4 * lanes), aligned(4)));                   \
     typedef int32_t vi_##isa __attribute__((vector_size(4 * lanes), aligned(4)));                 \
     typedef uint32_t vu_##isa __attribute__((vector_size(4 * lanes), aligned(4)));                \
-    typedef uint16_t vh_##isa __attribute__((vector_size(2 * lanes), aligned(2)));
+    typedef uint16_t vh_##isa __attribute__((vector_size(2 * lanes), aligned(2)));                \
+    typedef double vd_##isa __attribute__((vector_size(8 * lanes)));
 
 /* fp16 <-> fp32 of one vector: F16C where the ISA has it, else common.h's scalar conversions. */
 #define FK_VEC_F16_SCALAR(isa, attrs, lanes)                                                       \
