@@ -170,6 +170,8 @@ def cpu_isas():
         isas.append("avx2")
         if all(f in flags for f in ("avx512f", "avx512dq", "avx512bw", "avx512vl")):
             isas.append("avx512")
+            if "avx512_bf16" in flags:  # avx512 then rounds to bf16 with vcvtneps2bf16
+                isas.append("avx512-nobf16")
     return isas
 
 

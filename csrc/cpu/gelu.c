@@ -51,7 +51,7 @@ static gelu_tile tile_of(const gelu_job *j, int64_t t) {
  * erfc(a) = exp(-a^2) t Q(t), t = 1 / (1 + 0.43 a), a = |.|, Q of degree 7 fitted for relative
  * error (8.5e-8 in exact arithmetic, 3.9e-7 evaluated in fp32, for a in [0, 9.6]), so the negative
  * tail keeps its digits; erfc(-a) = 2 - erfc(a); exp(-a^2) is also the gradient's Gaussian (one exp
- * forward and backward). Measured against float64 (D-80): see docs/gelu.md. */
+ * forward and backward). Measured against float64 (D-81): see docs/gelu.md. */
 #define FK_SQRT_2_OVER_PI_F 0.7978845608028654f
 #define FK_GELU_VEC(isa, attrs, lanes)                                                             \
     static inline attrs vf_##isa tanh_exp_##isa(vf_##isa v) { /* exp(-2u) */                       \

@@ -7,9 +7,10 @@
  *            buffer); pass 3 y = e / s, or log: x * scale - m - log s (no exp); masked keys 0 / -inf.
  *   backward pass 1 p = exp(x * scale - m) (m the forward's saved row max), z = sum p, a = sum dy p
  *            (log: sum dy over all n keys), p kept as in the forward; pass 2 dx from the kept p:
- *            one exp an element, not two (D-81). dx = scale p / z (dy - c), c = a / z held as an fp32
- *            pair c_hi + c_lo so dy - c keeps its digits where it cancels (a row's dominant key);
- *            log: dx = scale (dy - p (a / z)).
+ *            one exp an element, not two (D-82). z and a: fp32 lanes (TwoSum-compensated for fp32);
+ *            dx = scale p / z (dy - c), c = a / z, in fp64 for fp32 (fp32's roundings there were over 2x
+ *            torch's error where dy - c cancels, at a row's dominant key), else in fp32 with c held
+ *            as a pair c_hi + c_lo; log: dx = scale (dy - p (a / z)).
  * cols (inner > 1): a tile of FK_TILE adjacent columns of one slab, the same passes over its n keys
  *   with one accumulator lane per column (sums flushed to fp64 every FK_COLS_FLUSH keys); the tile
  *   (n x 32 floats: 1 MiB at n = 8192) stays in L2 between passes.
@@ -56,6 +57,12 @@ static inline int needs_scratch(const softmax_job *j) {
         vf_##isa v = vload_part_##isa(dt, x, at, len, 0.0f) * scale;                                \
         return select_##isa(head_##isa(len), v, zero + fill);                                       \
     }                                                                                               \
+    /* *sum += y, the rounding error added to *comp exactly (Knuth's TwoSum) */                    \
+    static inline attrs void two_sum_##isa(vf_##isa *sum, vf_##isa *comp, vf_##isa y) {            \
+        vf_##isa t = *sum + y, bp = t - *sum;                                                       \
+        *comp += (*sum - (t - bp)) + (y - bp);                                                      \
+        *sum = t;                                                                                   \
+    }                                                                                               \
     static inline attrs void put_##isa(fk_dtype dt, vf_##isa v, void *p, int64_t at, int64_t len) { \
         if (len >= lanes) vstore_##isa(dt, v, p, at);                                               \
         else vstore_part_##isa(dt, v, p, at, len);                                                  \
@@ -99,7 +106,7 @@ static inline int needs_scratch(const softmax_job *j) {
         } else {                                                                                    \
             float inv = (float)(1.0 / s);                                                           \
             for (int64_t i = 0; i < len; i += lanes) {                                              \
-                vf_##isa e = keep ? vload_##isa(FK_FLOAT32, keep, i)                                \
+                vf_##isa e = keep ? xs_##isa(FK_FLOAT32, keep, i, len - i, 1.0f, 0.0f)              \
                                   : exp_##isa(xs_##isa(dt, j->x, at + i, len - i, scale, 0.0f) - m); \
                 put_##isa(dt, e * inv, j->out, at + i, len - i);                                    \
             }                                                                                       \
@@ -114,22 +121,20 @@ static inline int needs_scratch(const softmax_job *j) {
         int64_t n = j->n, len = row_valid(j, row), at = row * n;                                    \
         float *keep = dt == FK_FLOAT32 ? (float *)j->out + at : scratch;                            \
         double z = 0.0, a = 0.0;                                                                    \
-        if (dt == FK_FLOAT32) { /* fp64 sums: fp32 ones put single rows over 2x torch's error */  \
-            vd_##isa zacc = {0}, aacc = {0}; /* (at a dominant key dy - c cancels down to them) */  \
-            for (int64_t i = 0; i < len; i += lanes) {                                              \
-                vf_##isa p = exp_##isa(xs_##isa(dt, j->x, at + i, len - i, scale, -INFINITY) - m);  \
-                vf_##isa g = xs_##isa(dt, j->dy, at + i, len - i, 1.0f, 0.0f);                      \
-                vd_##isa pd = __builtin_convertvector(p, vd_##isa);                                 \
-                zacc += pd;                                                                         \
-                aacc += j->is_log ? __builtin_convertvector(g, vd_##isa)                            \
-                                  : __builtin_convertvector(g, vd_##isa) * pd;                      \
-                if (keep) put_##isa(FK_FLOAT32, p, keep, i, len - i);                               \
-            }                                                                                       \
-            for (int l = 0; l < lanes; l++) z += zacc[l], a += aacc[l];                             \
-        } else                                                                                      \
-            for (int64_t j0 = 0; j0 < len; j0 += FK_CHUNK) {                                        \
-                int64_t end = len - j0 < FK_CHUNK ? len : j0 + FK_CHUNK;                            \
-                vf_##isa zacc = zero, aacc = zero;                                                  \
+        for (int64_t j0 = 0; j0 < len; j0 += FK_CHUNK) {                                            \
+            int64_t end = len - j0 < FK_CHUNK ? len : j0 + FK_CHUNK;                                \
+            vf_##isa zacc = zero, aacc = zero, zcomp = zero, acomp = zero;                          \
+            if (dt == FK_FLOAT32) /* compensated sums (TwoSum): plain fp32 ones put single fp32   \
+                                   * rows over 2x torch's error (at a dominant key dy - c cancels \
+                                   * down to their rounding); fp64 ones doubled the pass (D-82) */ \
+                for (int64_t i = j0; i < end; i += lanes) {                                         \
+                    vf_##isa p = exp_##isa(xs_##isa(dt, j->x, at + i, len - i, scale, -INFINITY) - m); \
+                    vf_##isa g = xs_##isa(dt, j->dy, at + i, len - i, 1.0f, 0.0f);                  \
+                    two_sum_##isa(&zacc, &zcomp, p);                                                \
+                    two_sum_##isa(&aacc, &acomp, j->is_log ? g : g * p);                            \
+                    put_##isa(FK_FLOAT32, p, keep, i, len - i);                                     \
+                }                                                                                   \
+            else                                                                                    \
                 for (int64_t i = j0; i < end; i += lanes) {                                         \
                     vf_##isa p = exp_##isa(xs_##isa(dt, j->x, at + i, len - i, scale, -INFINITY) - m); \
                     vf_##isa g = xs_##isa(dt, j->dy, at + i, len - i, 1.0f, 0.0f);                  \
@@ -137,8 +142,9 @@ static inline int needs_scratch(const softmax_job *j) {
                     aacc += j->is_log ? g : g * p;                                                  \
                     if (keep) put_##isa(FK_FLOAT32, p, keep, i, len - i);                           \
                 }                                                                                   \
-                for (int l = 0; l < lanes; l++) z += zacc[l], a += aacc[l];                         \
-            }                                                                                       \
+            for (int l = 0; l < lanes; l++)                                                         \
+                z += (double)zacc[l] + zcomp[l], a += (double)aacc[l] + acomp[l];                   \
+        }                                                                                           \
         if (j->is_log) /* masked keys too: their output is -inf, a constant */                      \
             for (int64_t i = len; i < n; i += FK_CHUNK) {                                           \
                 float gb[FK_CHUNK];                                                                 \
@@ -148,11 +154,17 @@ static inline int needs_scratch(const softmax_job *j) {
             }                                                                                       \
         double c = a / z;                                                                           \
         float k = (float)(j->scale / z), c_hi = (float)c, c_lo = (float)(c - c_hi), q = c_hi;       \
+        double kd = j->scale / z, cq = (double)q;                                                   \
         for (int64_t i = 0; i < len; i += lanes) {                                                  \
-            vf_##isa p = keep ? vload_##isa(FK_FLOAT32, keep, i)                                    \
+            vf_##isa p = keep ? xs_##isa(FK_FLOAT32, keep, i, len - i, 1.0f, 0.0f)                  \
                               : exp_##isa(xs_##isa(dt, j->x, at + i, len - i, scale, 0.0f) - m);    \
             vf_##isa g = xs_##isa(dt, j->dy, at + i, len - i, 1.0f, 0.0f), d;                       \
-            if (j->is_log) d = scale * (g - p * q);                                                 \
+            if (dt == FK_FLOAT32) { /* in fp64: fp32's ~4 roundings here were over 2x torch's */   \
+                vd_##isa pd = __builtin_convertvector(p, vd_##isa);                                 \
+                vd_##isa gd = __builtin_convertvector(g, vd_##isa);                                 \
+                d = __builtin_convertvector(j->is_log ? j->scale * (gd - pd * cq) : kd * pd * (gd - c), \
+                                            vf_##isa);                                              \
+            } else if (j->is_log) d = scale * (g - p * q);                                          \
             else d = k * p * ((g - c_hi) - c_lo);                                                   \
             put_##isa(dt, d, j->out, at + i, len - i);                                              \
         }                                                                                           \

@@ -29,6 +29,7 @@
 #endif
 
 enum { FK_ISA_GENERIC, FK_ISA_AVX2, FK_ISA_AVX512 };
+static int fk_avx512bf16; /* the AVX-512 path may round to bf16 with vcvtneps2bf16 */
 
 /* The widest ISA the CPU runs; FASTKERN_CPU_ISA=generic|avx2|avx512 forces a narrower one (one the
  * CPU lacks falls back to the next narrower), so tests cover each path on one machine. */
@@ -40,8 +41,10 @@ static inline int fk_cpu_isa(void) {
     int has_avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
                    __builtin_cpu_supports("f16c");
     if (!generic && !avx2 && has_avx2 && __builtin_cpu_supports("avx512f") &&
-        __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512bw"))
+        __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512bw")) {
+        fk_avx512bf16 = __builtin_cpu_supports("avx512bf16") && !(want && !strcmp(want, "avx512-nobf16"));
         return FK_ISA_AVX512;
+    }
     if (!generic && has_avx2) return FK_ISA_AVX2;
 #endif
     (void)generic, (void)avx2;
@@ -72,12 +75,25 @@ static inline int fk_cpu_isa(void) {
         return (vf_##isa)(((vi_##isa)a & mask) | ((vi_##isa)b & ~mask));                           \
     }
 
+/* bf16 <-> fp32 of one vector in integer lanes: a shift; rounding to nearest even, NaN kept quiet */
+#define FK_VEC_BF16_INT(isa, attrs)                                                                \
+    static inline attrs vf_##isa bf16_load_##isa(const uint16_t *h) {                              \
+        return (vf_##isa)(__builtin_convertvector(*(const vh_##isa *)h, vu_##isa) << 16);          \
+    }                                                                                               \
+    static inline attrs void bf16_store_int_##isa(vf_##isa v, uint16_t *h) {                       \
+        vu_##isa b = (vu_##isa)v;                                                                   \
+        vi_##isa nan = (vi_##isa)((b & 0x7fffffffu) > 0x7f800000u);                                 \
+        vu_##isa r = (b + 0x7fffu + ((b >> 16) & 1u)) >> 16;                                        \
+        r = (vu_##isa)(((vi_##isa)((b >> 16) | 0x40u) & nan) | ((vi_##isa)r & ~nan));               \
+        *(vh_##isa *)h = __builtin_convertvector(r, vh_##isa);                                      \
+    }
+
 #define FK_VEC_MATH(isa, attrs, lanes)                                                             \
     static inline attrs vf_##isa vload_##isa(fk_dtype dtype, const void *p, int64_t i) {           \
         if (dtype == FK_FLOAT32) return *(const vf_##isa *)((const float *)p + i);                 \
         const uint16_t *h = (const uint16_t *)p + i;                                                \
         if (dtype == FK_FLOAT16) return f16_load_##isa(h);                                          \
-        return (vf_##isa)(__builtin_convertvector(*(const vh_##isa *)h, vu_##isa) << 16);          \
+        return bf16_load_##isa(h);                                                                  \
     }                                                                                               \
                                                                                                     \
     static inline attrs void vstore_##isa(fk_dtype dtype, vf_##isa v, void *p, int64_t i) {        \
@@ -90,11 +106,7 @@ static inline int fk_cpu_isa(void) {
             f16_store_##isa(v, h);                                                                  \
             return;                                                                                 \
         }                                                                                           \
-        vu_##isa b = (vu_##isa)v;                                                                   \
-        vi_##isa nan = (vi_##isa)((b & 0x7fffffffu) > 0x7f800000u);                                 \
-        vu_##isa r = (b + 0x7fffu + ((b >> 16) & 1u)) >> 16;                                        \
-        r = (vu_##isa)(((vi_##isa)((b >> 16) | 0x40u) & nan) | ((vi_##isa)r & ~nan));               \
-        *(vh_##isa *)h = __builtin_convertvector(r, vh_##isa);                                      \
+        bf16_store_##isa(v, h);                                                                     \
     }                                                                                               \
                                                                                                     \
     /* p[i..i+len) as fp32 lanes, len <= lanes, the rest `fill` (a vector's tail) */                \
@@ -143,6 +155,10 @@ static inline int fk_cpu_isa(void) {
 FK_VEC_TYPES(generic, 4)
 FK_VEC_F16_SCALAR(generic, FK_ATTRS_GENERIC, 4)
 FK_VEC_SELECT(generic, FK_ATTRS_GENERIC)
+FK_VEC_BF16_INT(generic, FK_ATTRS_GENERIC)
+static inline FK_ATTRS_GENERIC void bf16_store_generic(vf_generic v, uint16_t *h) {
+    bf16_store_int_generic(v, h);
+}
 FK_VEC_MATH(generic, FK_ATTRS_GENERIC, 4)
 FK_VEC_EXP(generic, FK_ATTRS_GENERIC)
 
@@ -155,6 +171,8 @@ static inline FK_ATTRS_AVX2 void f16_store_avx2(vf_avx2 v, uint16_t *p) {
     _mm_storeu_si128((__m128i *)p, _mm256_cvtps_ph((__m256)v, _MM_FROUND_TO_NEAREST_INT));
 }
 FK_VEC_SELECT(avx2, FK_ATTRS_AVX2)
+FK_VEC_BF16_INT(avx2, FK_ATTRS_AVX2)
+static inline FK_ATTRS_AVX2 void bf16_store_avx2(vf_avx2 v, uint16_t *h) { bf16_store_int_avx2(v, h); }
 FK_VEC_MATH(avx2, FK_ATTRS_AVX2, 8)
 FK_VEC_EXP(avx2, FK_ATTRS_AVX2)
 
@@ -165,6 +183,17 @@ static inline FK_ATTRS_AVX512 vf_avx512 f16_load_avx512(const uint16_t *p) {
 static inline FK_ATTRS_AVX512 void f16_store_avx512(vf_avx512 v, uint16_t *p) {
     _mm256_storeu_si256((__m256i *)p, _mm512_cvtps_ph((__m512)v, _MM_FROUND_TO_NEAREST_INT));
 }
+FK_VEC_BF16_INT(avx512, FK_ATTRS_AVX512)
+/* AVX-512 BF16's vcvtneps2bf16 where the CPU has it (one op for the integer path's ~10; it flushes
+ * subnormals to 0, D-83): fk_cpu_isa() sets the flag. */
+__attribute__((target("avx512f,avx512bf16"))) static inline void bf16_store_cvt(vf_avx512 v, uint16_t *h) {
+    _mm256_storeu_si256((__m256i *)h, (__m256i)_mm512_cvtneps_pbh((__m512)v));
+}
+static inline FK_ATTRS_AVX512 void bf16_store_avx512(vf_avx512 v, uint16_t *h) {
+    if (fk_avx512bf16) bf16_store_cvt(v, h);
+    else bf16_store_int_avx512(v, h);
+}
+
 /* one vblendmps on the compare's mask register (the and / or form took three ops) */
 static inline FK_ATTRS_AVX512 vf_avx512 select_avx512(vi_avx512 mask, vf_avx512 a, vf_avx512 b) {
     return (vf_avx512)_mm512_mask_blend_ps(_mm512_movepi32_mask((__m512i)mask), (__m512)b, (__m512)a);
@@ -173,7 +202,7 @@ FK_VEC_MATH(avx512, FK_ATTRS_AVX512, 16)
 
 /* The same polynomial, with AVX-512's vscalefps for the 2^n step: it saturates to 0 / inf itself, so
  * the clamps shrink to one max / min (NaN kept: vmaxps returns its second operand for a NaN) and
- * the mask and integer exponent arithmetic go (~15 ops a vector instead of ~20, D-80). Results
+ * the mask and integer exponent arithmetic go (~15 ops a vector instead of ~20, D-83). Results
  * below FLT_MIN come out subnormal instead of 0; -inf gives 0. */
 static inline FK_ATTRS_AVX512 vf_avx512 exp_avx512(vf_avx512 v) {
     __m512 x = _mm512_max_ps(_mm512_set1_ps(-110.0f), (__m512)v);
