@@ -150,7 +150,9 @@ static inline int fk_cpu_isa(void) {
 #define FK_VEC_ATTRS(isa_list) __attribute__((target(isa_list), optimize("fp-contract=fast")))
 #define FK_ATTRS_GENERIC __attribute__((optimize("fp-contract=fast")))
 #define FK_ATTRS_AVX2 FK_VEC_ATTRS("avx2,fma,f16c")
-#define FK_ATTRS_AVX512 FK_VEC_ATTRS("avx512f,avx512dq,avx512bw,avx512vl,avx2,fma,f16c")
+/* avx512bf16 in the target so that bf16_store_cvt inlines (a call per vector spilled every zmm);
+ * its one instruction runs only where fk_cpu_isa() found the feature */
+#define FK_ATTRS_AVX512 FK_VEC_ATTRS("avx512f,avx512dq,avx512bw,avx512vl,avx512bf16,avx2,fma,f16c")
 
 FK_VEC_TYPES(generic, 4)
 FK_VEC_F16_SCALAR(generic, FK_ATTRS_GENERIC, 4)
@@ -186,7 +188,7 @@ static inline FK_ATTRS_AVX512 void f16_store_avx512(vf_avx512 v, uint16_t *p) {
 FK_VEC_BF16_INT(avx512, FK_ATTRS_AVX512)
 /* AVX-512 BF16's vcvtneps2bf16 where the CPU has it (one op for the integer path's ~10; it flushes
  * subnormals to 0, D-83): fk_cpu_isa() sets the flag. */
-__attribute__((target("avx512f,avx512bf16"))) static inline void bf16_store_cvt(vf_avx512 v, uint16_t *h) {
+static inline FK_ATTRS_AVX512 void bf16_store_cvt(vf_avx512 v, uint16_t *h) {
     _mm256_storeu_si256((__m256i *)h, (__m256i)_mm512_cvtneps_pbh((__m512)v));
 }
 static inline FK_ATTRS_AVX512 void bf16_store_avx512(vf_avx512 v, uint16_t *h) {
