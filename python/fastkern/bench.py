@@ -101,8 +101,10 @@ def time_ms(fn, sets, device, repeats=15):
     else back-to-back eager calls ("eager") where capture is impossible, each sample starting with
     no L2 lines kept by earlier kernels (release_kept_l2_lines); CPU: wall time."""
     release_kept_l2_lines(device)
+    t0 = time.perf_counter()
     for inputs in sets:  # warm-up, compilation included
         fn(*inputs)
+    warm_s = (time.perf_counter() - t0) / len(sets)
     if device.type == "cuda":
         try:
             return _graph_ms(fn, sets, device, repeats), "graph"
@@ -111,9 +113,7 @@ def time_ms(fn, sets, device, repeats=15):
     samples = []
     calls = len(sets) * -(-10 // len(sets))
     if device.type == "cpu":  # ~20 ms a sample: long CPU cases (16 ms a call) keep the suite short
-        t0 = time.perf_counter()
-        fn(*sets[0])
-        calls = max(1, min(calls, int(0.02 / max(time.perf_counter() - t0, 1e-6))))
+        calls = max(1, min(calls, int(0.02 / max(warm_s, 1e-6))))
         repeats = min(repeats, 9)
     for _ in range(repeats):
         release_kept_l2_lines(device)
