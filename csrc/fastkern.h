@@ -84,7 +84,9 @@ fk_status fk_cuda_gelu_bwd(const void *dy, const void *x, const void *bias, void
  *   log_softmax: dx = scale * (dy - y * sum_j dy_j)
  * (The max, not the log-sum-exp, is saved: its exponents are exact near the max, so the recomputed
  * y is as accurate as the forward's.) Masked positions get y = 0 (log: -inf) and dx = 0. Rows that
- * are all -inf, fully masked, or hold +inf / NaN produce NaN, as torch.softmax does.          */
+ * are all -inf, fully masked, or hold +inf / NaN produce NaN, as torch.softmax does.
+ * The CPU calls keep a 16-bit row's exps for its second pass: on the stack up to 16384 keys, else
+ * in one malloc'ed row buffer per thread (freed before returning; without it they recompute). */
 fk_status fk_cpu_softmax_fwd(const void *x, void *y, void *row_max, int64_t outer, int64_t n,
                              int64_t inner, double scale, int64_t causal_sq, int log,
                              fk_dtype dtype, int threads);

@@ -159,6 +159,22 @@ def chain_matches_synchronized(fn, *inputs):
         assert torch.equal(got_graph, want), "captured chain differs from the synchronized one"
 
 
+def cpu_isas():
+    """The FASTKERN_CPU_ISA values this machine runs (csrc/cpu/vec.h: fk_cpu_isa)."""
+    try:
+        flags = open("/proc/cpuinfo").read().split()
+    except OSError:
+        flags = []
+    isas = ["generic"]
+    if all(f in flags for f in ("avx2", "fma", "f16c")):
+        isas.append("avx2")
+        if all(f in flags for f in ("avx512f", "avx512dq", "avx512bw", "avx512vl")):
+            isas.append("avx512")
+            if "avx512_bf16" in flags:  # avx512 then rounds to bf16 with vcvtneps2bf16
+                isas.append("avx512-nobf16")
+    return isas
+
+
 def on_cpu_threads(threads, fn):
     """fn() with torch (and so fastkern's CPU kernels) set to `threads` threads."""
     saved = torch.get_num_threads()

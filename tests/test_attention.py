@@ -566,14 +566,44 @@ def test_cuda_graph_capture_and_replay(cuda_path):
             torch.testing.assert_close(t.grad, r.grad, atol=2e-2, rtol=2e-2)
 
 
+def _hopper():
+    return (torch.cuda.is_available() and fastkern.cuda_available()
+            and torch.cuda.get_device_capability() == (9, 0) and "sm_90a" in fastkern.BUILD_INFO["archs"])
+
+
+def _sms():
+    return torch.cuda.get_device_properties(0).multi_processor_count
+
+
+# csrc/cuda/attention/dispatch.cu's table, row by row (shapes sized for a GPU of 100-150 SMs):
+# (id, qkv(b, sq, sk, h, hkv, d), causal, forced general) -> forward strategy. Backward: bwd_mma_sm80.
+ATTENTION_ROWS = [
+    ("split", (1, 1, 4096, 8, 2, 128), False, False, lambda: "fwd_split_mma_sm80"),
+    ("split-forced", (2, 100, 2048, 4, 4, 64), True, True, lambda: "fwd_split_mma_sm80"),
+    ("hopper-d128-causal", (2, 1000, 1100, 16, 16, 128), True, False,
+     lambda: "fwd_wgmma_sm90" if _hopper() else "fwd_mma_sm80"),
+    ("hopper-d64-gqa", (4, 333, 333, 32, 8, 64), False, False,
+     lambda: "fwd_wgmma_sm90" if _hopper() else "fwd_mma_sm80"),
+    ("d96", (2, 1000, 1100, 16, 16, 96), False, False, lambda: "fwd_mma_sm80"),
+    ("forced", (2, 1000, 1100, 16, 16, 128), True, True, lambda: "fwd_mma_sm80"),
+    ("gqa-packed", (40, 16, 200, 32, 4, 128), False, False, lambda: "fwd_mma_sm80"),
+]
+
+
 @needs_cuda
-def test_cuda_plan_names_a_strategy(cuda_path):
-    q, k, v = qkv(1, 128, 128, 2, 2, 64, torch.bfloat16, "cuda")
-    for backward in (False, True):
-        plan = attention_ops._plan(q, k, v, causal=True, backward=backward)
-        assert isinstance(plan, str) and plan
-        if cuda_path == "force_general":
-            assert "sm80" in plan or "general" in plan, plan
+@pytest.mark.parametrize("shape,causal,forced,strategy", [r[1:] for r in ATTENTION_ROWS],
+                         ids=[r[0] for r in ATTENTION_ROWS])
+def test_dispatch_table(shape, causal, forced, strategy, monkeypatch, poison):
+    """Each row of the table: the plan names its strategy, and its output and gradients hold the error
+    rule (check)."""
+    if not 100 <= _sms() <= 150:
+        pytest.skip("the rows' shapes are sized for 100-150 SMs")
+    if forced:
+        monkeypatch.setenv("FASTKERN_ATTENTION_FORCE_GENERAL", "1")
+    q, k, v = qkv(*shape, torch.bfloat16, "cuda")
+    assert attention_ops._plan(q, k, v, causal=causal) == strategy()
+    assert attention_ops._plan(q, k, v, causal=causal, backward=True) == "bwd_mma_sm80"
+    check(q, k, v, causal=causal)
 
 
 def test_plan_on_cpu():

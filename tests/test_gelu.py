@@ -5,7 +5,7 @@ import torch.nn.functional as F
 
 import fastkern
 from conftest import (CUDA, DEVICE_DTYPES, DEVICES, assert_within_torch_error, chain_matches_synchronized,
-                      misaligned, needs_cuda, on_cpu_threads)
+                      cpu_isas, misaligned, needs_cuda, on_cpu_threads)
 
 SHAPES = [(1,), (7,), (1023,), (4096,), (2**20 + 3,), (3, 7), (33, 1000), (2, 3, 4096)]
 
@@ -286,10 +286,31 @@ def test_special_values_cuda(device, dtype, approximate):
     assert torch.allclose(y[finite].double(), ref[finite].double(), rtol=1e-2, atol=1e-6)
 
 
+@pytest.mark.parametrize("isa", cpu_isas())
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("approximate", ["none", "tanh"])
+def test_cpu_isa_paths_match_float64(isa, dtype, approximate, monkeypatch, poison):
+    """Each vectorised CPU body, forced by FASTKERN_CPU_ISA, under the 2x rule: lengths with and
+    without a vector tail, a bias, a misaligned view, and torch's NaN / inf pattern."""
+    monkeypatch.setenv("FASTKERN_CPU_ISA", isa)
+    for shape in [(5,), (37,), (4099,), (3, 517)]:
+        check_against_torch(make(shape, dtype, "cpu"), None, approximate, dtype)
+    check_against_torch(make((7, 1029), dtype, "cpu"), make((1029,), dtype, "cpu"), approximate, dtype)
+    check_against_torch(misaligned((9, 300), dtype, "cpu") * 3, None, approximate, dtype)
+    # against float64: torch's own fp32 CPU erf form gives NaN at +inf and -0 from x ~ -6 on
+    x = torch.tensor([float("inf"), float("nan"), 0.0, -0.0, 9.0, -9.0, 20.0, -20.0, 1e30]).repeat(5).to(dtype)
+    y, ref = fastkern.gelu(x, approximate=approximate), exact_gelu(x.double(), approximate)
+    assert torch.equal(y.isnan(), ref.isnan())
+    finite = ~ref.isnan()
+    assert torch.allclose(y[finite].double(), ref[finite], rtol=1e-2, atol=1e-6)
+
+
+@pytest.mark.parametrize("isa", cpu_isas())
 @pytest.mark.parametrize("bias", [False, True], ids=["plain", "bias"])
-def test_erf_form_negative_tail_cpu(bias):
+def test_erf_form_negative_tail_cpu(bias, isa, monkeypatch):
     """The CPU erf form keeps its accuracy where 1 + erf(v / sqrt 2) cancels (v from -9 to -3):
     values and gradients within 1e-5 of the float64 reference (1 + erff left ~1e-1 there)."""
+    monkeypatch.setenv("FASTKERN_CPU_ISA", isa)
     x = torch.linspace(-9.0, -3.0, 601).requires_grad_()
     b = torch.zeros(601).requires_grad_() if bias else None
     y = fastkern.gelu(x, approximate="none", bias=b)

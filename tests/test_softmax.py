@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import fastkern
-from conftest import (DEVICE_DTYPES, DEVICES, assert_within_torch_error, chain_matches_synchronized, misaligned,
+from conftest import (DEVICE_DTYPES, cpu_isas, DEVICES, assert_within_torch_error, chain_matches_synchronized, misaligned,
                       needs_cuda, on_cpu_threads, rows_over_torch_error)
 
 # Over 1024 elements: fp32 forwards up to 8192 take the GPU's row-block kernel (one CTA a row in
@@ -521,21 +521,7 @@ def test_dispatch_table_bounds_cuda(case, poison):
     check(x, dim, False, causal=causal)
 
 
-def _cpu_isas():
-    """The FASTKERN_CPU_ISA values this machine runs (csrc/cpu/softmax_rows.h: pick_rows)."""
-    try:
-        flags = open("/proc/cpuinfo").read().split()
-    except OSError:
-        flags = []
-    isas = ["generic"]
-    if "avx2" in flags and "fma" in flags:
-        isas.append("avx2")
-    if "avx512f" in flags and "avx512dq" in flags:
-        isas.append("avx512")
-    return isas
-
-
-@pytest.mark.parametrize("isa", _cpu_isas())
+@pytest.mark.parametrize("isa", cpu_isas())
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("log", [False, True], ids=["softmax", "log"])
 def test_cpu_isa_paths_match_float64(isa, dtype, log, monkeypatch, poison):

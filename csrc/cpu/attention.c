@@ -26,7 +26,7 @@
  * The matmuls are one register-blocked micro-kernel (attention_tile.h: MR rows x 2 vectors of
  * columns in registers, GNU vector types, instantiated for AVX-512, AVX2 + FMA and a portable
  * build, chosen at run time; FASTKERN_CPU_ISA=generic|avx2|avx512 forces one), exp a vectorised
- * Cephes polynomial (as softmax_rows.h). Work items go to fixed workspace slots: slot s runs items
+ * Cephes polynomial (as vec.h). Work items go to fixed workspace slots: slot s runs items
  * [n s / slots, n (s + 1) / slots); q tiles are taken zig-zag (first, last, second, ...) so causal
  * work balances across slots.
  */

@@ -65,7 +65,7 @@ static void FN(exp_inplace)(T *x, int64_t n) {
     for (int64_t i = 0; i < n; i++) x[i] = exp(x[i]);
 }
 #else
-/* x[i] = exp(x[i]) for i < n (a multiple of FK_LANES): softmax_rows.h's Cephes expf (~1 ulp; 0
+/* x[i] = exp(x[i]) for i < n (a multiple of FK_LANES): vec.h's Cephes expf (~1 ulp; 0
  * below ln(FLT_MIN), -inf included; NaN stays NaN). */
 static FK_ATTRS void FN(exp_inplace)(T *x, int64_t n) {
     const V zero = {0};

@@ -3,7 +3,7 @@
  *
  * Napkin math: bf16 (2048, 50257) reads 206 MB forward (one pass) and reads + writes 412 MB
  * backward (one pass each way); a row (<= 200 KB as fp32) is walked in chunks of FK_CHUNK through a
- * stack buffer, so the cost is the exps (vec_math.h's Cephes expf, ~1 ns an element a core).
+ * stack buffer, so the cost is the exps (vec.h's Cephes expf, ~1 ns an element a core).
  * Forward, per row, one read: each chunk is loaded (fp16 / bf16 converted to fp32), its max taken;
  * a new max rescales the running sum once (s *= exp(m_old - m_new), fp64), then the chunk's exps add
  * in fp32 lanes and the chunk's total in fp64 (error ~ a chunk's roundings, not the row's). With
@@ -20,7 +20,7 @@
 #include <math.h>
 
 #include "common.h"
-#include "vec_math.h"
+#include "vec.h"
 
 typedef struct ce_job ce_job;
 typedef void (*ce_row_fn)(const ce_job *j, int64_t row);
@@ -63,8 +63,6 @@ static double row_grad(const ce_job *j, int64_t row) {
 }
 
 #define FK_CE_ROWS(isa, attrs, lanes)                                                                \
-    FK_VEC_MATH(isa, attrs, lanes)                                                                  \
-                                                                                                    \
     static attrs void ce_fwd_row_##isa(const ce_job *j, int64_t row) {                             \
         float buf[FK_CHUNK] __attribute__((aligned(64)));                                           \
         const vf_##isa zero = {0};                                                                  \
@@ -141,10 +139,10 @@ static double row_grad(const ce_job *j, int64_t row) {
         }                                                                                           \
     }
 
-FK_CE_ROWS(generic, __attribute__((optimize("fp-contract=fast"))), 4)
-#if defined(__x86_64__) && defined(__GNUC__)
-FK_CE_ROWS(avx2, FK_VEC_ATTRS("avx2,fma"), 8)
-FK_CE_ROWS(avx512, FK_VEC_ATTRS("avx512f,avx512dq,avx2,fma"), 16)
+FK_CE_ROWS(generic, FK_ATTRS_GENERIC, 4)
+#if FK_X86
+FK_CE_ROWS(avx2, FK_ATTRS_AVX2, 8)
+FK_CE_ROWS(avx512, FK_ATTRS_AVX512, 16)
 #endif
 
 /* fp64: the same passes, scalar, libm's exp. */

@@ -1,14 +1,17 @@
 /* GELU forward and backward on the CPU, optionally with a fused bias.
  *
- * Napkin math: an elementwise op, 1 read + 1 write per element forward and 2 reads + 1 write
- * backward; erf / tanh cost ~20-40 flops, so on a few cores this runs at the libm rate, not the
- * memory rate. Rows are walked in column chunks of FK_CHUNK so the bias gradient accumulates in a
- * stack buffer without any allocation; the conversion loops vectorize, the math loops (libm calls)
- * do not. Tiles go to the caller's threads in contiguous runs (fk_parallel_for), whole columns
- * when the bias gradient is summed, so results do not depend on the thread count.
- * fp32/fp16/bf16 compute in fp32 like the GPU; fp64 computes in fp64 so gradcheck can run.
+ * Napkin math: elementwise, 1 read + 1 write per element forward, 2 reads + 1 write backward; at
+ * ~35 vector ops per 16 lanes (one exp, one divide, a degree-7 polynomial for erf) a Zen 4 core
+ * does ~1.5 cycles an element, so 2^22 fp32 elements take ~2.5 ms on one core and the DRAM traffic
+ * (32 MiB) is not the limit: op count is.
+ * fp32 / fp16 / bf16: fp32 vector bodies (vec.h, AVX-512 / AVX2 / portable picked at run time),
+ * fp16 / bf16 converted in registers. fp64: scalar libm, so gradcheck can run.
+ * Rows are walked in column chunks of FK_CHUNK so the bias chunk is loaded once per tile and its
+ * gradient accumulates in stack buffers without any allocation (fp32 over FK_TILE_ROWS rows, then
+ * fp64). Tiles go to the caller's threads in contiguous runs (fk_parallel_for), whole columns when
+ * the bias gradient is summed, so results do not depend on the thread count.
  */
-#include "common.h"
+#include "vec.h"
 
 static fk_status check_args(const char *op, int64_t rows, int64_t cols, fk_dtype dtype) {
     if (rows < 0 || cols < 0) return fk_fail(FK_ERR_VALUE, "%s: negative size (%lld, %lld)", op,
@@ -28,7 +31,7 @@ typedef struct {
     const void *dy, *x, *bias;
     void *out, *dbias;
     int64_t rows, cols, chunks, row_block;
-    int approximate;
+    int approximate, isa;
     fk_dtype dtype;
 } gelu_job;
 
@@ -42,6 +45,111 @@ static gelu_tile tile_of(const gelu_job *j, int64_t t) {
                        j->cols - c0 < FK_CHUNK ? j->cols - c0 : FK_CHUNK};
 }
 
+/* ---- fp32 vector bodies (vec.h), one per ISA ----
+ * tanh form: x * sigmoid(2u) = x / (1 + exp(-2u)), u = sqrt(2 / pi) (x + 0.044715 x^3), as common.h's
+ * scalar form (one exp, no cancellation for negative x). erf form: Phi(x) = erfc(-x / sqrt 2) / 2,
+ * erfc(a) = exp(-a^2) t Q(t), t = 1 / (1 + 0.43 a), a = |.|, Q of degree 7 fitted for relative
+ * error (8.5e-8 in exact arithmetic, 3.9e-7 evaluated in fp32, for a in [0, 9.6]), so the negative
+ * tail keeps its digits; erfc(-a) = 2 - erfc(a); exp(-a^2) is also the gradient's Gaussian (one exp
+ * forward and backward). Measured against float64 (D-83): see docs/gelu.md. */
+#define FK_SQRT_2_OVER_PI_F 0.7978845608028654f
+#define FK_GELU_VEC(isa, attrs, lanes)                                                             \
+    static inline attrs vf_##isa tanh_exp_##isa(vf_##isa v) { /* exp(-2u) */                       \
+        const float k0 = -2.0f * FK_SQRT_2_OVER_PI_F, k1 = k0 * (float)FK_TANH_COEF;                \
+        return exp_##isa(v * (k0 + k1 * (v * v)));                                                  \
+    }                                                                                               \
+    /* erfc(-v / sqrt 2) (twice Phi(v)) into *cdf2 and exp(-v^2 / 2) into *gauss */              \
+    static inline attrs void erfc_##isa(vf_##isa v, vf_##isa *cdf2, vf_##isa *gauss) {             \
+        const vf_##isa zero = {0};                                                                  \
+        vf_##isa z = v * -(float)FK_SQRT1_2;                                                        \
+        vf_##isa a = (vf_##isa)((vi_##isa)z & 0x7fffffff);                                          \
+        vf_##isa t = 1.0f / (1.0f + 0.43f * a);                                                     \
+        vf_##isa q = zero + 7.367143829e-02f;                                                       \
+        q = q * t - 3.102255751e-01f;                                                               \
+        q = q * t + 3.834578417e-01f;                                                               \
+        q = q * t - 8.550342482e-02f;                                                               \
+        q = q * t + 2.467296075e-01f;                                                               \
+        q = q * t + 2.049851467e-01f;                                                               \
+        q = q * t + 2.443700912e-01f;                                                               \
+        q = q * t + 2.425149514e-01f;                                                               \
+        vf_##isa g = exp_##isa(v * -0.5f * v), e = t * q * g; /* erfc(|z|) */                      \
+        *cdf2 = select_##isa(z < 0, 2.0f - e, e);                                                   \
+        *gauss = g;                                                                                 \
+    }                                                                                               \
+    static inline attrs vf_##isa gelu_##isa(vf_##isa v, int approximate) {                         \
+        if (approximate) return v / (1.0f + tanh_exp_##isa(v));                                     \
+        vf_##isa c2, g;                                                                             \
+        erfc_##isa(v, &c2, &g);                                                                     \
+        return 0.5f * v * c2;                                                                       \
+    }                                                                                               \
+    static inline attrs vf_##isa gelu_grad_##isa(vf_##isa v, int approximate) {                    \
+        if (approximate) { /* s (1 + 2u' x e s), s = 1 / (1 + e) */                                 \
+            const float d0 = 2.0f * FK_SQRT_2_OVER_PI_F, d1 = 3.0f * (float)FK_TANH_COEF * d0;      \
+            vf_##isa e = tanh_exp_##isa(v), s = 1.0f / (1.0f + e);                                  \
+            return s * (v * (d0 + d1 * (v * v)) * (e * s) + 1.0f);                                  \
+        }                                                                                           \
+        vf_##isa c2, g;                                                                             \
+        erfc_##isa(v, &c2, &g);                                                                     \
+        return 0.5f * c2 + v * ((float)FK_INV_SQRT_2PI * g);                                        \
+    }                                                                                               \
+                                                                                                    \
+    /* rows [r0, r1) of columns [c0, c0 + len): y = gelu(x + b), b the tile's bias (0 padded) */   \
+    static attrs void gelu_fwd_tile_##isa(const gelu_job *j, gelu_tile tile, const float *b) {     \
+        const fk_dtype dt = j->dtype;                                                               \
+        const int ap = j->approximate;                                                              \
+        int64_t full = tile.len / lanes * lanes, rest = tile.len - full;                            \
+        for (int64_t r = tile.r0; r < tile.r1; r++) {                                               \
+            int64_t at = r * j->cols + tile.c0;                                                     \
+            for (int64_t i = 0; i < full; i += lanes) {                                             \
+                vf_##isa v = vload_##isa(dt, j->x, at + i) + *(const vf_##isa *)(b + i);      \
+                vstore_##isa(dt, gelu_##isa(v, ap), j->out, at + i);             \
+            }                                                                                       \
+            if (rest) {                                                                             \
+                vf_##isa v = vload_part_##isa(dt, j->x, at + full, rest, 0.0f);               \
+                v = gelu_##isa(v + *(const vf_##isa *)(b + full), ap);                  \
+                vstore_part_##isa(dt, v, j->out, at + full, rest);                            \
+            }                                                                                       \
+        }                                                                                           \
+    }                                                                                               \
+                                                                                                    \
+    /* dx = dy * gelu'(x + b); with dbias, column sums in fp32 over FK_TILE_ROWS rows, then fp64 */ \
+    static attrs void gelu_bwd_tile_##isa(const gelu_job *j, gelu_tile tile, const float *b,       \
+                                          double *sum) {                                            \
+        const fk_dtype dt = j->dtype;                                                               \
+        const int ap = j->approximate;                                                              \
+        float acc[FK_CHUNK] __attribute__((aligned(64)));                                           \
+        int64_t full = tile.len / lanes * lanes, rest = tile.len - full;                            \
+        int64_t padded = full + (rest ? lanes : 0);                                                 \
+        for (int64_t r0 = tile.r0; r0 < tile.r1; r0 += FK_TILE_ROWS) {                              \
+            int64_t r1 = r0 + FK_TILE_ROWS < tile.r1 ? r0 + FK_TILE_ROWS : tile.r1;                 \
+            if (sum) memset(acc, 0, (size_t)padded * sizeof(float));                                \
+            for (int64_t r = r0; r < r1; r++) {                                                     \
+                int64_t at = r * j->cols + tile.c0;                                                 \
+                for (int64_t i = 0; i < full; i += lanes) {                                         \
+                    vf_##isa v = vload_##isa(dt, j->x, at + i) + *(const vf_##isa *)(b + i);  \
+                    vf_##isa d = vload_##isa(dt, j->dy, at + i) * gelu_grad_##isa(v, ap); \
+                    vstore_##isa(dt, d, j->out, at + i);                                      \
+                    if (sum) *(vf_##isa *)(acc + i) += d;                                           \
+                }                                                                                   \
+                if (rest) {                                                                         \
+                    vf_##isa v = vload_part_##isa(dt, j->x, at + full, rest, 0.0f);           \
+                    vf_##isa g = vload_part_##isa(dt, j->dy, at + full, rest, 0.0f);          \
+                    vf_##isa d = g * gelu_grad_##isa(v + *(const vf_##isa *)(b + full), ap); \
+                    vstore_part_##isa(dt, d, j->out, at + full, rest);                        \
+                    if (sum) *(vf_##isa *)(acc + full) += d;                                        \
+                }                                                                                   \
+            }                                                                                       \
+            if (sum)                                                                                \
+                for (int64_t i = 0; i < tile.len; i++) sum[i] += acc[i];                            \
+        }                                                                                           \
+    }
+
+FK_GELU_VEC(generic, FK_ATTRS_GENERIC, 4)
+#if FK_X86
+FK_GELU_VEC(avx2, FK_ATTRS_AVX2, 8)
+FK_GELU_VEC(avx512, FK_ATTRS_AVX512, 16)
+#endif
+
 static void forward_tile(const gelu_job *j, gelu_tile tile) {
     int64_t c0 = tile.c0, len = tile.len, cols = j->cols;
     if (j->dtype == FK_FLOAT64) {
@@ -53,14 +161,14 @@ static void forward_tile(const gelu_job *j, gelu_tile tile) {
         }
         return;
     }
-    float b[FK_CHUNK], v[FK_CHUNK];
+    float b[FK_CHUNK + 16] __attribute__((aligned(64))) = {0};
     if (j->bias) fk_load_f32(j->dtype, j->bias, c0, len, b);
-    else memset(b, 0, sizeof b);
-    for (int64_t r = tile.r0; r < tile.r1; r++) {
-        fk_load_f32(j->dtype, j->x, r * cols + c0, len, v);
-        for (int64_t i = 0; i < len; i++) v[i] = gelu_f32(v[i] + b[i], j->approximate);
-        fk_store_f32(j->dtype, v, r * cols + c0, len, j->out);
-    }
+#if FK_X86
+    if (j->isa == FK_ISA_AVX512) gelu_fwd_tile_avx512(j, tile, b);
+    else if (j->isa == FK_ISA_AVX2) gelu_fwd_tile_avx2(j, tile, b);
+    else
+#endif
+        gelu_fwd_tile_generic(j, tile, b);
 }
 
 static void backward_tile(const gelu_job *j, gelu_tile tile) {
@@ -80,22 +188,19 @@ static void backward_tile(const gelu_job *j, gelu_tile tile) {
         if (j->dbias) memcpy((double *)j->dbias + c0, sum, (size_t)len * sizeof(double));
         return;
     }
-    float b[FK_CHUNK], v[FK_CHUNK], g[FK_CHUNK];
+    float b[FK_CHUNK + 16] __attribute__((aligned(64))) = {0};
     double sum[FK_CHUNK] = {0}; /* a long column sum in fp32 would lose to torch's cascade */
+    double *s = j->dbias ? sum : NULL;
     if (j->bias) fk_load_f32(j->dtype, j->bias, c0, len, b);
-    else memset(b, 0, sizeof b);
-    for (int64_t r = tile.r0; r < tile.r1; r++) {
-        fk_load_f32(j->dtype, j->x, r * cols + c0, len, v);
-        fk_load_f32(j->dtype, j->dy, r * cols + c0, len, g);
-        for (int64_t i = 0; i < len; i++) {
-            v[i] = g[i] * gelu_grad_f32(v[i] + b[i], j->approximate);
-            sum[i] += v[i];
-        }
-        fk_store_f32(j->dtype, v, r * cols + c0, len, j->out);
-    }
+#if FK_X86
+    if (j->isa == FK_ISA_AVX512) gelu_bwd_tile_avx512(j, tile, b, s);
+    else if (j->isa == FK_ISA_AVX2) gelu_bwd_tile_avx2(j, tile, b, s);
+    else
+#endif
+        gelu_bwd_tile_generic(j, tile, b, s);
     if (j->dbias) {
-        for (int64_t i = 0; i < len; i++) v[i] = (float)sum[i];
-        fk_store_f32(j->dtype, v, c0, len, j->dbias);
+        for (int64_t i = 0; i < len; i++) b[i] = (float)sum[i];
+        fk_store_f32(j->dtype, b, c0, len, j->dbias);
     }
 }
 
@@ -120,7 +225,7 @@ fk_status fk_cpu_gelu_fwd(const void *x, const void *bias, void *y, int64_t rows
                           int approximate, fk_dtype dtype, int threads) {
     fk_status status = check_args("gelu", rows, cols, dtype);
     if (status != FK_OK) return status;
-    gelu_job j = {NULL, x, bias, y, NULL, rows, cols, 0, FK_TILE_ROWS, approximate, dtype};
+    gelu_job j = {NULL, x, bias, y, NULL, rows, cols, 0, FK_TILE_ROWS, approximate, fk_cpu_isa(), dtype};
     split_tiles(&j, threads);
     return FK_OK;
 }
@@ -130,7 +235,7 @@ fk_status fk_cpu_gelu_bwd(const void *dy, const void *x, const void *bias, void 
     fk_status status = check_args("gelu_backward", rows, cols, dtype);
     if (status != FK_OK) return status;
     gelu_job j = {dy, x, bias, dx, dbias, rows, cols, 0, dbias ? rows : FK_TILE_ROWS, approximate,
-                  dtype};
+                  fk_cpu_isa(), dtype};
     split_tiles(&j, threads);
     return FK_OK;
 }

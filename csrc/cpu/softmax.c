@@ -1,32 +1,22 @@
 /* Softmax / log-softmax on the CPU, reduced along the middle axis of an (outer, n, inner) array.
  *
  * Two paths:
- *   rows   (inner == 1, fp32 / fp16 / bf16): fp32 arithmetic, vectorised (GNU vector types, one body
- *          instantiated for AVX-512, AVX2 + FMA and a portable 4-lane build, picked at run time like
- *          matmul.c; FASTKERN_CPU_ISA=generic|avx2|avx512 forces one so tests cover each).
- *   blocks (inner > 1, or fp64): fp64 arithmetic, scalar libm; fp64 is what gradcheck runs on.
- * Napkin math (rows): bf16 (4096, 1024) forward reads 8 MiB and writes 8 MiB; the row (<= 200 KB for
- * 50257 fp32) stays in L2 between passes, so the cost is the exps: a range-reduced degree-6
- * polynomial (Cephes expf, ~1 ulp) is ~12 vector flops per 16 lanes, ~1 ns an element.
- * Forward, per row: pass 1 the max m of x * scale (masked keys -inf); pass 2 s = sum exp(v - m)
- * (fp32 lanes within a chunk of FK_CHUNK keys, chunks summed in fp64: error ~ 32 roundings, not n),
- * fp32 softmax writing exp(v - m) to y on the way; pass 3 y *= 1 / s (fp32 softmax), else recompute
- * exp(v - m) / s or write v - m - log s.
+ *   vector (fp32 / fp16 / bf16): fp32 arithmetic in vec.h's types, one body per ISA (AVX-512,
+ *          AVX2 + FMA, portable) picked at run time; rows (inner == 1) and columns (inner > 1)
+ *          kernels in softmax_vec.h, whose header has the algorithm and the napkin math.
+ *   blocks (fp64): fp64 arithmetic, scalar libm; fp64 is what gradcheck runs on.
  * The row statistic saved for backward is the row max m of the scaled, masked row (fp32 except for
  * fp64); backward recomputes p = exp(x * scale - m) and divides by z = sum(p), the forward's own
- * formula, so the statistic's rounding cancels: pass 1 sums z and sum(dy * p) (log: sum(dy)), pass 2
- * writes dx.
- * NaN / +inf: the max pass skips NaN, and exp(NaN) (or inf - inf) then makes s, and the row, NaN,
- * as torch's row turns NaN.
+ * formula, so the statistic's rounding cancels.
  * Row blocks go to the caller's threads in contiguous runs (fk_parallel_for); each row is reduced by
  * one thread in a fixed order, so the result does not depend on the thread count.
  */
 #include <math.h>
 #include <stdlib.h>
 
-#include "common.h"
+#include "vec.h"
 
-#define FK_TILE 64
+#define FK_TILE 32 /* columns a block: n x 32 floats (1 MiB at n = 8192) stay in L2 */
 
 static void load_f64(fk_dtype dtype, const void *src, int64_t start, int64_t len, double *out) {
     if (dtype == FK_FLOAT64) {
@@ -179,7 +169,7 @@ static fk_status check_args(const char *op, int64_t outer, int64_t n, int64_t in
 /* Row blocks (one slab o, up to FK_TILE adjacent columns i0..) are independent: threads take
  * contiguous runs of them, numbered o * tiles + i0 / FK_TILE. */
 typedef struct softmax_job softmax_job;
-typedef void (*rows_fn)(const softmax_job *j, int64_t row);
+typedef void (*rows_fn)(const softmax_job *j, int64_t item, float *scratch);
 struct softmax_job {
     const void *dy, *x;
     void *out, *row_max;
@@ -187,11 +177,10 @@ struct softmax_job {
     double scale;
     int is_log;
     fk_dtype dtype;
-    rows_fn row; /* the rows path's kernel, or NULL for the blocks path */
+    rows_fn row; /* the vector path's kernel (a row or a column block an item), NULL for fp64 */
 };
 
-#include "vec_math.h"
-#include "softmax_rows.h"
+#include "softmax_vec.h"
 
 static fk_rows block_of(const softmax_job *j, int64_t b) {
     int64_t i0 = b % j->tiles * FK_TILE;
@@ -201,8 +190,14 @@ static fk_rows block_of(const softmax_job *j, int64_t b) {
 /* A thread's run of row blocks: backward when the job has dy. */
 static void run_blocks(void *arg, int64_t begin, int64_t end) {
     const softmax_job *j = (const softmax_job *)arg;
-    if (j->row) {
-        for (int64_t b = begin; b < end; b++) j->row(j, b);
+    if (j->row) { /* 16-bit rows keep their exps: on the stack, or one buffer a run */
+        float stack[FK_KEEP] __attribute__((aligned(64)));
+        float *scratch = NULL, *heap = NULL;
+        if (needs_scratch(j)) {
+            scratch = j->n <= FK_KEEP ? stack : (heap = (float *)malloc((size_t)j->n * sizeof(float)));
+        }
+        for (int64_t b = begin; b < end; b++) j->row(j, b, scratch); /* NULL: recompute the exps */
+        free(heap);
         return;
     }
     for (int64_t b = begin; b < end; b++) {
@@ -215,7 +210,7 @@ static void run_blocks(void *arg, int64_t begin, int64_t end) {
 
 static void split_blocks(softmax_job *j, int64_t outer, int threads) {
     j->tiles = (j->inner + FK_TILE - 1) / FK_TILE;
-    if (j->inner == 1 && j->dtype != FK_FLOAT64) j->row = pick_rows(j->dy != NULL);
+    if (j->dtype != FK_FLOAT64) j->row = pick_vec(j);
     int64_t block = j->n * (j->inner < FK_TILE ? j->inner : FK_TILE);
     fk_parallel_for(threads, outer * j->tiles, fk_min_items(block), run_blocks, j);
 }

@@ -101,8 +101,10 @@ def time_ms(fn, sets, device, repeats=15, calls=10):
     else back-to-back eager calls ("eager") where capture is impossible, each sample starting with
     no L2 lines kept by earlier kernels (release_kept_l2_lines); CPU: wall time."""
     release_kept_l2_lines(device)
+    t0 = time.perf_counter()
     for inputs in sets:  # warm-up, compilation included
         fn(*inputs)
+    warm_s = (time.perf_counter() - t0) / len(sets)
     if device.type == "cuda":
         try:
             return _graph_ms(fn, sets, device, repeats), "graph"
@@ -110,6 +112,9 @@ def time_ms(fn, sets, device, repeats=15, calls=10):
             torch.cuda.synchronize(device)
     samples = []
     calls = len(sets) * -(-calls // len(sets))
+    if device.type == "cpu":  # ~20 ms a sample: long CPU cases (16 ms a call) keep the suite short
+        calls = max(1, min(calls, int(0.02 / max(warm_s, 1e-6))))
+        repeats = min(repeats, 9)
     for _ in range(repeats):
         release_kept_l2_lines(device)
         if device.type == "cuda":
@@ -220,12 +225,45 @@ def _compiled(fn):
 
 # ---- cases ---------------------------------------------------------------------------------------
 
+def gelu_cases_cpu(device):
+    """The CPU issue's GELU cases against torch eager (torch.compile's C++ build per case would
+    make the CPU suite minutes long): fwd / bwd, tanh and erf, fp32 and bf16 at 2^22 elements, and
+    bias + GELU fwd + bwd (4096, 1024) bf16."""
+    n = 1 << 22
+    for dtype in (torch.float32, torch.bfloat16):
+        size = dtype.itemsize
+        tag = f"{str(dtype)[6:]} 2^22"
+        x_only = lambda dtype=dtype: (torch.randn(n, device=device, dtype=dtype),)
+        g_and_x = lambda dtype=dtype: (torch.randn(n, device=device, dtype=dtype),
+                                       torch.randn(n, device=device, dtype=dtype))
+        for form, approximate in (("tanh", "tanh"), ("erf", "none")):
+            yield (f"gelu {form} fwd {tag}", 2 * n * size, x_only, {
+                "fastkern": lambda x, a=approximate: fastkern.gelu(x, approximate=a),
+                "torch": lambda x, a=approximate: F.gelu(x, approximate=a)})
+            yield (f"gelu {form} bwd {tag}", 3 * n * size, g_and_x, {
+                "fastkern": lambda g, x, a=approximate: torch.ops.fastkern.gelu_backward.default(g, x, None, a, False),
+                "torch": lambda g, x, a=approximate: torch.ops.aten.gelu_backward(g, x, approximate=a)})
+    rows, cols = 4096, 1024
+
+    def bias_inputs():
+        return (torch.randn(rows, cols, device=device, dtype=torch.bfloat16, requires_grad=True),
+                torch.randn(cols, device=device, dtype=torch.bfloat16, requires_grad=True),
+                torch.randn(rows, cols, device=device, dtype=torch.bfloat16))
+    step = lambda f: lambda x, b, g: torch.autograd.grad(f(x, b), (x, b), g)  # noqa: E731
+    yield (f"bias+gelu fwd+bwd bf16 ({rows},{cols})", 5 * rows * cols * 2, bias_inputs, {
+        "fastkern": step(lambda x, b: fastkern.gelu(x, approximate="tanh", bias=b)),
+        "torch": step(lambda x, b: F.gelu(x + b, approximate="tanh"))})
+
+
 def gelu_cases(device, quick=False):
     """Yields (name, bytes moved, make_inputs, {impl: fn(*inputs)}) for each GELU case of the issue.
     Cases are generators so that each is built (and its torch.compile peer reset) right before it
     is timed; make_inputs gives fresh random inputs, so the timer can rotate copies past L2."""
-    n = 1 << (22 if quick or device.type == "cpu" else 26)
-    rows, cols = (1024, 4096) if quick or device.type == "cpu" else (16384, 4096)
+    if device.type == "cpu":
+        yield from gelu_cases_cpu(device)
+        return
+    n = 1 << (22 if quick else 26)
+    rows, cols = (1024, 4096) if quick else (16384, 4096)
     for dtype in (torch.float32, torch.bfloat16):
         size = torch.finfo(dtype).bits // 8
         tag = f"{str(dtype)[6:]} 2^{n.bit_length() - 1}"
@@ -295,13 +333,53 @@ def softmax_backward_from_output(g, y, dim=-1):
     return y * (g - (g * y).sum(dim, keepdim=True))
 
 
+SOFTMAX_CPU_LAYOUTS = [((4096, 1024), -1), ((1024, 4096), -1), ((256, 50257), -1), ((64, 65536), -1),
+                       ((8192, 256), 0)]
+
+
+def softmax_cases_cpu(device):
+    """The CPU issue's softmax cases against torch eager: softmax and log_softmax, fwd and bwd, fp32
+    and bf16 at SOFTMAX_CPU_LAYOUTS, and scaled causal softmax bf16 (2, 8, 512, 512)."""
+    for dtype in (torch.float32, torch.bfloat16):
+        for shape, dim in SOFTMAX_CPU_LAYOUTS:
+            numel, size = math.prod(shape), dtype.itemsize
+            tag = f"{str(dtype)[6:]} ({','.join(map(str, shape))})" + (f" dim={dim}" if dim != -1 else "")
+            for log in (False, True):
+                name = "log_softmax" if log else "softmax"
+                ours = fastkern.log_softmax if log else fastkern.softmax
+                theirs = torch.log_softmax if log else torch.softmax
+                back = torch._log_softmax_backward_data if log else torch._softmax_backward_data
+
+                def bwd_inputs(shape=shape, dim=dim, dtype=dtype, log=log, theirs=theirs):
+                    x = torch.randn(shape, device=device, dtype=dtype) * 3
+                    _, row_max = torch.ops.fastkern.softmax.default(x, dim, 1.0, False, log)
+                    return torch.randn_like(x), x, row_max, theirs(x, dim)
+                yield (f"{name} fwd {tag}", 2 * numel * size,
+                       lambda shape=shape, dtype=dtype: (torch.randn(shape, device=device, dtype=dtype) * 3,), {
+                           "fastkern": lambda x, dim=dim, f=ours: f(x, dim),
+                           "torch": lambda x, dim=dim, f=theirs: f(x, dim)})
+                yield (f"{name} bwd {tag}", 3 * numel * size, bwd_inputs, {
+                    "fastkern": lambda g, x, m, y, dim=dim, log=log: torch.ops.fastkern.softmax_backward.default(
+                        g, x, m, dim, 1.0, False, log),
+                    "torch": lambda g, x, m, y, dim=dim, back=back: back(g, y, dim, y.dtype)})
+    b, h, sq = 2, 8, 512
+    mask = torch.ones(sq, sq, dtype=torch.bool, device=device).triu(1)
+    yield (f"softmax scale+causal fwd bf16 ({b},{h},{sq},{sq})", 2 * b * h * sq * sq * 2,
+           lambda: (torch.randn(b, h, sq, sq, device=device, dtype=torch.bfloat16) * 3,), {
+               "fastkern": lambda x: fastkern.softmax(x, -1, scale=0.125, causal=True),
+               "torch": lambda x: torch.softmax((x * 0.125).masked_fill(mask, float("-inf")), -1)})
+
+
 def softmax_cases(device, quick=False):
     """Yields forward and backward cases over the issue's shapes and ragged ones, fp32 and bf16, and
     a scaled causal case; each compile peer starts from a reset dynamo, so it is compiled for its
     own shape. Backward inputs are (dy, x, fastkern's row max, torch's saved output y): each impl
     takes what its own forward saved."""
+    if device.type == "cpu":
+        yield from softmax_cases_cpu(device)
+        return
     layouts = [((r, n), -1) for r, n in SOFTMAX_SHAPES + SOFTMAX_RAGGED_SHAPES] + SOFTMAX_DIM_SHAPES
-    if quick or device.type == "cpu":
+    if quick:
         layouts = [((shape[0] // 16,) + shape[1:], dim) for shape, dim in layouts]
     for dtype in (torch.float32, torch.bfloat16):
         size = torch.finfo(dtype).bits // 8
@@ -327,7 +405,7 @@ def softmax_cases(device, quick=False):
                 "torch": lambda g, x, row_max, y, dim=dim: torch._softmax_backward_data(g, y, dim, y.dtype),
                 "compile": lambda g, x, row_max, y, dim=dim, bwd=compiled_bwd: bwd(g, y, dim),
             })
-    b, h, sq = (4, 8, 2048) if not (quick or device.type == "cpu") else (1, 2, 512)
+    b, h, sq = (4, 8, 2048) if not quick else (1, 2, 512)
     mask = torch.ones(sq, sq, dtype=torch.bool, device=device).triu(1)
     unfused = lambda x: torch.softmax((x * 0.125).masked_fill(mask, float("-inf")), -1)
     yield (f"softmax scale+causal fwd bf16 ({b},{h},{sq},{sq})", 2 * b * h * sq * sq * 2,

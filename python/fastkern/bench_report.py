@@ -17,6 +17,17 @@ HEADLINE = [
     ("softmax bwd", r"\(\d+,4096\)"),
     ("softmax scale+causal fwd", r"\(\d+,\d+,\d+,\d+\)"),
 ]
+# The CPU suite (`--device cpu`, torch eager only): every form and direction, at the rows of 4096 and
+# the columns (dim 0) shapes; the JSON holds the issue's other shapes.
+HEADLINE_CPU = [
+    ("gelu tanh fwd", r"2\^\d+"), ("gelu tanh bwd", r"2\^\d+"),
+    ("gelu erf fwd", r"2\^\d+"), ("gelu erf bwd", r"2\^\d+"),
+    ("bias+gelu fwd+bwd", r"\(\d+,\d+\)"),
+    ("softmax fwd", r"\(1024,4096\)|\(8192,256\) dim=0"), ("softmax bwd", r"\(1024,4096\)|\(8192,256\) dim=0"),
+    ("log_softmax fwd", r"\(1024,4096\)|\(8192,256\) dim=0"),
+    ("log_softmax bwd", r"\(1024,4096\)|\(8192,256\) dim=0"),
+    ("softmax scale+causal fwd", r"\(\d+,\d+,\d+,\d+\)"),
+]
 DTYPES = {"float32": "fp32", "bfloat16": "bf16", "bf16": "bf16", "float16": "fp16", "fp16": "fp16"}
 _NAME = re.compile(r"^(?P<op>.+?) (?P<dtype>float32|bfloat16|float16|bf16|fp16) (?P<shape>.+)$")
 
@@ -32,12 +43,13 @@ def parse_case(name):
 def headline_cases(report):
     """The report's headline cases in table order: by op and direction (HEADLINE's order), then
     dtype (fp32 first), then shape. Every case where none matches (e.g. an --only run)."""
-    ops = list(dict.fromkeys(op for op, _ in HEADLINE))
+    headline = HEADLINE_CPU if report.get("device") == "cpu" else HEADLINE
+    ops = list(dict.fromkeys(op for op, _ in headline))
     dtype_order = {"fp32": 0, "fp16": 1, "bf16": 2}
     picked = []
     for c in report["cases"]:
         op, dtype, shape = parse_case(c["case"])
-        for rank, (want_op, pattern) in enumerate(HEADLINE):
+        for rank, (want_op, pattern) in enumerate(headline):
             if op == want_op and re.fullmatch(pattern, shape):
                 picked.append(((ops.index(op), dtype_order.get(dtype, 3), rank), c))
                 break
@@ -59,13 +71,27 @@ def markdown(report, source=None):
     the date and `source` (the JSON file) when given."""
     head = (f"{report['device']}, copy {report['ceilings']['copy_gbs']:.0f} GB/s, "
             f"torch {report['torch']}, {report['date'][:10]}" + (f", `{source}`" if source else ""))
-    lines = [head, "",
-             "| case | dtype | shape | fastkern us | eager us | compile us | vs eager | vs compile | % of copy |",
-             "|---|---|---|--:|--:|--:|--:|--:|--:|"]
-    for c in headline_cases(report):
+    cases = headline_cases(report)
+    compiled = any("compile" in c["ms"] for c in cases)  # the CPU suite has torch eager only
+    if compiled:
+        lines = [head, "",
+                 "| case | dtype | shape | fastkern us | eager us | compile us | vs eager | vs compile | % of copy |",
+                 "|---|---|---|--:|--:|--:|--:|--:|--:|"]
+    else:
+        lines = [head, "", "| case | dtype | shape | fastkern us | eager us | vs eager | % of copy |",
+                 "|---|---|---|--:|--:|--:|--:|"]
+    for c in cases:
         op, dtype, shape = parse_case(c["case"])
         ms, vs = c["ms"], c["speedup_vs"]
-        lines.append(f"| {op} | {dtype} | {shape} | {_us(ms['fastkern'])} | {_us(ms.get('torch'))} | "
-                     f"{_us(ms.get('compile'))} | {_x(vs.get('torch'))} | {_x(vs.get('compile'))} | "
-                     f"{c['pct_of_copy']:.1f} |")
+        if compiled:
+            lines.append(f"| {op} | {dtype} | {shape} | {_us(ms['fastkern'])} | {_us(ms.get('torch'))} | "
+                         f"{_us(ms.get('compile'))} | {_x(vs.get('torch'))} | {_x(vs.get('compile'))} | "
+                         f"{c['pct_of_copy']:.1f} |")
+        else:
+            lines.append(f"| {op} | {dtype} | {shape} | {_us(ms['fastkern'])} | {_us(ms.get('torch'))} | "
+                         f"{_x(vs.get('torch'))} | {c['pct_of_copy']:.1f} |")
+    if "host_overhead_us" in report and not compiled:
+        lines += ["", "Host time of a tiny call, fastkern / torch: " + ", ".join(
+            f"{k} {v['fastkern']:.1f} / {v['torch']:.1f} us ({v['ratio']:.2f}x)"
+            for k, v in report["host_overhead_us"].items())]
     return "\n".join(lines)

@@ -1,0 +1,228 @@
+/* The CPU kernels' vector layer: GNU vector types and fp32 math written once and instantiated per
+ * ISA with target attributes (one build runs everywhere; the caller picks at run time with
+ * fk_cpu_isa()). Per ISA `isa` (lanes: AVX-512 16, AVX2 + FMA + F16C 8, portable 4):
+ *   vf_isa / vi_isa / vu_isa   float / int32 / uint32 vectors (4-byte aligned: unaligned access)
+ *   vd_isa                     lanes doubles (two registers' worth), for fp64 sums
+ *   vload_isa(dtype, p, i)     lanes elements p[i..] as fp32: fp32 as is, bf16 by a 16-bit shift,
+ *                              fp16 by F16C (vcvtph2ps) where present
+ *   vstore_isa(dtype, v, p, i) the reverse, rounding to nearest even (bf16 in integer lanes, NaN
+ *                              kept quiet; fp16 by vcvtps2ph)
+ *   exp_isa(x)                 Cephes expf: n = round(x log2 e), r = x - n ln 2 (two-part ln 2),
+ *                              exp(r) by a degree-6 polynomial, times 2^n from the exponent bits.
+ *                              ~1 ulp on [-87.3, 88]; below -87.3 0 (the true value is under
+ *                              FLT_MIN: subnormals are dropped), above 88 clamped; NaN stays NaN.
+ * Included by the .c files that vectorise (their static functions are per translation unit).
+ */
+#ifndef FASTKERN_CPU_VEC_H
+#define FASTKERN_CPU_VEC_H
+
+#include <stdlib.h>
+#include <string.h>
+
+#include "common.h"
+
+#if defined(__x86_64__) && defined(__GNUC__)
+#include <immintrin.h>
+#define FK_X86 1
+#else
+#define FK_X86 0
+#endif
+
+enum { FK_ISA_GENERIC, FK_ISA_AVX2, FK_ISA_AVX512 };
+static int fk_avx512bf16; /* the AVX-512 path may round to bf16 with vcvtneps2bf16 */
+
+/* The widest ISA the CPU runs; FASTKERN_CPU_ISA=generic|avx2|avx512 forces a narrower one (one the
+ * CPU lacks falls back to the next narrower), so tests cover each path on one machine. */
+static inline int fk_cpu_isa(void) {
+    const char *want = getenv("FASTKERN_CPU_ISA");
+    int generic = want && !strcmp(want, "generic"), avx2 = want && !strcmp(want, "avx2");
+#if FK_X86
+    __builtin_cpu_init();
+    int has_avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+                   __builtin_cpu_supports("f16c");
+    if (!generic && !avx2 && has_avx2 && __builtin_cpu_supports("avx512f") &&
+        __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512bw")) {
+        fk_avx512bf16 = __builtin_cpu_supports("avx512bf16") && !(want && !strcmp(want, "avx512-nobf16"));
+        return FK_ISA_AVX512;
+    }
+    if (!generic && has_avx2) return FK_ISA_AVX2;
+#endif
+    (void)generic, (void)avx2;
+    return FK_ISA_GENERIC;
+}
+
+#define FK_VEC_TYPES(isa, lanes)                                                                   \
+    typedef float vf_##isa __attribute__((vector_size(4 * lanes), aligned(4)));                   \
+    typedef int32_t vi_##isa __attribute__((vector_size(4 * lanes), aligned(4)));                 \
+    typedef uint32_t vu_##isa __attribute__((vector_size(4 * lanes), aligned(4)));                \
+    typedef uint16_t vh_##isa __attribute__((vector_size(2 * lanes), aligned(2)));                \
+    typedef double vd_##isa __attribute__((vector_size(8 * lanes)));
+
+/* fp16 <-> fp32 of one vector: F16C where the ISA has it, else common.h's scalar conversions. */
+#define FK_VEC_F16_SCALAR(isa, attrs, lanes)                                                       \
+    static inline attrs vf_##isa f16_load_##isa(const uint16_t *p) {                               \
+        vf_##isa v;                                                                                 \
+        for (int l = 0; l < lanes; l++) v[l] = fk_f16_to_f32(p[l]);                                 \
+        return v;                                                                                   \
+    }                                                                                               \
+    static inline attrs void f16_store_##isa(vf_##isa v, uint16_t *p) {                            \
+        for (int l = 0; l < lanes; l++) p[l] = fk_f32_to_f16(v[l]);                                 \
+    }
+
+/* mask ? a : b per lane (mask lanes all ones or zero, as vector compares give) */
+#define FK_VEC_SELECT(isa, attrs)                                                                  \
+    static inline attrs vf_##isa select_##isa(vi_##isa mask, vf_##isa a, vf_##isa b) {            \
+        return (vf_##isa)(((vi_##isa)a & mask) | ((vi_##isa)b & ~mask));                           \
+    }
+
+/* bf16 <-> fp32 of one vector in integer lanes: a shift; rounding to nearest even, NaN kept quiet */
+#define FK_VEC_BF16_INT(isa, attrs)                                                                \
+    static inline attrs vf_##isa bf16_load_##isa(const uint16_t *h) {                              \
+        return (vf_##isa)(__builtin_convertvector(*(const vh_##isa *)h, vu_##isa) << 16);          \
+    }                                                                                               \
+    static inline attrs void bf16_store_int_##isa(vf_##isa v, uint16_t *h) {                       \
+        vu_##isa b = (vu_##isa)v;                                                                   \
+        vi_##isa nan = (vi_##isa)((b & 0x7fffffffu) > 0x7f800000u);                                 \
+        vu_##isa r = (b + 0x7fffu + ((b >> 16) & 1u)) >> 16;                                        \
+        r = (vu_##isa)(((vi_##isa)((b >> 16) | 0x40u) & nan) | ((vi_##isa)r & ~nan));               \
+        *(vh_##isa *)h = __builtin_convertvector(r, vh_##isa);                                      \
+    }
+
+#define FK_VEC_MATH(isa, attrs, lanes)                                                             \
+    static inline attrs vf_##isa vload_##isa(fk_dtype dtype, const void *p, int64_t i) {           \
+        if (dtype == FK_FLOAT32) return *(const vf_##isa *)((const float *)p + i);                 \
+        const uint16_t *h = (const uint16_t *)p + i;                                                \
+        if (dtype == FK_FLOAT16) return f16_load_##isa(h);                                          \
+        return bf16_load_##isa(h);                                                                  \
+    }                                                                                               \
+                                                                                                    \
+    static inline attrs void vstore_##isa(fk_dtype dtype, vf_##isa v, void *p, int64_t i) {        \
+        if (dtype == FK_FLOAT32) {                                                                  \
+            *(vf_##isa *)((float *)p + i) = v;                                                      \
+            return;                                                                                 \
+        }                                                                                           \
+        uint16_t *h = (uint16_t *)p + i;                                                            \
+        if (dtype == FK_FLOAT16) {                                                                  \
+            f16_store_##isa(v, h);                                                                  \
+            return;                                                                                 \
+        }                                                                                           \
+        bf16_store_##isa(v, h);                                                                     \
+    }                                                                                               \
+                                                                                                    \
+    /* p[i..i+len) as fp32 lanes, len <= lanes, the rest `fill` (a vector's tail) */                \
+    static inline attrs vf_##isa vload_part_##isa(fk_dtype dtype, const void *p, int64_t i,        \
+                                                  int64_t len, float fill) {                        \
+        float buf[lanes];                                                                           \
+        fk_load_f32(dtype, p, i, len, buf);                                                         \
+        for (int64_t l = len; l < lanes; l++) buf[l] = fill;                                        \
+        return *(const vf_##isa *)buf;                                                              \
+    }                                                                                               \
+                                                                                                    \
+    static inline attrs void vstore_part_##isa(fk_dtype dtype, vf_##isa v, void *p, int64_t i,     \
+                                               int64_t len) {                                       \
+        float buf[lanes];                                                                           \
+        *(vf_##isa *)buf = v;                                                                       \
+        fk_store_f32(dtype, buf, i, len, p);                                                        \
+    }
+
+#define FK_VEC_EXP(isa, attrs)                                                                     \
+    static inline attrs vf_##isa exp_##isa(vf_##isa x) {                                           \
+        const vf_##isa zero = {0};                                                                  \
+        vi_##isa tiny = x < -87.33654475f;                                                          \
+        x = select_##isa(tiny, zero - 87.0f, x);                                                    \
+        x = select_##isa(x > 88.0f, zero + 88.0f, x);                                               \
+        vf_##isa t = x * 1.44269504088896341f + 12582912.0f; /* 1.5 * 2^23: rounds to integer */   \
+        vf_##isa n = t - 12582912.0f;                                                               \
+        vi_##isa ni = (vi_##isa)t - 0x4b400000;                                                     \
+        vf_##isa r = x - n * 0.693359375f;                                                          \
+        r = r - n * -2.12194440e-4f;                                                                \
+        vf_##isa p = zero + 1.9875691500e-4f;                                                       \
+        p = p * r + 1.3981999507e-3f;                                                               \
+        p = p * r + 8.3334519073e-3f;                                                               \
+        p = p * r + 4.1665795894e-2f;                                                               \
+        p = p * r + 1.6666665459e-1f;                                                               \
+        p = p * r + 5.0000001201e-1f;                                                               \
+        p = p * (r * r) + r + 1.0f;                                                                 \
+        vf_##isa y = p * (vf_##isa)((ni + 127) << 23);                                              \
+        return (vf_##isa)((vi_##isa)y & ~tiny);                                                     \
+    }                                                                                               \
+
+#define FK_VEC_ATTRS(isa_list) __attribute__((target(isa_list), optimize("fp-contract=fast")))
+#define FK_ATTRS_GENERIC __attribute__((optimize("fp-contract=fast")))
+#define FK_ATTRS_AVX2 FK_VEC_ATTRS("avx2,fma,f16c")
+/* avx512bf16 in the target so that bf16_store_cvt inlines (a call per vector spilled every zmm);
+ * its one instruction runs only where fk_cpu_isa() found the feature */
+#define FK_ATTRS_AVX512 FK_VEC_ATTRS("avx512f,avx512dq,avx512bw,avx512vl,avx512bf16,avx2,fma,f16c")
+
+FK_VEC_TYPES(generic, 4)
+FK_VEC_F16_SCALAR(generic, FK_ATTRS_GENERIC, 4)
+FK_VEC_SELECT(generic, FK_ATTRS_GENERIC)
+FK_VEC_BF16_INT(generic, FK_ATTRS_GENERIC)
+static inline FK_ATTRS_GENERIC void bf16_store_generic(vf_generic v, uint16_t *h) {
+    bf16_store_int_generic(v, h);
+}
+FK_VEC_MATH(generic, FK_ATTRS_GENERIC, 4)
+FK_VEC_EXP(generic, FK_ATTRS_GENERIC)
+
+#if FK_X86
+FK_VEC_TYPES(avx2, 8)
+static inline FK_ATTRS_AVX2 vf_avx2 f16_load_avx2(const uint16_t *p) {
+    return (vf_avx2)_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
+}
+static inline FK_ATTRS_AVX2 void f16_store_avx2(vf_avx2 v, uint16_t *p) {
+    _mm_storeu_si128((__m128i *)p, _mm256_cvtps_ph((__m256)v, _MM_FROUND_TO_NEAREST_INT));
+}
+FK_VEC_SELECT(avx2, FK_ATTRS_AVX2)
+FK_VEC_BF16_INT(avx2, FK_ATTRS_AVX2)
+static inline FK_ATTRS_AVX2 void bf16_store_avx2(vf_avx2 v, uint16_t *h) { bf16_store_int_avx2(v, h); }
+FK_VEC_MATH(avx2, FK_ATTRS_AVX2, 8)
+FK_VEC_EXP(avx2, FK_ATTRS_AVX2)
+
+FK_VEC_TYPES(avx512, 16)
+static inline FK_ATTRS_AVX512 vf_avx512 f16_load_avx512(const uint16_t *p) {
+    return (vf_avx512)_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p));
+}
+static inline FK_ATTRS_AVX512 void f16_store_avx512(vf_avx512 v, uint16_t *p) {
+    _mm256_storeu_si256((__m256i *)p, _mm512_cvtps_ph((__m512)v, _MM_FROUND_TO_NEAREST_INT));
+}
+FK_VEC_BF16_INT(avx512, FK_ATTRS_AVX512)
+/* AVX-512 BF16's vcvtneps2bf16 where the CPU has it (one op for the integer path's ~10; it flushes
+ * subnormals to 0, D-85): fk_cpu_isa() sets the flag. */
+static inline FK_ATTRS_AVX512 void bf16_store_cvt(vf_avx512 v, uint16_t *h) {
+    _mm256_storeu_si256((__m256i *)h, (__m256i)_mm512_cvtneps_pbh((__m512)v));
+}
+static inline FK_ATTRS_AVX512 void bf16_store_avx512(vf_avx512 v, uint16_t *h) {
+    if (fk_avx512bf16) bf16_store_cvt(v, h);
+    else bf16_store_int_avx512(v, h);
+}
+
+/* one vblendmps on the compare's mask register (the and / or form took three ops) */
+static inline FK_ATTRS_AVX512 vf_avx512 select_avx512(vi_avx512 mask, vf_avx512 a, vf_avx512 b) {
+    return (vf_avx512)_mm512_mask_blend_ps(_mm512_movepi32_mask((__m512i)mask), (__m512)b, (__m512)a);
+}
+FK_VEC_MATH(avx512, FK_ATTRS_AVX512, 16)
+
+/* The same polynomial, with AVX-512's vscalefps for the 2^n step: it saturates to 0 / inf itself, so
+ * the clamps shrink to one max / min (NaN kept: vmaxps returns its second operand for a NaN) and
+ * the mask and integer exponent arithmetic go (~15 ops a vector instead of ~20, D-85). Results
+ * below FLT_MIN come out subnormal instead of 0; -inf gives 0. */
+static inline FK_ATTRS_AVX512 vf_avx512 exp_avx512(vf_avx512 v) {
+    __m512 x = _mm512_max_ps(_mm512_set1_ps(-110.0f), (__m512)v);
+    x = _mm512_min_ps(_mm512_set1_ps(88.0f), x);
+    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    vf_avx512 r = (vf_avx512)_mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    r = (vf_avx512)_mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), (__m512)r);
+    const vf_avx512 zero = {0};
+    vf_avx512 p = zero + 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * (r * r) + r + 1.0f;
+    return (vf_avx512)_mm512_scalef_ps((__m512)p, n);
+}
+#endif
+
+#endif
