@@ -33,6 +33,7 @@
 #include <stdlib.h>
 
 #include "common.h"
+#include "vec.h"
 
 #define kTile 64 /* rows of a Q tile and keys of a K / V tile: a 64 x 256 fp32 tile is 64 KiB (L2) */
 #define kPad 32  /* head dims and key counts are padded to this: 2 vectors of the widest ISA */
@@ -152,20 +153,20 @@ static inline void *carve(char **p, int64_t count, int64_t size) {
 #define FK_LANES 4
 #define FK_MR 4
 #define FK_ISA generic
-#define FK_ATTRS __attribute__((optimize("fp-contract=fast")))
+#define FK_ATTRS FK_ATTRS_GENERIC
 #include "attention_tile.h"
-#if defined(__x86_64__) && defined(__GNUC__)
+#if FK_X86
 #define FK_T float
 #define FK_LANES 8
 #define FK_MR 4
 #define FK_ISA avx2
-#define FK_ATTRS FK_VEC_ATTRS("avx2,fma")
+#define FK_ATTRS FK_ATTRS_AVX2
 #include "attention_tile.h"
 #define FK_T float
 #define FK_LANES 16
 #define FK_MR 8
 #define FK_ISA avx512
-#define FK_ATTRS FK_VEC_ATTRS("avx512f,avx512dq,avx2,fma")
+#define FK_ATTRS FK_ATTRS_AVX512
 #include "attention_tile.h"
 #endif
 #define FK_T double
@@ -183,16 +184,12 @@ typedef struct {
 /* The widest fp32 kernels the CPU runs (FASTKERN_CPU_ISA forces a narrower one, as softmax.c). */
 static attn_kernels pick_kernels(fk_dtype dtype) {
     if (dtype == FK_FLOAT64) return (attn_kernels){fwd_item_f64, dq_item_f64, dkdv_item_f64};
-    const char *want = getenv("FASTKERN_CPU_ISA");
-    int generic = want && !strcmp(want, "generic"), avx2 = want && !strcmp(want, "avx2");
-#if defined(__x86_64__) && defined(__GNUC__)
-    __builtin_cpu_init();
-    if (!generic && !avx2 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512dq"))
-        return (attn_kernels){fwd_item_avx512, dq_item_avx512, dkdv_item_avx512};
-    if (!generic && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"))
-        return (attn_kernels){fwd_item_avx2, dq_item_avx2, dkdv_item_avx2};
+#if FK_X86
+    switch (fk_cpu_isa()) {
+    case FK_ISA_AVX512: return (attn_kernels){fwd_item_avx512, dq_item_avx512, dkdv_item_avx512};
+    case FK_ISA_AVX2: return (attn_kernels){fwd_item_avx2, dq_item_avx2, dkdv_item_avx2};
+    }
 #endif
-    (void)generic, (void)avx2;
     return (attn_kernels){fwd_item_generic, dq_item_generic, dkdv_item_generic};
 }
 

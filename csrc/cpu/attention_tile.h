@@ -10,15 +10,19 @@
 #define FK_CAT(a, b) FK_CAT2(a, b)
 #define FN(name) FK_CAT(name, FK_ISA)
 #define T FK_T
+#ifdef FK_T_DOUBLE
 #define V FN(vec)
 #define IV FN(ivec)
-
 typedef T V __attribute__((vector_size(sizeof(T) * FK_LANES), aligned(sizeof(T))));
 typedef __typeof__((V){0} < (V){0}) IV;
 
 static inline FK_ATTRS V FN(select)(IV mask, V a, V b) {
     return (V)(((IV)a & mask) | ((IV)b & ~mask));
 }
+#else /* fp32: vec.h's vectors, select and exp of this ISA */
+#define V FK_CAT(vf, FK_ISA)
+#define IV FK_CAT(vi, FK_ISA)
+#endif
 
 /* c[r ldc + x] (+)= sum_p a[r ars + p aps] b[p ldb + x] for r < mr, x < 2 FK_LANES: mr x 2 vector
  * accumulators in registers; each row of b (two vector loads) feeds 2 mr FMAs. A is read by its
@@ -65,30 +69,10 @@ static void FN(exp_inplace)(T *x, int64_t n) {
     for (int64_t i = 0; i < n; i++) x[i] = exp(x[i]);
 }
 #else
-/* x[i] = exp(x[i]) for i < n (a multiple of FK_LANES): vec.h's Cephes expf (~1 ulp; 0
- * below ln(FLT_MIN), -inf included; NaN stays NaN). */
+/* x[i] = exp(x[i]) for i < n (a multiple of FK_LANES): vec.h's Cephes expf (~1 ulp; 0 for -inf,
+ * NaN stays NaN). */
 static FK_ATTRS void FN(exp_inplace)(T *x, int64_t n) {
-    const V zero = {0};
-    for (int64_t i = 0; i < n; i += FK_LANES) {
-        V v = *(V *)(x + i);
-        IV tiny = v < -87.33654475f;
-        v = FN(select)(tiny, zero - 87.0f, v);
-        v = FN(select)(v > 88.0f, zero + 88.0f, v);
-        V t = v * 1.44269504088896341f + 12582912.0f; /* 1.5 * 2^23: rounds to an integer */
-        V nf = t - 12582912.0f;
-        IV ni = (IV)t - 0x4b400000;
-        V r = v - nf * 0.693359375f;
-        r = r - nf * -2.12194440e-4f;
-        V p = zero + 1.9875691500e-4f;
-        p = p * r + 1.3981999507e-3f;
-        p = p * r + 8.3334519073e-3f;
-        p = p * r + 4.1665795894e-2f;
-        p = p * r + 1.6666665459e-1f;
-        p = p * r + 5.0000001201e-1f;
-        p = p * (r * r) + r + 1.0f;
-        V y = p * (V)((ni + 127) << 23);
-        *(V *)(x + i) = (V)((IV)y & ~tiny);
-    }
+    for (int64_t i = 0; i < n; i += FK_LANES) *(V *)(x + i) = FN(exp)(*(V *)(x + i));
 }
 #endif
 
