@@ -28,7 +28,6 @@
 #include "attention.cuh"
 
 #include <algorithm>
-#include <cudaTypedefs.h>
 
 #ifndef FK_ATTN_PINGPONG  // A/B switch: consumer warpgroups take turns issuing their matmuls
 #define FK_ATTN_PINGPONG 1
@@ -389,24 +388,11 @@ __global__ void __launch_bounds__(Cfg<D>::kThreads, 1)
 
 // ---- host: tensor maps and launch ---------------------------------------------------------------
 
-PFN_cuTensorMapEncodeTiled_v12000 encode_fn() {
-    static PFN_cuTensorMapEncodeTiled_v12000 fn = [] {
-        void *ptr = nullptr;
-        cudaDriverEntryPointQueryResult result;
-        if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &ptr, 12000, cudaEnableDefault, &result) !=
-                cudaSuccess ||
-            result != cudaDriverEntryPointSuccess)
-            ptr = nullptr;
-        return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(ptr);
-    }();
-    return fn;
-}
-
 // A 4-d map (d, rows, heads, sequences) of 16-bit elements in 64 x `box_rows` boxes, 128-byte
 // swizzle, rows past `rows` zero-filled. A dimension of size 1 takes any valid stride.
 bool encode(CUtensorMap *map, fk_dtype dtype, const void *base, int64_t d, int64_t rows, int64_t heads,
             int64_t batch, int64_t row, int64_t head, int64_t seq, int box_rows) {
-    auto fn = encode_fn();
+    auto fn = tensor_map_encoder();
     if (!fn) return false;
     if (heads == 1) head = row * rows;
     if (batch == 1) seq = head * heads;

@@ -19,7 +19,6 @@
 #include "matmul.cuh"
 #include "wgmma_ops.cuh"
 
-#include <cudaTypedefs.h>
 
 namespace fk::mm {
 namespace {
@@ -223,24 +222,11 @@ __global__ void __launch_bounds__(kThreads, 1)
 
 // ---- host: tensor maps and launch ---------------------------------------------------------------
 
-PFN_cuTensorMapEncodeTiled_v12000 encode_fn() {
-    static PFN_cuTensorMapEncodeTiled_v12000 fn = [] {
-        void *ptr = nullptr;
-        cudaDriverEntryPointQueryResult result;
-        if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &ptr, 12000, cudaEnableDefault, &result) !=
-                cudaSuccess ||
-            result != cudaDriverEntryPointSuccess)
-            ptr = nullptr;
-        return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(ptr);
-    }();
-    return fn;
-}
-
 // A 3-d map (inner, outer, batch) of 16-bit elements in 64 x box_outer boxes, 128-byte swizzle; a
 // batch stride of 0 (a broadcast operand) is one batch, always read at batch 0.
 bool encode(CUtensorMap *map, fk_dtype dtype, const void *base, int64_t inner, int64_t outer, int64_t stride,
             int64_t batch, int64_t batch_stride, int box_outer) {
-    auto fn = encode_fn();
+    auto fn = tensor_map_encoder();
     if (!fn) return false;
     const cuuint64_t dims[3] = {(cuuint64_t)inner, (cuuint64_t)outer, (cuuint64_t)(batch_stride ? batch : 1)};
     const cuuint64_t strides[2] = {(cuuint64_t)stride * 2,
