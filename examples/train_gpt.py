@@ -291,6 +291,7 @@ def main(argv=None):
             write_outputs(result, args.out_dir)
     if args.dist != "none":
         import torch.distributed as dist
+        dist.barrier()  # no rank tears its connections down while another still uses them (gloo aborts)
         dist.destroy_process_group()
     return result
 
