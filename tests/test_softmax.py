@@ -204,13 +204,21 @@ def test_gradcheck_float64(log):
         assert torch.autograd.gradcheck(lambda x: fastkern.softmax(x, -1, scale=0.7, causal=True), (x,))
 
 
-def test_backward_saves_input_and_row_statistic():
-    x = torch.randn(8, 16, requires_grad=True)
-    saved = []
-    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
-        fastkern.softmax(x, -1)
-    assert len(saved) == 2 and saved[0] is x
-    assert saved[1].shape == (8,) and saved[1].dtype == torch.float32
+@pytest.mark.parametrize("device", DEVICES)
+def test_backward_saves_one_tensor(device):
+    """CUDA saves x and one fp32 max a row (backward recomputes y); the CPU saves the output y alone
+    (backward reads it), on the eager path and through the op (under a dispatch mode)."""
+    x = torch.randn(8, 16, device=device, requires_grad=True)
+    for run in (lambda: fastkern.softmax(x, -1),
+                lambda: torch.ops.fastkern.softmax.default(x, -1, 1.0, False, False)[0]):
+        saved = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+            y = run()
+        if device == "cuda":
+            assert len(saved) == 2 and saved[0] is x
+            assert saved[1].shape == (8,) and saved[1].dtype == torch.float32
+        else:
+            assert len(saved) == 1 and torch.equal(saved[0], y)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -219,8 +227,9 @@ def test_opcheck(device):
     for args in [(x, -1, 1.0, False, False), (x, 0, 0.5, False, True), (x, -1, 0.3, True, False)]:
         torch.library.opcheck(torch.ops.fastkern.softmax.default, args)
     y, row_max = torch.ops.fastkern.softmax.default(x.detach(), -1, 0.3, True, False)
+    saved = (x.detach(), row_max) if device == "cuda" else (y, None)  # what each backend's autograd saves
     torch.library.opcheck(torch.ops.fastkern.softmax_backward.default,
-                          (torch.randn_like(y), x.detach(), row_max, -1, 0.3, True, False))
+                          (torch.randn_like(y), *saved, -1, 0.3, True, False))
 
 
 class Attention(torch.nn.Module):
@@ -407,8 +416,8 @@ def test_cpu_threads_give_the_one_thread_results(shape, dim, log, poison):
     x, g = torch.randn(shape) * 3, torch.randn(shape)
 
     def run():
-        y, row_max = torch.ops.fastkern.softmax.default(x, dim, 0.5, False, log)
-        return y, torch.ops.fastkern.softmax_backward.default(g, x, row_max, dim, 0.5, False, log)
+        y, _ = torch.ops.fastkern.softmax.default(x, dim, 0.5, False, log)
+        return y, torch.ops.fastkern.softmax_backward.default(g, y, None, dim, 0.5, False, log)
     one, many = on_cpu_threads(1, run), on_cpu_threads(7, run)
     for a, b in zip(one, many):
         assert not b.isnan().any() and torch.equal(a, b)

@@ -38,9 +38,10 @@ static void fill_keys(fk_dtype dtype, void *dst, int64_t at, int64_t len, float 
         fk_store_f32(dtype, buf, at + i, len - i < FK_CHUNK ? len - i : FK_CHUNK, dst);
 }
 
-/* Does a call of this job keep its exps in a scratch buffer (16-bit softmax / backward rows)? */
+/* Does a call of this job keep its exps in a scratch buffer (16-bit rows: softmax forward, log
+ * backward; fp32 keeps them in its output)? */
 static inline int needs_scratch(const softmax_job *j) {
-    return j->inner == 1 && j->dtype != FK_FLOAT32 && (j->dy || !j->is_log);
+    return j->inner == 1 && j->dtype != FK_FLOAT32 && (j->dy ? j->is_log : !j->is_log);
 }
 
 #define FK_SOFTMAX_VEC(isa, attrs, lanes)                                                          \
@@ -56,12 +57,6 @@ static inline int needs_scratch(const softmax_job *j) {
         if (len >= lanes) return vload_##isa(dt, x, at) * scale;                                    \
         vf_##isa v = vload_part_##isa(dt, x, at, len, 0.0f) * scale;                                \
         return select_##isa(head_##isa(len), v, zero + fill);                                       \
-    }                                                                                               \
-    /* *sum += y, the rounding error added to *comp exactly (Knuth's TwoSum) */                    \
-    static inline attrs void two_sum_##isa(vf_##isa *sum, vf_##isa *comp, vf_##isa y) {            \
-        vf_##isa t = *sum + y, bp = t - *sum;                                                       \
-        *comp += (*sum - (t - bp)) + (y - bp);                                                      \
-        *sum = t;                                                                                   \
     }                                                                                               \
     static inline attrs void put_##isa(fk_dtype dt, vf_##isa v, void *p, int64_t at, int64_t len) { \
         if (len >= lanes) vstore_##isa(dt, v, p, at);                                               \
@@ -80,7 +75,7 @@ static inline int needs_scratch(const softmax_job *j) {
         }                                                                                           \
         vf_##isa vmax = zero - INFINITY;                                                            \
         for (int64_t i = 0; i < len; i += lanes) {                                                  \
-            vf_##isa v = xs_##isa(dt, j->x, at + i, len - i, scale, -INFINITY);                     \
+            vf_##isa v = xs_##isa(dt, j->in, at + i, len - i, scale, -INFINITY);                     \
             vmax = select_##isa(v > vmax, v, vmax);                                                 \
         }                                                                                           \
         float m = -INFINITY;                                                                        \
@@ -91,7 +86,7 @@ static inline int needs_scratch(const softmax_job *j) {
             int64_t end = len - j0 < FK_CHUNK ? len : j0 + FK_CHUNK;                                \
             vf_##isa acc = zero;                                                                    \
             for (int64_t i = j0; i < end; i += lanes) {                                             \
-                vf_##isa e = exp_##isa(xs_##isa(dt, j->x, at + i, len - i, scale, -INFINITY) - m);  \
+                vf_##isa e = exp_##isa(xs_##isa(dt, j->in, at + i, len - i, scale, -INFINITY) - m);  \
                 acc += e;                                                                           \
                 if (keep) put_##isa(FK_FLOAT32, e, keep, i, len - i);                               \
             }                                                                                       \
@@ -101,78 +96,90 @@ static inline int needs_scratch(const softmax_job *j) {
         if (j->is_log) {                                                                            \
             float ls = (float)log(s);                                                               \
             for (int64_t i = 0; i < len; i += lanes)                                                \
-                put_##isa(dt, xs_##isa(dt, j->x, at + i, len - i, scale, 0.0f) - m - ls, j->out,    \
+                put_##isa(dt, xs_##isa(dt, j->in, at + i, len - i, scale, 0.0f) - m - ls, j->out,    \
                           at + i, len - i);                                                         \
         } else {                                                                                    \
             float inv = (float)(1.0 / s);                                                           \
             for (int64_t i = 0; i < len; i += lanes) {                                              \
                 vf_##isa e = keep ? xs_##isa(FK_FLOAT32, keep, i, len - i, 1.0f, 0.0f)              \
-                                  : exp_##isa(xs_##isa(dt, j->x, at + i, len - i, scale, 0.0f) - m); \
+                                  : exp_##isa(xs_##isa(dt, j->in, at + i, len - i, scale, 0.0f) - m); \
                 put_##isa(dt, e * inv, j->out, at + i, len - i);                                    \
             }                                                                                       \
         }                                                                                           \
         fill_keys(dt, j->out, at + len, n - len, j->is_log ? -INFINITY : 0.0f);                     \
     }                                                                                               \
                                                                                                     \
+    /* dx from the forward's output y (D-87). fp32: exact products and fp64 sums, dy's weights y      \
+     * normalised by z = sum y (log: sum exp y), the last step in fp64; 16-bit: torch's formula (z =   \
+     * 1: our y then mostly is torch's, bit for bit, and so is the error it carries), fp32 lanes per   \
+     * FK_CHUNK keys (16-bit products are exact in fp32) joined in fp64, the last step in fp32 with   \
+     * c = a / z held as c_hi + c_lo. */                                                            \
     static attrs void softmax_bwd_rows_##isa(const softmax_job *j, int64_t row, float *scratch) {  \
         const vf_##isa zero = {0};                                                                  \
         const fk_dtype dt = j->dtype;                                                               \
-        const float scale = (float)j->scale, m = ((const float *)j->row_max)[row];                  \
+        const int log = j->is_log;                                                                  \
+        const float fill = log ? -INFINITY : 0.0f; /* a tail lane's y: exp(-inf) = 0 */             \
         int64_t n = j->n, len = row_valid(j, row), at = row * n;                                    \
-        float *keep = dt == FK_FLOAT32 ? (float *)j->out + at : scratch;                            \
-        double z = 0.0, a = 0.0;                                                                    \
-        for (int64_t j0 = 0; j0 < len; j0 += FK_CHUNK) {                                            \
-            int64_t end = len - j0 < FK_CHUNK ? len : j0 + FK_CHUNK;                                \
-            vf_##isa zacc = zero, aacc = zero, zcomp = zero, acomp = zero;                          \
-            if (dt == FK_FLOAT32) /* compensated sums (TwoSum): plain fp32 ones put single fp32   \
-                                   * rows over 2x torch's error (at a dominant key dy - c cancels \
-                                   * down to their rounding); fp64 ones doubled the pass (D-84) */ \
-                for (int64_t i = j0; i < end; i += lanes) {                                         \
-                    vf_##isa p = exp_##isa(xs_##isa(dt, j->x, at + i, len - i, scale, -INFINITY) - m); \
-                    vf_##isa g = xs_##isa(dt, j->dy, at + i, len - i, 1.0f, 0.0f);                  \
-                    two_sum_##isa(&zacc, &zcomp, p);                                                \
-                    two_sum_##isa(&aacc, &acomp, j->is_log ? g : g * p);                            \
-                    put_##isa(FK_FLOAT32, p, keep, i, len - i);                                     \
+        float *keep = !log ? NULL : dt == FK_FLOAT32 ? (float *)j->out + at : scratch; /* exp y */  \
+        double z = 1.0, a = 0.0;                                                                    \
+        if (dt == FK_FLOAT32) {                                                                     \
+            vd_##isa zacc = {0}, aacc = {0};                                                        \
+            for (int64_t i = 0; i < len; i += lanes) {                                              \
+                vf_##isa e = xs_##isa(dt, j->in, at + i, len - i, 1.0f, fill);                      \
+                vf_##isa g = xs_##isa(dt, j->dy, at + i, len - i, 1.0f, 0.0f);                      \
+                if (log) {                                                                          \
+                    e = exp_##isa(e);                                                               \
+                    put_##isa(FK_FLOAT32, e, keep, i, len - i);                                     \
                 }                                                                                   \
-            else                                                                                    \
+                vd_##isa ed = __builtin_convertvector(e, vd_##isa);                                 \
+                vd_##isa gd = __builtin_convertvector(g, vd_##isa);                                 \
+                zacc += ed;                                                                         \
+                aacc += log ? gd : gd * ed;                                                         \
+            }                                                                                       \
+            z = 0.0;                                                                                \
+            for (int l = 0; l < lanes; l++) z += zacc[l], a += aacc[l];                             \
+        } else {                                                                                    \
+            for (int64_t j0 = 0; j0 < len; j0 += FK_CHUNK) {                                        \
+                int64_t end = len - j0 < FK_CHUNK ? len : j0 + FK_CHUNK;                            \
+                vf_##isa aacc = zero;                                                               \
                 for (int64_t i = j0; i < end; i += lanes) {                                         \
-                    vf_##isa p = exp_##isa(xs_##isa(dt, j->x, at + i, len - i, scale, -INFINITY) - m); \
                     vf_##isa g = xs_##isa(dt, j->dy, at + i, len - i, 1.0f, 0.0f);                  \
-                    zacc += p;                                                                      \
-                    aacc += j->is_log ? g : g * p;                                                  \
-                    if (keep) put_##isa(FK_FLOAT32, p, keep, i, len - i);                           \
+                    if (log) {                                                                      \
+                        put_##isa(FK_FLOAT32, exp_##isa(xs_##isa(dt, j->in, at + i, len - i, 1.0f, fill)), \
+                                  keep, i, len - i);                                                \
+                        aacc += g;                                                                  \
+                    } else aacc += g * xs_##isa(dt, j->in, at + i, len - i, 1.0f, fill);            \
                 }                                                                                   \
-            for (int l = 0; l < lanes; l++)                                                         \
-                z += (double)zacc[l] + zcomp[l], a += (double)aacc[l] + acomp[l];                   \
+                for (int l = 0; l < lanes; l++) a += aacc[l];                                       \
+            }                                                                                       \
         }                                                                                           \
-        if (j->is_log) /* masked keys too: their output is -inf, a constant */                      \
+        if (log) /* masked keys too: their output is -inf, a constant */                            \
             for (int64_t i = len; i < n; i += FK_CHUNK) {                                           \
                 float gb[FK_CHUNK];                                                                 \
                 int64_t c = n - i < FK_CHUNK ? n - i : FK_CHUNK;                                    \
                 fk_load_f32(dt, j->dy, at + i, c, gb);                                              \
                 for (int64_t k = 0; k < c; k++) a += gb[k];                                         \
             }                                                                                       \
-        double c = a / z;                                                                           \
-        float k = (float)(j->scale / z), c_hi = (float)c, c_lo = (float)(c - c_hi), q = c_hi;       \
-        double kd = j->scale / z, cq = (double)q;                                                   \
+        /* softmax: dx = k y (dy - c), k = scale / z; log: dx = scale (dy - e c); c = a / z */       \
+        double c = a / z, kd = j->scale / z;                                                        \
+        float scale = (float)j->scale, k = (float)kd, c_hi = (float)c, c_lo = (float)(c - c_hi);    \
         for (int64_t i = 0; i < len; i += lanes) {                                                  \
-            vf_##isa p = keep ? xs_##isa(FK_FLOAT32, keep, i, len - i, 1.0f, 0.0f)                  \
-                              : exp_##isa(xs_##isa(dt, j->x, at + i, len - i, scale, 0.0f) - m);    \
+            vf_##isa e = keep ? xs_##isa(FK_FLOAT32, keep, i, len - i, 1.0f, 0.0f)                  \
+                              : xs_##isa(dt, j->in, at + i, len - i, 1.0f, 0.0f);                   \
             vf_##isa g = xs_##isa(dt, j->dy, at + i, len - i, 1.0f, 0.0f), d;                       \
-            if (dt == FK_FLOAT32) { /* in fp64: fp32's ~4 roundings here were over 2x torch's */   \
-                vd_##isa pd = __builtin_convertvector(p, vd_##isa);                                 \
+            if (dt == FK_FLOAT32) { /* fp32's ~4 roundings here were over 2x torch's error (D-87) */ \
+                vd_##isa ed = __builtin_convertvector(e, vd_##isa);                                 \
                 vd_##isa gd = __builtin_convertvector(g, vd_##isa);                                 \
-                d = __builtin_convertvector(j->is_log ? j->scale * (gd - pd * cq) : kd * pd * (gd - c), \
-                                            vf_##isa);                                              \
-            } else if (j->is_log) d = scale * (g - p * q);                                          \
-            else d = k * p * ((g - c_hi) - c_lo);                                                   \
+                d = __builtin_convertvector(log ? j->scale * (gd - ed * c) : kd * ed * (gd - c), vf_##isa); \
+            } else if (log) d = scale * (g - e * c_hi);                                             \
+            else d = k * e * ((g - c_hi) - c_lo);                                                   \
             put_##isa(dt, d, j->out, at + i, len - i);                                              \
         }                                                                                           \
         fill_keys(dt, j->out, at + len, n - len, 0.0f); /* masked keys: no gradient */              \
     }                                                                                               \
                                                                                                     \
     /* Columns [i0, i0 + w) of slab o (block b), w <= FK_TILE, one lane a column. */               \
-    static attrs void softmax_cols_##isa(const softmax_job *j, int64_t b, float *scratch) {        \
+    static attrs void softmax_fwd_cols_##isa(const softmax_job *j, int64_t b, float *scratch) {    \
         enum { kVecs = FK_TILE / lanes };                                                           \
         const vf_##isa zero = {0};                                                                  \
         const fk_dtype dt = j->dtype;                                                               \
@@ -180,71 +187,109 @@ static inline int needs_scratch(const softmax_job *j) {
         int64_t n = j->n, inner = j->inner, i0 = b % j->tiles * FK_TILE, o = b / j->tiles;          \
         int64_t w = inner - i0 < FK_TILE ? inner - i0 : FK_TILE, nv = (w + lanes - 1) / lanes;      \
         int64_t at0 = o * n * inner + i0;                                                           \
-        float *stat = j->row_max ? (float *)j->row_max + o * inner + i0 : NULL;                     \
-        vf_##isa m[kVecs], acc[kVecs], acc2[kVecs];                                                 \
-        double s[FK_TILE] = {0}, s2[FK_TILE] = {0};                                                 \
+        vf_##isa m[kVecs], acc[kVecs], f[kVecs];                                                    \
+        double s[FK_TILE] = {0};                                                                    \
         (void)scratch;                                                                              \
-        if (j->dy) {                                                                                \
-            for (int v = 0; v < nv; v++) m[v] = vload_part_##isa(FK_FLOAT32, stat, v * lanes,      \
-                                                                 w - v * lanes < lanes ? w - v * lanes : lanes, 0.0f); \
-        } else {                                                                                    \
-            for (int v = 0; v < nv; v++) m[v] = zero - INFINITY;                                    \
-            for (int64_t key = 0; key < n; key++)                                                   \
-                for (int v = 0; v < nv; v++) {                                                      \
-                    vf_##isa x = xs_##isa(dt, j->x, at0 + key * inner + v * lanes, w - v * lanes,   \
-                                          scale, -INFINITY);                                        \
-                    m[v] = select_##isa(x > m[v], x, m[v]);                                         \
-                }                                                                                   \
-        }                                                                                           \
-        /* pass: s = sum p, s2 = sum dy p (log: sum dy); the forward keeps fp32 p in y */          \
-        int keep = !j->dy && !j->is_log && dt == FK_FLOAT32;                                        \
+        for (int v = 0; v < nv; v++) m[v] = zero - INFINITY;                                        \
+        for (int64_t key = 0; key < n; key++)                                                       \
+            for (int v = 0; v < nv; v++) {                                                          \
+                vf_##isa x = xs_##isa(dt, j->in, at0 + key * inner + v * lanes, w - v * lanes,      \
+                                      scale, -INFINITY);                                            \
+                m[v] = select_##isa(x > m[v], x, m[v]);                                             \
+            }                                                                                       \
+        int keep = !j->is_log && dt == FK_FLOAT32; /* fp32 p kept in y */                          \
         for (int64_t k0 = 0; k0 < n; k0 += FK_COLS_FLUSH) {                                         \
             int64_t k1 = n - k0 < FK_COLS_FLUSH ? n : k0 + FK_COLS_FLUSH;                           \
-            for (int v = 0; v < nv; v++) acc[v] = zero, acc2[v] = zero;                             \
+            for (int v = 0; v < nv; v++) acc[v] = zero;                                             \
             for (int64_t key = k0; key < k1; key++)                                                 \
                 for (int v = 0; v < nv; v++) {                                                      \
                     int64_t at = at0 + key * inner + v * lanes, left = w - v * lanes;               \
-                    vf_##isa p = exp_##isa(xs_##isa(dt, j->x, at, left, scale, -INFINITY) - m[v]);  \
+                    vf_##isa p = exp_##isa(xs_##isa(dt, j->in, at, left, scale, -INFINITY) - m[v]); \
                     acc[v] += p;                                                                    \
                     if (keep) put_##isa(FK_FLOAT32, p, j->out, at, left);                           \
-                    if (j->dy) {                                                                    \
-                        vf_##isa g = xs_##isa(dt, j->dy, at, left, 1.0f, 0.0f);                     \
-                        acc2[v] += j->is_log ? g : g * p;                                           \
-                    }                                                                               \
                 }                                                                                   \
-            for (int c = 0; c < w; c++) s[c] += acc[c / lanes][c % lanes], s2[c] += acc2[c / lanes][c % lanes]; \
+            for (int c = 0; c < w; c++) s[c] += acc[c / lanes][c % lanes];                          \
         }                                                                                           \
-        vf_##isa f1[kVecs], f2[kVecs], f3[kVecs];                                                   \
-        for (int c = 0; c < nv * lanes; c++) {                                                      \
-            double z = c < w ? s[c] : 1.0, cc = c < w ? s2[c] / z : 0.0;                            \
-            float hi = (float)cc;                                                                   \
-            if (!j->dy) { /* softmax: f1 = 1 / s; log: f1 = log s */                                \
-                f1[c / lanes][c % lanes] = j->is_log ? (float)log(z) : (float)(1.0 / z);            \
-            } else {                                                                                \
-                f1[c / lanes][c % lanes] = (float)(j->scale / z);                                   \
-                f2[c / lanes][c % lanes] = hi;                                                      \
-                f3[c / lanes][c % lanes] = (float)(cc - hi);                                        \
-            }                                                                                       \
+        for (int c = 0; c < nv * lanes; c++) { /* softmax: f = 1 / s; log: f = log s */            \
+            double sc = c < w ? s[c] : 1.0;                                                         \
+            f[c / lanes][c % lanes] = j->is_log ? (float)log(sc) : (float)(1.0 / sc);               \
         }                                                                                           \
-        if (!j->dy && stat)                                                                         \
-            for (int c = 0; c < w; c++) stat[c] = m[c / lanes][c % lanes];                          \
+        if (j->row_max)                                                                             \
+            for (int c = 0; c < w; c++) ((float *)j->row_max)[o * inner + i0 + c] = m[c / lanes][c % lanes]; \
         for (int64_t key = 0; key < n; key++)                                                       \
             for (int v = 0; v < nv; v++) {                                                          \
                 int64_t at = at0 + key * inner + v * lanes, left = w - v * lanes;                   \
                 vf_##isa out;                                                                       \
-                if (!j->dy && j->is_log) {                                                          \
-                    out = xs_##isa(dt, j->x, at, left, scale, 0.0f) - m[v] - f1[v];                 \
-                } else {                                                                            \
-                    vf_##isa p = keep ? xs_##isa(FK_FLOAT32, j->out, at, left, 1.0f, 0.0f)          \
-                                      : exp_##isa(xs_##isa(dt, j->x, at, left, scale, 0.0f) - m[v]); \
-                    if (!j->dy) out = p * f1[v];                                                    \
-                    else {                                                                          \
-                        vf_##isa g = xs_##isa(dt, j->dy, at, left, 1.0f, 0.0f);                     \
-                        out = j->is_log ? scale * (g - p * f2[v])                                   \
-                                        : f1[v] * p * ((g - f2[v]) - f3[v]);                        \
-                    }                                                                               \
-                }                                                                                   \
+                if (j->is_log) out = xs_##isa(dt, j->in, at, left, scale, 0.0f) - m[v] - f[v];      \
+                else out = f[v] * (keep ? xs_##isa(FK_FLOAT32, j->out, at, left, 1.0f, 0.0f)        \
+                                        : exp_##isa(xs_##isa(dt, j->in, at, left, scale, 0.0f) - m[v])); \
                 put_##isa(dt, out, j->out, at, left);                                               \
+            }                                                                                       \
+    }                                                                                               \
+                                                                                                    \
+    /* The backward of those columns from y, the rows kernel's passes and numerics one lane a      \
+     * column (16-bit: z = 1); fp32 log keeps exp y in dx, 16-bit log recomputes it. */             \
+    static attrs void softmax_bwd_cols_##isa(const softmax_job *j, int64_t b, float *scratch) {    \
+        enum { kVecs = FK_TILE / lanes };                                                           \
+        const vf_##isa zero = {0};                                                                  \
+        const vd_##isa zd = {0};                                                                    \
+        const fk_dtype dt = j->dtype;                                                               \
+        const int log = j->is_log, keep = log && dt == FK_FLOAT32;                                  \
+        const float fill = log ? -INFINITY : 0.0f;                                                  \
+        int64_t n = j->n, inner = j->inner, i0 = b % j->tiles * FK_TILE, o = b / j->tiles;          \
+        int64_t w = inner - i0 < FK_TILE ? inner - i0 : FK_TILE, nv = (w + lanes - 1) / lanes;      \
+        int64_t at0 = o * n * inner + i0;                                                           \
+        double z[FK_TILE] = {0}, a[FK_TILE] = {0};                                                  \
+        (void)scratch;                                                                              \
+        for (int64_t k0 = 0; k0 < n; k0 += FK_COLS_FLUSH) {                                         \
+            int64_t k1 = n - k0 < FK_COLS_FLUSH ? n : k0 + FK_COLS_FLUSH;                           \
+            vf_##isa aacc[kVecs];                                                                   \
+            vd_##isa zaccd[kVecs], aaccd[kVecs];                                                    \
+            for (int v = 0; v < nv; v++) aacc[v] = zero, zaccd[v] = aaccd[v] = zd;                  \
+            for (int64_t key = k0; key < k1; key++)                                                 \
+                for (int v = 0; v < nv; v++) {                                                      \
+                    int64_t at = at0 + key * inner + v * lanes, left = w - v * lanes;               \
+                    vf_##isa e = xs_##isa(dt, j->in, at, left, 1.0f, fill);                         \
+                    vf_##isa g = xs_##isa(dt, j->dy, at, left, 1.0f, 0.0f);                         \
+                    if (log) e = exp_##isa(e);                                                      \
+                    if (keep) put_##isa(FK_FLOAT32, e, j->out, at, left);                           \
+                    if (dt == FK_FLOAT32) {                                                         \
+                        vd_##isa ed = __builtin_convertvector(e, vd_##isa);                         \
+                        vd_##isa gd = __builtin_convertvector(g, vd_##isa);                         \
+                        zaccd[v] += ed;                                                             \
+                        aaccd[v] += log ? gd : gd * ed;                                             \
+                    } else aacc[v] += log ? g : g * e;                                              \
+                }                                                                                   \
+            for (int c = 0; c < w; c++)                                                             \
+                z[c] += zaccd[c / lanes][c % lanes],                                                \
+                a[c] += aaccd[c / lanes][c % lanes] + aacc[c / lanes][c % lanes];                   \
+        }                                                                                           \
+        /* per column: c = a / z; fp32: k = scale / z and c in fp64 lanes; 16-bit: k, c_hi, c_lo */ \
+        vf_##isa k[kVecs], c_hi[kVecs], c_lo[kVecs];                                                \
+        vd_##isa kd[kVecs], cd[kVecs];                                                              \
+        for (int c = 0; c < nv * lanes; c++) {                                                      \
+            double zc = c < w && dt == FK_FLOAT32 ? z[c] : 1.0, cc = c < w ? a[c] / zc : 0.0;       \
+            float hi = (float)cc;                                                                   \
+            kd[c / lanes][c % lanes] = j->scale / zc, cd[c / lanes][c % lanes] = cc;                \
+            k[c / lanes][c % lanes] = (float)(j->scale / zc);                                       \
+            c_hi[c / lanes][c % lanes] = hi, c_lo[c / lanes][c % lanes] = (float)(cc - hi);         \
+        }                                                                                           \
+        const float scale = (float)j->scale;                                                        \
+        for (int64_t key = 0; key < n; key++)                                                       \
+            for (int v = 0; v < nv; v++) {                                                          \
+                int64_t at = at0 + key * inner + v * lanes, left = w - v * lanes;                   \
+                vf_##isa e = keep ? xs_##isa(FK_FLOAT32, j->out, at, left, 1.0f, 0.0f)              \
+                                  : xs_##isa(dt, j->in, at, left, 1.0f, fill);                      \
+                vf_##isa g = xs_##isa(dt, j->dy, at, left, 1.0f, 0.0f), d;                          \
+                if (log && !keep) e = exp_##isa(e);                                                 \
+                if (dt == FK_FLOAT32) {                                                             \
+                    vd_##isa ed = __builtin_convertvector(e, vd_##isa);                             \
+                    vd_##isa gd = __builtin_convertvector(g, vd_##isa);                             \
+                    d = __builtin_convertvector(log ? j->scale * (gd - ed * cd[v])                  \
+                                                    : kd[v] * ed * (gd - cd[v]), vf_##isa);         \
+                } else if (log) d = scale * (g - e * c_hi[v]);                                      \
+                else d = k[v] * e * ((g - c_hi[v]) - c_lo[v]);                                      \
+                put_##isa(dt, d, j->out, at, left);                                                 \
             }                                                                                       \
     }
 
@@ -258,9 +303,14 @@ FK_SOFTMAX_VEC(avx512, FK_ATTRS_AVX512, 16)
 static rows_fn pick_vec(const softmax_job *j) {
     int cols = j->inner > 1, isa = fk_cpu_isa();
 #if FK_X86
-    if (isa == FK_ISA_AVX512) return cols ? softmax_cols_avx512 : j->dy ? softmax_bwd_rows_avx512 : softmax_fwd_rows_avx512;
-    if (isa == FK_ISA_AVX2) return cols ? softmax_cols_avx2 : j->dy ? softmax_bwd_rows_avx2 : softmax_fwd_rows_avx2;
+    if (isa == FK_ISA_AVX512)
+        return j->dy ? (cols ? softmax_bwd_cols_avx512 : softmax_bwd_rows_avx512)
+                     : (cols ? softmax_fwd_cols_avx512 : softmax_fwd_rows_avx512);
+    if (isa == FK_ISA_AVX2)
+        return j->dy ? (cols ? softmax_bwd_cols_avx2 : softmax_bwd_rows_avx2)
+                     : (cols ? softmax_fwd_cols_avx2 : softmax_fwd_rows_avx2);
 #endif
     (void)isa;
-    return cols ? softmax_cols_generic : j->dy ? softmax_bwd_rows_generic : softmax_fwd_rows_generic;
+    return j->dy ? (cols ? softmax_bwd_cols_generic : softmax_bwd_rows_generic)
+                 : (cols ? softmax_fwd_cols_generic : softmax_fwd_rows_generic);
 }
