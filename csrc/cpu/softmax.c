@@ -166,15 +166,15 @@ static fk_status check_args(const char *op, int64_t outer, int64_t n, int64_t in
     return fk_cpu_check_dtype(dtype, op);
 }
 
-/* Row blocks (one slab o, up to FK_TILE adjacent columns i0..) are independent: threads take
- * contiguous runs of them, numbered o * tiles + i0 / FK_TILE. */
+/* Row blocks (one slab o, up to `width` adjacent columns i0..) are independent: threads take
+ * contiguous runs of them, numbered o * tiles + i0 / width. */
 typedef struct softmax_job softmax_job;
 typedef void (*rows_fn)(const softmax_job *j, int64_t item, float *scratch);
 struct softmax_job {
     const void *dy;  /* backward: the output's gradient; NULL: forward */
     const void *in;  /* forward: x; backward: the forward's output y */
     void *out, *row_max;
-    int64_t n, inner, tiles, causal_sq;
+    int64_t n, inner, width, tiles, causal_sq; /* width: columns a block (1 for rows) */
     double scale;
     int is_log;
     fk_dtype dtype;
@@ -184,8 +184,8 @@ struct softmax_job {
 #include "softmax_vec.h"
 
 static fk_rows block_of(const softmax_job *j, int64_t b) {
-    int64_t i0 = b % j->tiles * FK_TILE;
-    return (fk_rows){j->n, j->inner, b / j->tiles, i0, j->inner - i0 < FK_TILE ? j->inner - i0 : FK_TILE};
+    int64_t i0 = b % j->tiles * j->width;
+    return (fk_rows){j->n, j->inner, b / j->tiles, i0, j->inner - i0 < j->width ? j->inner - i0 : j->width};
 }
 
 /* A thread's run of row blocks: backward when the job has dy. */
@@ -209,10 +209,19 @@ static void run_blocks(void *arg, int64_t begin, int64_t end) {
 }
 
 static void split_blocks(softmax_job *j, int64_t outer, int threads) {
-    j->tiles = (j->inner + FK_TILE - 1) / FK_TILE;
-    if (j->dtype != FK_FLOAT64) j->row = pick_vec(j);
-    int64_t block = j->n * (j->inner < FK_TILE ? j->inner : FK_TILE);
-    fk_parallel_for(threads, outer * j->tiles, fk_min_items(block), run_blocks, j);
+    /* fp64: FK_TILE columns a block; vector columns: up to FK_COLS_WIDTH, fewer where that leaves
+     * threads without a block (a column's result does not depend on its block) */
+    j->width = j->inner < FK_TILE ? j->inner : FK_TILE;
+    if (j->dtype != FK_FLOAT64) {
+        j->row = pick_vec(j);
+        if (j->inner > 1) {
+            int64_t parts = outer >= threads ? 1 : (threads + outer - 1) / outer;
+            int64_t width = ((j->inner + parts - 1) / parts + 15) / 16 * 16;
+            j->width = width < FK_COLS_WIDTH ? width : FK_COLS_WIDTH;
+        }
+    }
+    j->tiles = (j->inner + j->width - 1) / j->width;
+    fk_parallel_for(threads, outer * j->tiles, fk_min_items(j->n * j->width), run_blocks, j);
 }
 
 fk_status fk_cpu_softmax_fwd(const void *x, void *y, void *row_max, int64_t outer, int64_t n,
@@ -220,7 +229,7 @@ fk_status fk_cpu_softmax_fwd(const void *x, void *y, void *row_max, int64_t oute
                              fk_dtype dtype, int threads) {
     fk_status status = check_args("softmax", outer, n, inner, causal_sq, dtype);
     if (status != FK_OK) return status;
-    softmax_job j = {NULL, x, y, row_max, n, inner, 0, causal_sq, scale, is_log, dtype, NULL};
+    softmax_job j = {NULL, x, y, row_max, n, inner, 1, 0, causal_sq, scale, is_log, dtype, NULL};
     split_blocks(&j, outer, threads);
     return FK_OK;
 }
@@ -230,7 +239,7 @@ fk_status fk_cpu_softmax_bwd_from_output(const void *dy, const void *y, void *dx
                                          fk_dtype dtype, int threads) {
     fk_status status = check_args("softmax_backward", outer, n, inner, causal_sq, dtype);
     if (status != FK_OK) return status;
-    softmax_job j = {dy, y, dx, NULL, n, inner, 0, causal_sq, scale, is_log, dtype, NULL};
+    softmax_job j = {dy, y, dx, NULL, n, inner, 1, 0, causal_sq, scale, is_log, dtype, NULL};
     split_blocks(&j, outer, threads);
     return FK_OK;
 }
