@@ -77,22 +77,26 @@ fk_status fk_cuda_gelu_bwd(const void *dy, const void *x, const void *bias, void
  * causal_sq > 0 (only with inner == 1): rows are the query rows of (causal_sq, n) score blocks; row
  * r is query q = r % causal_sq and key j is masked (-inf) when j > q + (n - causal_sq).
  * row_max: `outer * inner` per-row maxima of the scaled, masked rows; fp64 when dtype is FK_FLOAT64,
- * fp32 otherwise. forward writes y and row_max (NULL: not wanted, no backward follows); backward
- * reads x and row_max (never y), recomputes
- * y = exp(x * scale - row_max) / sum(exp(x * scale - row_max)) and writes
+ * fp32 otherwise. forward writes y and row_max (NULL: not wanted). Backward writes
  *   softmax:     dx = scale * y * (dy - sum_j dy_j * y_j)
- *   log_softmax: dx = scale * (dy - y * sum_j dy_j)
- * (The max, not the log-sum-exp, is saved: its exponents are exact near the max, so the recomputed
- * y is as accurate as the forward's.) Masked positions get y = 0 (log: -inf) and dx = 0. Rows that
- * are all -inf, fully masked, or hold +inf / NaN produce NaN, as torch.softmax does.
- * The CPU calls keep a 16-bit row's exps for its second pass: on the stack up to 16384 keys, else
- * in one malloc'ed row buffer per thread (freed before returning; without it they recompute). */
+ *   log_softmax: dx = scale * (dy - exp(y) * sum_j dy_j)
+ * with dx = 0 at masked positions (where y is 0, log: -inf). The two backends read different saved
+ * tensors: the CUDA backward reads x and row_max (never y) and recomputes
+ * y = exp(x * scale - row_max) / sum(exp(x * scale - row_max)), free in a memory-bound kernel (the
+ * max, not the log-sum-exp, is saved: its exponents are exact near the max, so the recomputed y is
+ * as accurate as the forward's); the CPU backward reads the forward's output y and takes no exp for
+ * softmax (one for log), normalising by sum_j y_j (log: sum_j exp(y_j)) so that only y's rounding
+ * relative to its row is left. Rows that are all -inf, fully masked, or hold +inf / NaN produce
+ * NaN, as torch.softmax does.
+ * The CPU calls keep a 16-bit row's exps for their second pass (forward softmax, backward log): on
+ * the stack up to 16384 keys, else in one malloc'ed row buffer per thread (freed before returning;
+ * without it they recompute). */
 fk_status fk_cpu_softmax_fwd(const void *x, void *y, void *row_max, int64_t outer, int64_t n,
                              int64_t inner, double scale, int64_t causal_sq, int log,
                              fk_dtype dtype, int threads);
-fk_status fk_cpu_softmax_bwd(const void *dy, const void *x, const void *row_max, void *dx,
-                             int64_t outer, int64_t n, int64_t inner, double scale,
-                             int64_t causal_sq, int log, fk_dtype dtype, int threads);
+fk_status fk_cpu_softmax_bwd_from_output(const void *dy, const void *y, void *dx, int64_t outer,
+                                         int64_t n, int64_t inner, double scale, int64_t causal_sq,
+                                         int log, fk_dtype dtype, int threads);
 fk_status fk_cuda_softmax_fwd(const void *x, void *y, float *row_max, int64_t outer, int64_t n,
                               int64_t inner, double scale, int64_t causal_sq, int log,
                               fk_dtype dtype, int device, void *stream);

@@ -147,7 +147,8 @@ static PyObject *py_softmax_fwd(PyObject *self, PyObject *args) {
     return finish(status);
 }
 
-/* softmax_bwd(dy, x, row_max, dx, outer, n, inner, scale, causal_sq, log, dtype, device, stream) */
+/* softmax_bwd(dy, x, row_max, dx, outer, n, inner, scale, causal_sq, log, dtype, device, stream): the
+ * CUDA backward, which recomputes y from x and the row max (the CPU's reads y: below) */
 static PyObject *py_softmax_bwd(PyObject *self, PyObject *args) {
     (void)self;
     unsigned long long dy, x, row_max, dx, stream;
@@ -157,20 +158,35 @@ static PyObject *py_softmax_bwd(PyObject *self, PyObject *args) {
     if (!PyArg_ParseTuple(args, "KKKKLLLdLiiiK", &dy, &x, &row_max, &dx, &outer, &n, &inner, &scale,
                           &causal_sq, &log, &dtype, &device, &stream))
         return NULL;
-    fk_status status;
     if (device < 0) {
-        Py_BEGIN_ALLOW_THREADS
-        status = fk_cpu_softmax_bwd(PTR(dy), PTR(x), PTR(row_max), PTR(dx), outer, n, inner, scale,
-                                    causal_sq, log, (fk_dtype)dtype, cpu_threads(stream));
-        Py_END_ALLOW_THREADS
-    } else {
-#if FK_HAS_CUDA
-        status = fk_cuda_softmax_bwd(PTR(dy), PTR(x), PTR(row_max), PTR(dx), outer, n, inner, scale,
-                                     causal_sq, log, (fk_dtype)dtype, device, PTR(stream));
-#else
-        return no_cuda("softmax");
-#endif
+        PyErr_SetString(PyExc_ValueError, "fastkern.softmax: the CPU backward reads the forward's "
+                                          "output (softmax_bwd_from_output), not x");
+        return NULL;
     }
+#if FK_HAS_CUDA
+    return finish(fk_cuda_softmax_bwd(PTR(dy), PTR(x), PTR(row_max), PTR(dx), outer, n, inner, scale,
+                                      causal_sq, log, (fk_dtype)dtype, device, PTR(stream)));
+#else
+    return no_cuda("softmax");
+#endif
+}
+
+/* softmax_bwd_from_output(dy, y, dx, outer, n, inner, scale, causal_sq, log, dtype, threads): the CPU
+ * backward, from the forward's output y */
+static PyObject *py_softmax_bwd_from_output(PyObject *self, PyObject *args) {
+    (void)self;
+    unsigned long long dy, y, dx, threads;
+    long long outer, n, inner, causal_sq;
+    double scale;
+    int log, dtype;
+    if (!PyArg_ParseTuple(args, "KKKLLLdLiiK", &dy, &y, &dx, &outer, &n, &inner, &scale, &causal_sq,
+                          &log, &dtype, &threads))
+        return NULL;
+    fk_status status;
+    Py_BEGIN_ALLOW_THREADS
+    status = fk_cpu_softmax_bwd_from_output(PTR(dy), PTR(y), PTR(dx), outer, n, inner, scale, causal_sq,
+                                            log, (fk_dtype)dtype, cpu_threads(threads));
+    Py_END_ALLOW_THREADS
     return finish(status);
 }
 
@@ -468,7 +484,9 @@ static PyMethodDef methods[] = {
     {"gelu_bwd_workspace", py_gelu_bwd_workspace, METH_VARARGS,
      "fp32 workspace elements the CUDA GELU bias gradient needs."},
     {"softmax_fwd", py_softmax_fwd, METH_VARARGS, "Softmax / log-softmax forward on raw pointers."},
-    {"softmax_bwd", py_softmax_bwd, METH_VARARGS, "Softmax / log-softmax backward on raw pointers."},
+    {"softmax_bwd", py_softmax_bwd, METH_VARARGS, "Softmax / log-softmax backward (CUDA) on raw pointers."},
+    {"softmax_bwd_from_output", py_softmax_bwd_from_output, METH_VARARGS,
+     "Softmax / log-softmax backward (CPU) from the output, on raw pointers."},
     {"cross_entropy_fwd", py_cross_entropy_fwd, METH_VARARGS,
      "Cross-entropy forward (loss, row log-sum-exp, valid count) on raw pointers."},
     {"cross_entropy_bwd", py_cross_entropy_bwd, METH_VARARGS, "Cross-entropy backward on raw pointers."},

@@ -105,9 +105,10 @@ def randn(*shape):
 
 
 def softmax_bwd_inputs():
+    """(dy, what fastkern's autograd saves: x and the row max on CUDA, y and None on the CPU, torch's y)"""
     x = randn(rows, cols) * 3
-    _, row_max = torch.ops.fastkern.softmax.default(x, -1, 1.0, False, False)
-    return torch.randn_like(x), x, row_max, torch.softmax(x, -1)
+    saved = fastkern.ops.softmax._saved(x, torch.ops.fastkern.softmax.default(x, -1, 1.0, False, False))
+    return torch.randn_like(x), *saved, torch.softmax(x, -1)
 
 
 def bias_gelu_inputs():
@@ -142,9 +143,9 @@ CASES = [
      lambda x: fastkern.softmax(x, -1), lambda x: torch.softmax(x, -1),
      lambda: compiled(lambda x: torch.softmax(x, -1))),
     (f"softmax bwd ({rows},{cols})", 3 * rows * cols * size, softmax_bwd_inputs,
-     lambda g, x, m, y: torch.ops.fastkern.softmax_backward.default(g, x, m, -1, 1.0, False, False),
-     lambda g, x, m, y: torch._softmax_backward_data(g, y, -1, y.dtype),
-     lambda: (lambda f: lambda g, x, m, y: f(g, y))(compiled(bench.softmax_backward_from_output))),
+     lambda g, s, m, y: torch.ops.fastkern.softmax_backward.default(g, s, m, -1, 1.0, False, False),
+     lambda g, s, m, y: torch._softmax_backward_data(g, y, -1, y.dtype),
+     lambda: (lambda f: lambda g, s, m, y: f(g, y))(compiled(bench.softmax_backward_from_output))),
     (f"softmax scale+causal fwd (1,{heads},{seq},{seq})", 2 * heads * seq * seq * size,
      lambda: (randn(1, heads, seq, seq) * 3,), lambda x: fastkern.softmax(x, -1, scale=0.125, causal=True),
      causal_unfused, lambda: compiled(causal_unfused)),

@@ -204,13 +204,21 @@ def test_gradcheck_float64(log):
         assert torch.autograd.gradcheck(lambda x: fastkern.softmax(x, -1, scale=0.7, causal=True), (x,))
 
 
-def test_backward_saves_input_and_row_statistic():
-    x = torch.randn(8, 16, requires_grad=True)
-    saved = []
-    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
-        fastkern.softmax(x, -1)
-    assert len(saved) == 2 and saved[0] is x
-    assert saved[1].shape == (8,) and saved[1].dtype == torch.float32
+@pytest.mark.parametrize("device", DEVICES)
+def test_backward_saves_one_tensor(device):
+    """CUDA saves x and one fp32 max a row (backward recomputes y); the CPU saves the output y alone
+    (backward reads it), on the eager path and through the op (under a dispatch mode)."""
+    x = torch.randn(8, 16, device=device, requires_grad=True)
+    for run in (lambda: fastkern.softmax(x, -1),
+                lambda: torch.ops.fastkern.softmax.default(x, -1, 1.0, False, False)[0]):
+        saved = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+            y = run()
+        if device == "cuda":
+            assert len(saved) == 2 and saved[0] is x
+            assert saved[1].shape == (8,) and saved[1].dtype == torch.float32
+        else:
+            assert len(saved) == 1 and torch.equal(saved[0], y)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -219,8 +227,9 @@ def test_opcheck(device):
     for args in [(x, -1, 1.0, False, False), (x, 0, 0.5, False, True), (x, -1, 0.3, True, False)]:
         torch.library.opcheck(torch.ops.fastkern.softmax.default, args)
     y, row_max = torch.ops.fastkern.softmax.default(x.detach(), -1, 0.3, True, False)
+    saved = (x.detach(), row_max) if device == "cuda" else (y, None)  # what each backend's autograd saves
     torch.library.opcheck(torch.ops.fastkern.softmax_backward.default,
-                          (torch.randn_like(y), x.detach(), row_max, -1, 0.3, True, False))
+                          (torch.randn_like(y), *saved, -1, 0.3, True, False))
 
 
 class Attention(torch.nn.Module):
@@ -407,8 +416,8 @@ def test_cpu_threads_give_the_one_thread_results(shape, dim, log, poison):
     x, g = torch.randn(shape) * 3, torch.randn(shape)
 
     def run():
-        y, row_max = torch.ops.fastkern.softmax.default(x, dim, 0.5, False, log)
-        return y, torch.ops.fastkern.softmax_backward.default(g, x, row_max, dim, 0.5, False, log)
+        y, _ = torch.ops.fastkern.softmax.default(x, dim, 0.5, False, log)
+        return y, torch.ops.fastkern.softmax_backward.default(g, y, None, dim, 0.5, False, log)
     one, many = on_cpu_threads(1, run), on_cpu_threads(7, run)
     for a, b in zip(one, many):
         assert not b.isnan().any() and torch.equal(a, b)
@@ -531,9 +540,16 @@ def test_cpu_isa_paths_match_float64(isa, dtype, log, monkeypatch, poison):
     for rows, n in [(3, 1), (5, 7), (7, 31), (3, 513), (64, 1000), (2, 4097), (2, 50257)]:
         check((torch.randn(rows, n) * 4).to(dtype), -1, log)
     check((torch.randn(2, 3, 37, 61) * 4).to(dtype), -1, log, scale=0.125, causal=True)
-    gen = torch.Generator().manual_seed(7)
-    for _ in range(50):
-        check((torch.randn(1, 31, generator=gen) * 4).to(dtype), -1, log)
+    # 50 rows of 31, each against its own bound (the kernels take rows independently). 16-bit log's
+    # gradient comes from the rounded output, and one row in ~2000 is over 2x torch where torch's
+    # own error happens to be small (torch's is over 2x ours in ~1 row in 15): at most 1 of 50.
+    x = (torch.randn(50, 31, generator=torch.Generator().manual_seed(7)) * 4).to(dtype).requires_grad_(True)
+    y, g = fk_fn(log)(x, -1), torch.randn(50, 31).to(dtype)
+    tx, rx = x.detach().requires_grad_(True), x.detach().double().requires_grad_(True)
+    ty, ry = torch_fn(log)(tx, -1), torch_fn(log)(rx, -1)
+    assert rows_over_torch_error(y, ty, ry) == 0
+    grads = [torch.autograd.grad(*a) for a in ((y, x, g), (ty, tx, g), (ry, rx, g.double()))]
+    assert rows_over_torch_error(*(d for (d,) in grads)) <= (0 if dtype == torch.float32 else 1)
     x = torch.randn(4, 40)
     x[0, 3], x[1, 5], x[2, :], x[3, 7] = float("nan"), float("inf"), float("-inf"), float("-inf")
     y = fk_fn(log)(x.to(dtype), -1).float()

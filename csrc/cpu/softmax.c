@@ -120,40 +120,40 @@ static void forward_block(const fk_rows *r, fk_dtype dtype, const void *x, void 
     }
 }
 
-static void backward_block(const fk_rows *r, fk_dtype dtype, const void *dy, const void *x,
-                           const void *row_max, void *dx, double scale, int64_t causal_sq, int is_log) {
-    double l[FK_TILE], z[FK_TILE], a[FK_TILE], xb[FK_CHUNK], gb[FK_CHUNK];
+/* Backward from the forward's output y (fp64): z = sum y (log: sum exp y) over the unmasked keys,
+ * a = sum dy y (log: sum dy over all n keys, the masked ones' output being the constant -inf);
+ * dx = scale y / z (dy - a / z) (log: scale (dy - exp(y) a / z)), 0 at masked keys. Dividing by z
+ * leaves only y's rounding relative to its row (D-87). */
+static void backward_block(const fk_rows *r, fk_dtype dtype, const void *dy, const void *y, void *dx,
+                           double scale, int64_t causal_sq, int is_log) {
+    double z[FK_TILE], a[FK_TILE], yb[FK_CHUNK], gb[FK_CHUNK];
     int64_t valid[FK_TILE], w = r->width;
-    for (int64_t c = 0; c < w; c++) {
-        int64_t at = r->o * r->inner + r->i0 + c;
-        l[c] = dtype == FK_FLOAT64 ? ((const double *)row_max)[at] : ((const float *)row_max)[at];
-        z[c] = 0.0, a[c] = 0.0, valid[c] = unmasked(r, c, causal_sq);
-    }
+    for (int64_t c = 0; c < w; c++) z[c] = 0.0, a[c] = 0.0, valid[c] = unmasked(r, c, causal_sq);
     for (int64_t j0 = 0; j0 < r->n; j0 += tile_keys(r, j0)) {
         int64_t keys = tile_keys(r, j0);
-        load_tile(r, dtype, x, j0, keys, xb);
+        load_tile(r, dtype, y, j0, keys, yb);
         load_tile(r, dtype, dy, j0, keys, gb);
         for (int64_t k = 0; k < keys; k++)
             for (int64_t c = 0; c < w; c++) {
                 double g = gb[k * w + c];
-                if (is_log) a[c] += g;  /* masked keys too: their output is -inf, a constant */
+                if (is_log) a[c] += g;
                 if (j0 + k >= valid[c]) continue;
-                double p = exp(xb[k * w + c] * scale - ref(l[c]));
-                z[c] += p;
-                if (!is_log) a[c] += g * p;
+                double e = is_log ? exp(yb[k * w + c]) : yb[k * w + c];
+                z[c] += e;
+                if (!is_log) a[c] += g * e;
             }
     }
     for (int64_t j0 = 0; j0 < r->n; j0 += tile_keys(r, j0)) {
         int64_t keys = tile_keys(r, j0);
-        load_tile(r, dtype, x, j0, keys, xb);
+        load_tile(r, dtype, y, j0, keys, yb);
         load_tile(r, dtype, dy, j0, keys, gb);
         for (int64_t k = 0; k < keys; k++)
             for (int64_t c = 0; c < w; c++) {
-                double g = gb[k * w + c], y = exp(xb[k * w + c] * scale - ref(l[c])) / z[c];
-                if (j0 + k >= valid[c]) xb[k * w + c] = 0.0;
-                else xb[k * w + c] = is_log ? scale * (g - y * a[c]) : scale * y * (g - a[c] / z[c]);
+                double g = gb[k * w + c], e = is_log ? exp(yb[k * w + c]) : yb[k * w + c], q = a[c] / z[c];
+                if (j0 + k >= valid[c]) yb[k * w + c] = 0.0;
+                else yb[k * w + c] = is_log ? scale * (g - e * q) : scale * e / z[c] * (g - q);
             }
-        store_tile(r, dtype, xb, j0, keys, dx);
+        store_tile(r, dtype, yb, j0, keys, dx);
     }
 }
 
@@ -166,14 +166,15 @@ static fk_status check_args(const char *op, int64_t outer, int64_t n, int64_t in
     return fk_cpu_check_dtype(dtype, op);
 }
 
-/* Row blocks (one slab o, up to FK_TILE adjacent columns i0..) are independent: threads take
- * contiguous runs of them, numbered o * tiles + i0 / FK_TILE. */
+/* Row blocks (one slab o, up to `width` adjacent columns i0..) are independent: threads take
+ * contiguous runs of them, numbered o * tiles + i0 / width. */
 typedef struct softmax_job softmax_job;
 typedef void (*rows_fn)(const softmax_job *j, int64_t item, float *scratch);
 struct softmax_job {
-    const void *dy, *x;
+    const void *dy;  /* backward: the output's gradient; NULL: forward */
+    const void *in;  /* forward: x; backward: the forward's output y */
     void *out, *row_max;
-    int64_t n, inner, tiles, causal_sq;
+    int64_t n, inner, width, tiles, causal_sq; /* width: columns a block (1 for rows) */
     double scale;
     int is_log;
     fk_dtype dtype;
@@ -183,8 +184,8 @@ struct softmax_job {
 #include "softmax_vec.h"
 
 static fk_rows block_of(const softmax_job *j, int64_t b) {
-    int64_t i0 = b % j->tiles * FK_TILE;
-    return (fk_rows){j->n, j->inner, b / j->tiles, i0, j->inner - i0 < FK_TILE ? j->inner - i0 : FK_TILE};
+    int64_t i0 = b % j->tiles * j->width;
+    return (fk_rows){j->n, j->inner, b / j->tiles, i0, j->inner - i0 < j->width ? j->inner - i0 : j->width};
 }
 
 /* A thread's run of row blocks: backward when the job has dy. */
@@ -202,17 +203,25 @@ static void run_blocks(void *arg, int64_t begin, int64_t end) {
     }
     for (int64_t b = begin; b < end; b++) {
         fk_rows r = block_of(j, b);
-        if (j->dy)
-            backward_block(&r, j->dtype, j->dy, j->x, j->row_max, j->out, j->scale, j->causal_sq, j->is_log);
-        else forward_block(&r, j->dtype, j->x, j->out, j->row_max, j->scale, j->causal_sq, j->is_log);
+        if (j->dy) backward_block(&r, j->dtype, j->dy, j->in, j->out, j->scale, j->causal_sq, j->is_log);
+        else forward_block(&r, j->dtype, j->in, j->out, j->row_max, j->scale, j->causal_sq, j->is_log);
     }
 }
 
 static void split_blocks(softmax_job *j, int64_t outer, int threads) {
-    j->tiles = (j->inner + FK_TILE - 1) / FK_TILE;
-    if (j->dtype != FK_FLOAT64) j->row = pick_vec(j);
-    int64_t block = j->n * (j->inner < FK_TILE ? j->inner : FK_TILE);
-    fk_parallel_for(threads, outer * j->tiles, fk_min_items(block), run_blocks, j);
+    /* fp64: FK_TILE columns a block; vector columns: up to FK_COLS_WIDTH, fewer where that leaves
+     * threads without a block (a column's result does not depend on its block) */
+    j->width = j->inner < FK_TILE ? j->inner : FK_TILE;
+    if (j->dtype != FK_FLOAT64) {
+        j->row = pick_vec(j);
+        if (j->inner > 1) {
+            int64_t parts = outer >= threads ? 1 : (threads + outer - 1) / outer;
+            int64_t width = ((j->inner + parts - 1) / parts + 15) / 16 * 16;
+            j->width = width < FK_COLS_WIDTH ? width : FK_COLS_WIDTH;
+        }
+    }
+    j->tiles = (j->inner + j->width - 1) / j->width;
+    fk_parallel_for(threads, outer * j->tiles, fk_min_items(j->n * j->width), run_blocks, j);
 }
 
 fk_status fk_cpu_softmax_fwd(const void *x, void *y, void *row_max, int64_t outer, int64_t n,
@@ -220,17 +229,17 @@ fk_status fk_cpu_softmax_fwd(const void *x, void *y, void *row_max, int64_t oute
                              fk_dtype dtype, int threads) {
     fk_status status = check_args("softmax", outer, n, inner, causal_sq, dtype);
     if (status != FK_OK) return status;
-    softmax_job j = {NULL, x, y, row_max, n, inner, 0, causal_sq, scale, is_log, dtype, NULL};
+    softmax_job j = {NULL, x, y, row_max, n, inner, 1, 0, causal_sq, scale, is_log, dtype, NULL};
     split_blocks(&j, outer, threads);
     return FK_OK;
 }
 
-fk_status fk_cpu_softmax_bwd(const void *dy, const void *x, const void *row_max, void *dx,
-                             int64_t outer, int64_t n, int64_t inner, double scale,
-                             int64_t causal_sq, int is_log, fk_dtype dtype, int threads) {
+fk_status fk_cpu_softmax_bwd_from_output(const void *dy, const void *y, void *dx, int64_t outer, int64_t n,
+                                         int64_t inner, double scale, int64_t causal_sq, int is_log,
+                                         fk_dtype dtype, int threads) {
     fk_status status = check_args("softmax_backward", outer, n, inner, causal_sq, dtype);
     if (status != FK_OK) return status;
-    softmax_job j = {dy, x, dx, (void *)row_max, n, inner, 0, causal_sq, scale, is_log, dtype, NULL};
+    softmax_job j = {dy, y, dx, NULL, n, inner, 1, 0, causal_sq, scale, is_log, dtype, NULL};
     split_blocks(&j, outer, threads);
     return FK_OK;
 }

@@ -3,7 +3,9 @@
  *
  * rows (inner == 1), one row a call; a causal mask only shortens the row to its L unmasked keys:
  *   forward  pass 1 m = max(x * scale); pass 2 e = exp(x * scale - m), s = sum e (fp32 lanes per
- *            FK_CHUNK keys, chunks summed in fp64), e kept (fp32: in y; 16-bit: a per-thread
+ *            FK_SUM_VECS vectors, then fp64 lanes: with 512 keys a lane, the 4-lane and 8-lane
+ *            paths' fp32 (3, 513) rows were over 2x torch's error in 45 and 8 of 300 draws; now 0,
+ *            at the same speed), e kept (fp32: in y; 16-bit: a per-thread
  *            buffer); pass 3 y = e / s, or log: x * scale - m - log s (no exp); masked keys 0 / -inf.
  *   backward pass 1 p = exp(x * scale - m) (m the forward's saved row max), z = sum p, a = sum dy p
  *            (log: sum dy over all n keys), p kept as in the forward; pass 2 dx from the kept p:
@@ -20,8 +22,11 @@
  * NaN / +inf: the max skips NaN, and exp(NaN) (or inf - inf) then makes s, and the row, NaN, as
  * torch's row turns NaN. A row with every key masked is NaN (torch: softmax of all -inf).
  */
+#define FK_SUM_VECS 8     /* vectors of exps a forward's fp32 lanes sum before joining the fp64 total */
 #define FK_KEEP 16384     /* keys a 16-bit row keeps on the stack; longer rows: one malloc a run */
 #define FK_COLS_FLUSH 256 /* keys a column's fp32 sum takes before it joins the fp64 total */
+#define FK_COLS_WIDTH 256 /* columns a block at most: per-column state of a few KiB stays in L1 */
+#define FK_COLS_KEYS 16   /* keys of the forward's online max step: 16 x 1 KiB of fp32 keys in L1 */
 
 /* Keys of the row `row` left unmasked by the causal mask (all n without one). */
 static inline int64_t row_valid(const softmax_job *j, int64_t row) {
@@ -38,37 +43,32 @@ static void fill_keys(fk_dtype dtype, void *dst, int64_t at, int64_t len, float 
         fk_store_f32(dtype, buf, at + i, len - i < FK_CHUNK ? len - i : FK_CHUNK, dst);
 }
 
-/* Does a call of this job keep its exps in a scratch buffer (16-bit softmax / backward rows)? */
+/* Does a call of this job keep its exps in a scratch buffer (16-bit rows: softmax forward, log
+ * backward; fp32 keeps them in its output)? */
 static inline int needs_scratch(const softmax_job *j) {
-    return j->inner == 1 && j->dtype != FK_FLOAT32 && (j->dy || !j->is_log);
+    return j->inner == 1 && j->dtype != FK_FLOAT32 && (j->dy ? j->is_log : !j->is_log);
 }
 
-#define FK_SOFTMAX_VEC(isa, attrs, lanes)                                                          \
-    static inline attrs vi_##isa head_##isa(int64_t len) { /* lanes < len */                       \
+#define FK_SOFTMAX_VEC(isa, attrs, lanes)                                                           \
+    static FK_INLINE attrs vi_##isa head_##isa(int64_t len) { /* lanes < len */                        \
         vi_##isa iota;                                                                              \
         for (int l = 0; l < lanes; l++) iota[l] = l;                                                \
         return iota < (int32_t)len;                                                                 \
     }                                                                                               \
-    /* x[at + i] * scale, i < lanes (i < len: a tail; the other lanes `fill`) */                   \
-    static inline attrs vf_##isa xs_##isa(fk_dtype dt, const void *x, int64_t at, int64_t len,     \
+    /* x[at + i] * scale, i < lanes (i < len: a tail; the other lanes `fill`) */                    \
+    static FK_INLINE attrs vf_##isa xs_##isa(fk_dtype dt, const void *x, int64_t at, int64_t len,      \
                                           float scale, float fill) {                                \
         const vf_##isa zero = {0};                                                                  \
         if (len >= lanes) return vload_##isa(dt, x, at) * scale;                                    \
         vf_##isa v = vload_part_##isa(dt, x, at, len, 0.0f) * scale;                                \
         return select_##isa(head_##isa(len), v, zero + fill);                                       \
     }                                                                                               \
-    /* *sum += y, the rounding error added to *comp exactly (Knuth's TwoSum) */                    \
-    static inline attrs void two_sum_##isa(vf_##isa *sum, vf_##isa *comp, vf_##isa y) {            \
-        vf_##isa t = *sum + y, bp = t - *sum;                                                       \
-        *comp += (*sum - (t - bp)) + (y - bp);                                                      \
-        *sum = t;                                                                                   \
-    }                                                                                               \
-    static inline attrs void put_##isa(fk_dtype dt, vf_##isa v, void *p, int64_t at, int64_t len) { \
+    static FK_INLINE attrs void put_##isa(fk_dtype dt, vf_##isa v, void *p, int64_t at, int64_t len) { \
         if (len >= lanes) vstore_##isa(dt, v, p, at);                                               \
         else vstore_part_##isa(dt, v, p, at, len);                                                  \
     }                                                                                               \
                                                                                                     \
-    static attrs void softmax_fwd_rows_##isa(const softmax_job *j, int64_t row, float *scratch) {  \
+    static attrs void softmax_fwd_rows_##isa(const softmax_job *j, int64_t row, float *scratch) {   \
         const vf_##isa zero = {0};                                                                  \
         const fk_dtype dt = j->dtype;                                                               \
         const float scale = (float)j->scale;                                                        \
@@ -80,172 +80,262 @@ static inline int needs_scratch(const softmax_job *j) {
         }                                                                                           \
         vf_##isa vmax = zero - INFINITY;                                                            \
         for (int64_t i = 0; i < len; i += lanes) {                                                  \
-            vf_##isa v = xs_##isa(dt, j->x, at + i, len - i, scale, -INFINITY);                     \
+            vf_##isa v = xs_##isa(dt, j->in, at + i, len - i, scale, -INFINITY);                    \
             vmax = select_##isa(v > vmax, v, vmax);                                                 \
         }                                                                                           \
-        float m = -INFINITY;                                                                        \
-        for (int l = 0; l < lanes; l++) m = vmax[l] > m ? vmax[l] : m;                              \
+        float m = vmax_##isa(vmax);                                                                 \
         float *keep = j->is_log ? NULL : dt == FK_FLOAT32 ? (float *)j->out + at : scratch;         \
-        double s = 0.0;                                                                             \
-        for (int64_t j0 = 0; j0 < len; j0 += FK_CHUNK) {                                            \
-            int64_t end = len - j0 < FK_CHUNK ? len : j0 + FK_CHUNK;                                \
+        vd_##isa sd = {0};                                                                          \
+        for (int64_t j0 = 0; j0 < len; j0 += FK_SUM_VECS * lanes) {                                \
+            int64_t end = len - j0 < FK_SUM_VECS * lanes ? len : j0 + FK_SUM_VECS * lanes;          \
             vf_##isa acc = zero;                                                                    \
             for (int64_t i = j0; i < end; i += lanes) {                                             \
-                vf_##isa e = exp_##isa(xs_##isa(dt, j->x, at + i, len - i, scale, -INFINITY) - m);  \
+                vf_##isa e = exp_##isa(xs_##isa(dt, j->in, at + i, len - i, scale, -INFINITY) - m); \
                 acc += e;                                                                           \
                 if (keep) put_##isa(FK_FLOAT32, e, keep, i, len - i);                               \
             }                                                                                       \
-            for (int l = 0; l < lanes; l++) s += acc[l];                                            \
+            sd += widen_lo_##isa(acc) + widen_hi_##isa(acc);                                        \
         }                                                                                           \
+        double s = vsum_d_##isa(sd);                                                                \
         if (j->row_max) ((float *)j->row_max)[row] = m;                                             \
         if (j->is_log) {                                                                            \
             float ls = (float)log(s);                                                               \
             for (int64_t i = 0; i < len; i += lanes)                                                \
-                put_##isa(dt, xs_##isa(dt, j->x, at + i, len - i, scale, 0.0f) - m - ls, j->out,    \
+                put_##isa(dt, xs_##isa(dt, j->in, at + i, len - i, scale, 0.0f) - m - ls, j->out,   \
                           at + i, len - i);                                                         \
         } else {                                                                                    \
             float inv = (float)(1.0 / s);                                                           \
             for (int64_t i = 0; i < len; i += lanes) {                                              \
                 vf_##isa e = keep ? xs_##isa(FK_FLOAT32, keep, i, len - i, 1.0f, 0.0f)              \
-                                  : exp_##isa(xs_##isa(dt, j->x, at + i, len - i, scale, 0.0f) - m); \
+                                  : exp_##isa(xs_##isa(dt, j->in, at + i, len - i, scale, 0.0f) - m); \
                 put_##isa(dt, e * inv, j->out, at + i, len - i);                                    \
             }                                                                                       \
         }                                                                                           \
         fill_keys(dt, j->out, at + len, n - len, j->is_log ? -INFINITY : 0.0f);                     \
     }                                                                                               \
                                                                                                     \
-    static attrs void softmax_bwd_rows_##isa(const softmax_job *j, int64_t row, float *scratch) {  \
+    /* dx from the forward's output y (D-87), for one dtype and direction (constants where inlined). \
+     * fp32: exact products and fp64 sums, dy's weights y normalised by z = sum y (log: sum exp y), \
+     * the last step in fp64; 16-bit: torch's formula (z = 1: our y then mostly is torch's, bit for \
+     * bit, and so is the error it carries), fp32 lanes per FK_CHUNK keys (16-bit products are exact \
+     * in fp32) joined in fp64, the last step in fp32 with c = a / z held as c_hi + c_lo. */        \
+    static inline __attribute__((always_inline)) attrs void bwd_rows_##isa(                         \
+        const softmax_job *j, int64_t row, float *scratch, const fk_dtype dt, const int is_log) {   \
         const vf_##isa zero = {0};                                                                  \
-        const fk_dtype dt = j->dtype;                                                               \
-        const float scale = (float)j->scale, m = ((const float *)j->row_max)[row];                  \
+        const vd_##isa zd = {0};                                                                    \
+        const float fill = is_log ? -INFINITY : 0.0f; /* a tail lane's y: exp(-inf) = 0 */          \
         int64_t n = j->n, len = row_valid(j, row), at = row * n;                                    \
-        float *keep = dt == FK_FLOAT32 ? (float *)j->out + at : scratch;                            \
-        double z = 0.0, a = 0.0;                                                                    \
-        for (int64_t j0 = 0; j0 < len; j0 += FK_CHUNK) {                                            \
-            int64_t end = len - j0 < FK_CHUNK ? len : j0 + FK_CHUNK;                                \
-            vf_##isa zacc = zero, aacc = zero, zcomp = zero, acomp = zero;                          \
-            if (dt == FK_FLOAT32) /* compensated sums (TwoSum): plain fp32 ones put single fp32   \
-                                   * rows over 2x torch's error (at a dominant key dy - c cancels \
-                                   * down to their rounding); fp64 ones doubled the pass (D-84) */ \
-                for (int64_t i = j0; i < end; i += lanes) {                                         \
-                    vf_##isa p = exp_##isa(xs_##isa(dt, j->x, at + i, len - i, scale, -INFINITY) - m); \
-                    vf_##isa g = xs_##isa(dt, j->dy, at + i, len - i, 1.0f, 0.0f);                  \
-                    two_sum_##isa(&zacc, &zcomp, p);                                                \
-                    two_sum_##isa(&aacc, &acomp, j->is_log ? g : g * p);                            \
-                    put_##isa(FK_FLOAT32, p, keep, i, len - i);                                     \
+        float *keep = !is_log ? NULL : dt == FK_FLOAT32 ? (float *)j->out + at : scratch; /* exp y */ \
+        double z = 1.0, a = 0.0;                                                                    \
+        if (dt == FK_FLOAT32) {                                                                     \
+            vd_##isa z_lo = zd, z_hi = zd, a_lo = zd, a_hi = zd;                                    \
+            for (int64_t i = 0; i < len; i += lanes) {                                              \
+                vf_##isa e = xs_##isa(dt, j->in, at + i, len - i, 1.0f, fill);                      \
+                vf_##isa g = xs_##isa(dt, j->dy, at + i, len - i, 1.0f, 0.0f);                      \
+                if (is_log) {                                                                       \
+                    e = exp_##isa(e);                                                               \
+                    put_##isa(FK_FLOAT32, e, keep, i, len - i);                                     \
                 }                                                                                   \
-            else                                                                                    \
+                vd_##isa e_lo = widen_lo_##isa(e), e_hi = widen_hi_##isa(e);                        \
+                vd_##isa g_lo = widen_lo_##isa(g), g_hi = widen_hi_##isa(g);                        \
+                z_lo += e_lo, z_hi += e_hi;                                                         \
+                a_lo += is_log ? g_lo : g_lo * e_lo, a_hi += is_log ? g_hi : g_hi * e_hi;           \
+            }                                                                                       \
+            z = vsum_d_##isa(z_lo + z_hi), a = vsum_d_##isa(a_lo + a_hi);                           \
+        } else {                                                                                    \
+            for (int64_t j0 = 0; j0 < len; j0 += FK_CHUNK) {                                        \
+                int64_t end = len - j0 < FK_CHUNK ? len : j0 + FK_CHUNK;                            \
+                vf_##isa acc = zero;                                                                \
                 for (int64_t i = j0; i < end; i += lanes) {                                         \
-                    vf_##isa p = exp_##isa(xs_##isa(dt, j->x, at + i, len - i, scale, -INFINITY) - m); \
+                    vf_##isa e = xs_##isa(dt, j->in, at + i, len - i, 1.0f, fill);                  \
                     vf_##isa g = xs_##isa(dt, j->dy, at + i, len - i, 1.0f, 0.0f);                  \
-                    zacc += p;                                                                      \
-                    aacc += j->is_log ? g : g * p;                                                  \
-                    if (keep) put_##isa(FK_FLOAT32, p, keep, i, len - i);                           \
+                    if (is_log) put_##isa(FK_FLOAT32, exp_##isa(e), keep, i, len - i);              \
+                    acc += is_log ? g : g * e;                                                      \
                 }                                                                                   \
-            for (int l = 0; l < lanes; l++)                                                         \
-                z += (double)zacc[l] + zcomp[l], a += (double)aacc[l] + acomp[l];                   \
+                a += vsum_##isa(acc);                                                               \
+            }                                                                                       \
         }                                                                                           \
-        if (j->is_log) /* masked keys too: their output is -inf, a constant */                      \
+        if (is_log) /* masked keys too: their output is -inf, a constant */                         \
             for (int64_t i = len; i < n; i += FK_CHUNK) {                                           \
                 float gb[FK_CHUNK];                                                                 \
                 int64_t c = n - i < FK_CHUNK ? n - i : FK_CHUNK;                                    \
                 fk_load_f32(dt, j->dy, at + i, c, gb);                                              \
                 for (int64_t k = 0; k < c; k++) a += gb[k];                                         \
             }                                                                                       \
-        double c = a / z;                                                                           \
-        float k = (float)(j->scale / z), c_hi = (float)c, c_lo = (float)(c - c_hi), q = c_hi;       \
-        double kd = j->scale / z, cq = (double)q;                                                   \
+        /* softmax: dx = k y (dy - c), k = scale / z; log: dx = scale (dy - e c); c = a / z */      \
+        double c = a / z, kd = j->scale / z;                                                        \
+        const vd_##isa c_d = zd + c, k_d = zd + kd;                                                 \
+        const float scale = (float)j->scale, k = (float)kd, c_hi = (float)c, c_lo = (float)(c - c_hi); \
         for (int64_t i = 0; i < len; i += lanes) {                                                  \
-            vf_##isa p = keep ? xs_##isa(FK_FLOAT32, keep, i, len - i, 1.0f, 0.0f)                  \
-                              : exp_##isa(xs_##isa(dt, j->x, at + i, len - i, scale, 0.0f) - m);    \
+            vf_##isa e = keep ? xs_##isa(FK_FLOAT32, keep, i, len - i, 1.0f, 0.0f)                  \
+                              : xs_##isa(dt, j->in, at + i, len - i, 1.0f, 0.0f);                   \
             vf_##isa g = xs_##isa(dt, j->dy, at + i, len - i, 1.0f, 0.0f), d;                       \
-            if (dt == FK_FLOAT32) { /* in fp64: fp32's ~4 roundings here were over 2x torch's */   \
-                vd_##isa pd = __builtin_convertvector(p, vd_##isa);                                 \
-                vd_##isa gd = __builtin_convertvector(g, vd_##isa);                                 \
-                d = __builtin_convertvector(j->is_log ? j->scale * (gd - pd * cq) : kd * pd * (gd - c), \
-                                            vf_##isa);                                              \
-            } else if (j->is_log) d = scale * (g - p * q);                                          \
-            else d = k * p * ((g - c_hi) - c_lo);                                                   \
+            if (is_log) d = scale * (g - e * c_hi); /* an FMA: with e normalised, rounding c suffices */ \
+            else if (dt == FK_FLOAT32) { /* fp32's ~4 roundings here were over 2x torch's error */    \
+                vd_##isa e_lo = widen_lo_##isa(e), e_hi = widen_hi_##isa(e);                        \
+                vd_##isa g_lo = widen_lo_##isa(g), g_hi = widen_hi_##isa(g);                        \
+                d = narrow_##isa(k_d * e_lo * (g_lo - c_d), k_d * e_hi * (g_hi - c_d));             \
+            } else d = k * e * ((g - c_hi) - c_lo);                                                 \
             put_##isa(dt, d, j->out, at + i, len - i);                                              \
         }                                                                                           \
         fill_keys(dt, j->out, at + len, n - len, 0.0f); /* masked keys: no gradient */              \
     }                                                                                               \
-                                                                                                    \
-    /* Columns [i0, i0 + w) of slab o (block b), w <= FK_TILE, one lane a column. */               \
-    static attrs void softmax_cols_##isa(const softmax_job *j, int64_t b, float *scratch) {        \
-        enum { kVecs = FK_TILE / lanes };                                                           \
-        const vf_##isa zero = {0};                                                                  \
-        const fk_dtype dt = j->dtype;                                                               \
-        const float scale = (float)j->scale;                                                        \
-        int64_t n = j->n, inner = j->inner, i0 = b % j->tiles * FK_TILE, o = b / j->tiles;          \
-        int64_t w = inner - i0 < FK_TILE ? inner - i0 : FK_TILE, nv = (w + lanes - 1) / lanes;      \
-        int64_t at0 = o * n * inner + i0;                                                           \
-        float *stat = j->row_max ? (float *)j->row_max + o * inner + i0 : NULL;                     \
-        vf_##isa m[kVecs], acc[kVecs], acc2[kVecs];                                                 \
-        double s[FK_TILE] = {0}, s2[FK_TILE] = {0};                                                 \
-        (void)scratch;                                                                              \
-        if (j->dy) {                                                                                \
-            for (int v = 0; v < nv; v++) m[v] = vload_part_##isa(FK_FLOAT32, stat, v * lanes,      \
-                                                                 w - v * lanes < lanes ? w - v * lanes : lanes, 0.0f); \
+    static attrs void softmax_bwd_rows_##isa(const softmax_job *j, int64_t row, float *scratch) {   \
+        if (j->dtype == FK_FLOAT32) {                                                               \
+            if (j->is_log) bwd_rows_##isa(j, row, scratch, FK_FLOAT32, 1);                          \
+            else bwd_rows_##isa(j, row, scratch, FK_FLOAT32, 0);                                    \
+        } else if (j->dtype == FK_BFLOAT16) {                                                       \
+            if (j->is_log) bwd_rows_##isa(j, row, scratch, FK_BFLOAT16, 1);                         \
+            else bwd_rows_##isa(j, row, scratch, FK_BFLOAT16, 0);                                   \
         } else {                                                                                    \
-            for (int v = 0; v < nv; v++) m[v] = zero - INFINITY;                                    \
-            for (int64_t key = 0; key < n; key++)                                                   \
-                for (int v = 0; v < nv; v++) {                                                      \
-                    vf_##isa x = xs_##isa(dt, j->x, at0 + key * inner + v * lanes, w - v * lanes,   \
-                                          scale, -INFINITY);                                        \
-                    m[v] = select_##isa(x > m[v], x, m[v]);                                         \
-                }                                                                                   \
+            if (j->is_log) bwd_rows_##isa(j, row, scratch, FK_FLOAT16, 1);                          \
+            else bwd_rows_##isa(j, row, scratch, FK_FLOAT16, 0);                                    \
         }                                                                                           \
-        /* pass: s = sum p, s2 = sum dy p (log: sum dy); the forward keeps fp32 p in y */          \
-        int keep = !j->dy && !j->is_log && dt == FK_FLOAT32;                                        \
-        for (int64_t k0 = 0; k0 < n; k0 += FK_COLS_FLUSH) {                                         \
-            int64_t k1 = n - k0 < FK_COLS_FLUSH ? n : k0 + FK_COLS_FLUSH;                           \
-            for (int v = 0; v < nv; v++) acc[v] = zero, acc2[v] = zero;                             \
+    }                                                                                               \
+                                                                                                    \
+    /* Columns [i0, i0 + w) of slab o (block b), w <= FK_COLS_WIDTH, one lane a column, the keys    \
+     * streamed in order (each key's w columns are adjacent): pass 1 an online max and sum, the max \
+     * of each FK_COLS_KEYS keys first, the sum rescaled once per block where it rose; pass 2 the   \
+     * output (one more exp an element: a kept exp would cost a write and a read of memory). */     \
+    static inline __attribute__((always_inline)) attrs void fwd_cols_##isa(                         \
+        const softmax_job *j, int64_t b, const fk_dtype dt, const int is_log) {                     \
+        enum { kVecs = FK_COLS_WIDTH / lanes };                                                     \
+        const vf_##isa zero = {0};                                                                  \
+        const vd_##isa zd = {0};                                                                    \
+        const float scale = (float)j->scale;                                                        \
+        int64_t n = j->n, inner = j->inner, i0 = b % j->tiles * j->width, o = b / j->tiles;         \
+        int64_t w = inner - i0 < j->width ? inner - i0 : j->width, nv = (w + lanes - 1) / lanes;    \
+        const void *x = j->in;                                                                      \
+        int64_t at0 = o * n * inner + i0;                                                           \
+        vf_##isa m[kVecs], ref[kVecs], part[kVecs];                                                 \
+        vd_##isa s_lo[kVecs], s_hi[kVecs];                                                          \
+        for (int v = 0; v < nv; v++) m[v] = zero - INFINITY, part[v] = zero, s_lo[v] = s_hi[v] = zd; \
+        for (int64_t k0 = 0; k0 < n; k0 += FK_COLS_KEYS) {                                          \
+            int64_t k1 = n - k0 < FK_COLS_KEYS ? n : k0 + FK_COLS_KEYS;                             \
+            vf_##isa bm[kVecs];                                                                     \
+            for (int v = 0; v < nv; v++) bm[v] = m[v];                                              \
             for (int64_t key = k0; key < k1; key++)                                                 \
                 for (int v = 0; v < nv; v++) {                                                      \
-                    int64_t at = at0 + key * inner + v * lanes, left = w - v * lanes;               \
-                    vf_##isa p = exp_##isa(xs_##isa(dt, j->x, at, left, scale, -INFINITY) - m[v]);  \
-                    acc[v] += p;                                                                    \
-                    if (keep) put_##isa(FK_FLOAT32, p, j->out, at, left);                           \
-                    if (j->dy) {                                                                    \
-                        vf_##isa g = xs_##isa(dt, j->dy, at, left, 1.0f, 0.0f);                     \
-                        acc2[v] += j->is_log ? g : g * p;                                           \
-                    }                                                                               \
+                    vf_##isa xv = xs_##isa(dt, x, at0 + key * inner + v * lanes, w - v * lanes, scale, -INFINITY); \
+                    bm[v] = select_##isa(xv > bm[v], xv, bm[v]);                                    \
                 }                                                                                   \
-            for (int c = 0; c < w; c++) s[c] += acc[c / lanes][c % lanes], s2[c] += acc2[c / lanes][c % lanes]; \
+            for (int v = 0; v < nv; v++) { /* the sums rescaled to the new max; exps relative to 0  \
+                                            * while it is -inf, so -inf - -inf never makes NaN */   \
+                vf_##isa r = exp_##isa(select_##isa(bm[v] > m[v], m[v] - bm[v], zero));             \
+                part[v] *= r, s_lo[v] *= widen_lo_##isa(r), s_hi[v] *= widen_hi_##isa(r);           \
+                m[v] = bm[v];                                                                       \
+                ref[v] = select_##isa(m[v] == -INFINITY, zero, m[v]);                               \
+            }                                                                                       \
+            for (int64_t key = k0; key < k1; key++)                                                 \
+                for (int v = 0; v < nv; v++)                                                        \
+                    part[v] += exp_##isa(xs_##isa(dt, x, at0 + key * inner + v * lanes, w - v * lanes, \
+                                                  scale, -INFINITY) - ref[v]);                      \
+            if (k1 % FK_COLS_FLUSH == 0 || k1 == n)                                                 \
+                for (int v = 0; v < nv; v++)                                                        \
+                    s_lo[v] += widen_lo_##isa(part[v]), s_hi[v] += widen_hi_##isa(part[v]), part[v] = zero; \
         }                                                                                           \
-        vf_##isa f1[kVecs], f2[kVecs], f3[kVecs];                                                   \
-        for (int c = 0; c < nv * lanes; c++) {                                                      \
-            double z = c < w ? s[c] : 1.0, cc = c < w ? s2[c] / z : 0.0;                            \
-            float hi = (float)cc;                                                                   \
-            if (!j->dy) { /* softmax: f1 = 1 / s; log: f1 = log s */                                \
-                f1[c / lanes][c % lanes] = j->is_log ? (float)log(z) : (float)(1.0 / z);            \
-            } else {                                                                                \
-                f1[c / lanes][c % lanes] = (float)(j->scale / z);                                   \
-                f2[c / lanes][c % lanes] = hi;                                                      \
-                f3[c / lanes][c % lanes] = (float)(cc - hi);                                        \
+        vf_##isa f[kVecs]; /* softmax: f = 1 / s; log: f = log s */                                 \
+        for (int v = 0; v < nv; v++) {                                                              \
+            vd_##isa lo = s_lo[v], hi = s_hi[v];                                                    \
+            for (int l = 0; l < lanes / 2; l++) {                                                   \
+                f[v][l] = is_log ? (float)log(lo[l]) : (float)(1.0 / lo[l]);                        \
+                f[v][l + lanes / 2] = is_log ? (float)log(hi[l]) : (float)(1.0 / hi[l]);            \
             }                                                                                       \
         }                                                                                           \
-        if (!j->dy && stat)                                                                         \
-            for (int c = 0; c < w; c++) stat[c] = m[c / lanes][c % lanes];                          \
+        if (j->row_max)                                                                             \
+            for (int c = 0; c < w; c++) ((float *)j->row_max)[o * inner + i0 + c] = m[c / lanes][c % lanes]; \
         for (int64_t key = 0; key < n; key++)                                                       \
             for (int v = 0; v < nv; v++) {                                                          \
                 int64_t at = at0 + key * inner + v * lanes, left = w - v * lanes;                   \
-                vf_##isa out;                                                                       \
-                if (!j->dy && j->is_log) {                                                          \
-                    out = xs_##isa(dt, j->x, at, left, scale, 0.0f) - m[v] - f1[v];                 \
-                } else {                                                                            \
-                    vf_##isa p = keep ? xs_##isa(FK_FLOAT32, j->out, at, left, 1.0f, 0.0f)          \
-                                      : exp_##isa(xs_##isa(dt, j->x, at, left, scale, 0.0f) - m[v]); \
-                    if (!j->dy) out = p * f1[v];                                                    \
-                    else {                                                                          \
-                        vf_##isa g = xs_##isa(dt, j->dy, at, left, 1.0f, 0.0f);                     \
-                        out = j->is_log ? scale * (g - p * f2[v])                                   \
-                                        : f1[v] * p * ((g - f2[v]) - f3[v]);                        \
-                    }                                                                               \
-                }                                                                                   \
-                put_##isa(dt, out, j->out, at, left);                                               \
+                vf_##isa xv = xs_##isa(dt, x, at, left, scale, 0.0f) - m[v];                        \
+                put_##isa(dt, is_log ? xv - f[v] : exp_##isa(xv) * f[v], j->out, at, left);         \
             }                                                                                       \
+    }                                                                                               \
+    static attrs void softmax_fwd_cols_##isa(const softmax_job *j, int64_t b, float *scratch) {     \
+        (void)scratch;                                                                              \
+        if (j->dtype == FK_FLOAT32) {                                                               \
+            if (j->is_log) fwd_cols_##isa(j, b, FK_FLOAT32, 1);                                     \
+            else fwd_cols_##isa(j, b, FK_FLOAT32, 0);                                               \
+        } else if (j->dtype == FK_BFLOAT16) {                                                       \
+            if (j->is_log) fwd_cols_##isa(j, b, FK_BFLOAT16, 1);                                    \
+            else fwd_cols_##isa(j, b, FK_BFLOAT16, 0);                                              \
+        } else {                                                                                    \
+            if (j->is_log) fwd_cols_##isa(j, b, FK_FLOAT16, 1);                                     \
+            else fwd_cols_##isa(j, b, FK_FLOAT16, 0);                                               \
+        }                                                                                           \
+    }                                                                                               \
+                                                                                                    \
+    /* The backward of those columns from y, keys streamed in order: the rows kernel's sums and     \
+     * numerics one lane a column (16-bit: fp32 lanes flushed to fp64 every FK_COLS_FLUSH keys), exp \
+     * y taken again in pass 2 for log. */                                                          \
+    static inline __attribute__((always_inline)) attrs void bwd_cols_##isa(                         \
+        const softmax_job *j, int64_t b, const fk_dtype dt, const int is_log) {                     \
+        enum { kVecs = FK_COLS_WIDTH / lanes };                                                     \
+        const vf_##isa zero = {0};                                                                  \
+        const vd_##isa zd = {0};                                                                    \
+        const float fill = is_log ? -INFINITY : 0.0f;                                               \
+        int64_t n = j->n, inner = j->inner, i0 = b % j->tiles * j->width, o = b / j->tiles;         \
+        int64_t w = inner - i0 < j->width ? inner - i0 : j->width, nv = (w + lanes - 1) / lanes;    \
+        int64_t at0 = o * n * inner + i0;                                                           \
+        vf_##isa part[kVecs];                                                                       \
+        vd_##isa z_lo[kVecs], z_hi[kVecs], a_lo[kVecs], a_hi[kVecs];                                \
+        for (int v = 0; v < nv; v++) part[v] = zero, z_lo[v] = z_hi[v] = a_lo[v] = a_hi[v] = zd;    \
+        for (int64_t key = 0; key < n; key++) {                                                     \
+            for (int v = 0; v < nv; v++) {                                                          \
+                int64_t at = at0 + key * inner + v * lanes, left = w - v * lanes;                   \
+                vf_##isa e = xs_##isa(dt, j->in, at, left, 1.0f, fill);                             \
+                vf_##isa g = xs_##isa(dt, j->dy, at, left, 1.0f, 0.0f);                             \
+                if (is_log) e = exp_##isa(e);                                                       \
+                if (dt == FK_FLOAT32) {                                                             \
+                    vd_##isa e_lo = widen_lo_##isa(e), e_hi = widen_hi_##isa(e);                    \
+                    vd_##isa g_lo = widen_lo_##isa(g), g_hi = widen_hi_##isa(g);                    \
+                    z_lo[v] += e_lo, z_hi[v] += e_hi;                                               \
+                    a_lo[v] += is_log ? g_lo : g_lo * e_lo, a_hi[v] += is_log ? g_hi : g_hi * e_hi; \
+                } else part[v] += is_log ? g : g * e;                                               \
+            }                                                                                       \
+            if (dt != FK_FLOAT32 && ((key + 1) % FK_COLS_FLUSH == 0 || key + 1 == n))               \
+                for (int v = 0; v < nv; v++)                                                        \
+                    a_lo[v] += widen_lo_##isa(part[v]), a_hi[v] += widen_hi_##isa(part[v]), part[v] = zero; \
+        }                                                                                           \
+        /* per column c = a / z; fp32 softmax: k = scale / z and c in fp64 lanes; else k = scale,    \
+         * c = c_hi + c_lo in fp32 lanes (16-bit: z = 1) */                                         \
+        vd_##isa c_lo[kVecs], c_hi[kVecs], k_lo[kVecs], k_hi[kVecs];                                \
+        vf_##isa k[kVecs], q_hi[kVecs], q_lo[kVecs];                                                \
+        for (int v = 0; v < nv; v++) {                                                              \
+            vd_##isa lo = a_lo[v], hi = a_hi[v];                                                    \
+            if (dt == FK_FLOAT32) lo /= z_lo[v], hi /= z_hi[v];                                     \
+            c_lo[v] = lo, c_hi[v] = hi;                                                             \
+            k_lo[v] = j->scale / z_lo[v], k_hi[v] = j->scale / z_hi[v];                             \
+            q_hi[v] = narrow_##isa(lo, hi), k[v] = zero + (float)j->scale;                          \
+            q_lo[v] = narrow_##isa(lo - widen_lo_##isa(q_hi[v]), hi - widen_hi_##isa(q_hi[v]));    \
+        }                                                                                           \
+        for (int64_t key = 0; key < n; key++)                                                       \
+            for (int v = 0; v < nv; v++) {                                                          \
+                int64_t at = at0 + key * inner + v * lanes, left = w - v * lanes;                   \
+                vf_##isa e = xs_##isa(dt, j->in, at, left, 1.0f, fill);                             \
+                vf_##isa g = xs_##isa(dt, j->dy, at, left, 1.0f, 0.0f), d;                          \
+                if (is_log) e = exp_##isa(e);                                                       \
+                if (is_log) d = k[v] * (g - e * q_hi[v]);                                           \
+                else if (dt == FK_FLOAT32) {                                                        \
+                    vd_##isa e_lo = widen_lo_##isa(e), e_hi = widen_hi_##isa(e);                    \
+                    vd_##isa g_lo = widen_lo_##isa(g), g_hi = widen_hi_##isa(g);                    \
+                    d = narrow_##isa(k_lo[v] * e_lo * (g_lo - c_lo[v]), k_hi[v] * e_hi * (g_hi - c_hi[v])); \
+                } else d = k[v] * e * ((g - q_hi[v]) - q_lo[v]);                                    \
+                put_##isa(dt, d, j->out, at, left);                                                 \
+            }                                                                                       \
+    }                                                                                               \
+    static attrs void softmax_bwd_cols_##isa(const softmax_job *j, int64_t b, float *scratch) {     \
+        (void)scratch;                                                                              \
+        if (j->dtype == FK_FLOAT32) {                                                               \
+            if (j->is_log) bwd_cols_##isa(j, b, FK_FLOAT32, 1);                                     \
+            else bwd_cols_##isa(j, b, FK_FLOAT32, 0);                                               \
+        } else if (j->dtype == FK_BFLOAT16) {                                                       \
+            if (j->is_log) bwd_cols_##isa(j, b, FK_BFLOAT16, 1);                                    \
+            else bwd_cols_##isa(j, b, FK_BFLOAT16, 0);                                              \
+        } else {                                                                                    \
+            if (j->is_log) bwd_cols_##isa(j, b, FK_FLOAT16, 1);                                     \
+            else bwd_cols_##isa(j, b, FK_FLOAT16, 0);                                               \
+        }                                                                                           \
     }
 
 FK_SOFTMAX_VEC(generic, FK_ATTRS_GENERIC, 4)
@@ -258,9 +348,14 @@ FK_SOFTMAX_VEC(avx512, FK_ATTRS_AVX512, 16)
 static rows_fn pick_vec(const softmax_job *j) {
     int cols = j->inner > 1, isa = fk_cpu_isa();
 #if FK_X86
-    if (isa == FK_ISA_AVX512) return cols ? softmax_cols_avx512 : j->dy ? softmax_bwd_rows_avx512 : softmax_fwd_rows_avx512;
-    if (isa == FK_ISA_AVX2) return cols ? softmax_cols_avx2 : j->dy ? softmax_bwd_rows_avx2 : softmax_fwd_rows_avx2;
+    if (isa == FK_ISA_AVX512)
+        return j->dy ? (cols ? softmax_bwd_cols_avx512 : softmax_bwd_rows_avx512)
+                     : (cols ? softmax_fwd_cols_avx512 : softmax_fwd_rows_avx512);
+    if (isa == FK_ISA_AVX2)
+        return j->dy ? (cols ? softmax_bwd_cols_avx2 : softmax_bwd_rows_avx2)
+                     : (cols ? softmax_fwd_cols_avx2 : softmax_fwd_rows_avx2);
 #endif
     (void)isa;
-    return cols ? softmax_cols_generic : j->dy ? softmax_bwd_rows_generic : softmax_fwd_rows_generic;
+    return j->dy ? (cols ? softmax_bwd_cols_generic : softmax_bwd_rows_generic)
+                 : (cols ? softmax_fwd_cols_generic : softmax_fwd_rows_generic);
 }

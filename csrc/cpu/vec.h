@@ -2,7 +2,9 @@
  * ISA with target attributes (one build runs everywhere; the caller picks at run time with
  * fk_cpu_isa()). Per ISA `isa` (lanes: AVX-512 16, AVX2 + FMA + F16C 8, portable 4):
  *   vf_isa / vi_isa / vu_isa   float / int32 / uint32 vectors (4-byte aligned: unaligned access)
- *   vd_isa                     lanes doubles (two registers' worth), for fp64 sums
+ *   vd_isa                     lanes / 2 doubles, one register: fp32 lanes widen to two of them
+ *                              (widen_lo_isa / widen_hi_isa) and narrow back from two (narrow_isa);
+ *                              a two-register double vector type made GCC keep it in memory
  *   vload_isa(dtype, p, i)     lanes elements p[i..] as fp32: fp32 as is, bf16 by a 16-bit shift,
  *                              fp16 by F16C (vcvtph2ps) where present
  *   vstore_isa(dtype, v, p, i) the reverse, rounding to nearest even (bf16 in integer lanes, NaN
@@ -29,6 +31,10 @@
 #endif
 
 enum { FK_ISA_GENERIC, FK_ISA_AVX2, FK_ISA_AVX512 };
+
+/* For the small vector helpers a kernel's loop calls: GCC left some (softmax_vec.h's loads) as calls,
+ * each spilling the loop's vector registers around it. */
+#define FK_INLINE inline __attribute__((always_inline))
 static int fk_avx512bf16; /* the AVX-512 path may round to bf16 with vcvtneps2bf16 */
 
 /* The widest ISA the CPU runs; FASTKERN_CPU_ISA=generic|avx2|avx512 forces a narrower one (one the
@@ -56,31 +62,32 @@ static inline int fk_cpu_isa(void) {
     typedef int32_t vi_##isa __attribute__((vector_size(4 * lanes), aligned(4)));                 \
     typedef uint32_t vu_##isa __attribute__((vector_size(4 * lanes), aligned(4)));                \
     typedef uint16_t vh_##isa __attribute__((vector_size(2 * lanes), aligned(2)));                \
-    typedef double vd_##isa __attribute__((vector_size(8 * lanes)));
+    typedef double vd_##isa __attribute__((vector_size(4 * lanes)));
 
 /* fp16 <-> fp32 of one vector: F16C where the ISA has it, else common.h's scalar conversions. */
 #define FK_VEC_F16_SCALAR(isa, attrs, lanes)                                                       \
-    static inline attrs vf_##isa f16_load_##isa(const uint16_t *p) {                               \
+    static FK_INLINE attrs vf_##isa f16_load_##isa(const uint16_t *p) {                               \
         vf_##isa v;                                                                                 \
         for (int l = 0; l < lanes; l++) v[l] = fk_f16_to_f32(p[l]);                                 \
         return v;                                                                                   \
     }                                                                                               \
-    static inline attrs void f16_store_##isa(vf_##isa v, uint16_t *p) {                            \
+    static FK_INLINE attrs void f16_store_##isa(vf_##isa v, uint16_t *p) {                            \
         for (int l = 0; l < lanes; l++) p[l] = fk_f32_to_f16(v[l]);                                 \
     }
 
 /* mask ? a : b per lane (mask lanes all ones or zero, as vector compares give) */
 #define FK_VEC_SELECT(isa, attrs)                                                                  \
-    static inline attrs vf_##isa select_##isa(vi_##isa mask, vf_##isa a, vf_##isa b) {            \
+    static FK_INLINE attrs vf_##isa select_##isa(vi_##isa mask, vf_##isa a, vf_##isa b) {            \
         return (vf_##isa)(((vi_##isa)a & mask) | ((vi_##isa)b & ~mask));                           \
     }
 
 /* bf16 <-> fp32 of one vector in integer lanes: a shift; rounding to nearest even, NaN kept quiet */
-#define FK_VEC_BF16_INT(isa, attrs)                                                                \
-    static inline attrs vf_##isa bf16_load_##isa(const uint16_t *h) {                              \
+#define FK_VEC_BF16_LOAD(isa, attrs)                                                               \
+    static FK_INLINE attrs vf_##isa bf16_load_##isa(const uint16_t *h) {                           \
         return (vf_##isa)(__builtin_convertvector(*(const vh_##isa *)h, vu_##isa) << 16);          \
-    }                                                                                               \
-    static inline attrs void bf16_store_int_##isa(vf_##isa v, uint16_t *h) {                       \
+    }
+#define FK_VEC_BF16_INT(isa, attrs)                                                                \
+    static FK_INLINE attrs void bf16_store_int_##isa(vf_##isa v, uint16_t *h) {                       \
         vu_##isa b = (vu_##isa)v;                                                                   \
         vi_##isa nan = (vi_##isa)((b & 0x7fffffffu) > 0x7f800000u);                                 \
         vu_##isa r = (b + 0x7fffu + ((b >> 16) & 1u)) >> 16;                                        \
@@ -89,14 +96,14 @@ static inline int fk_cpu_isa(void) {
     }
 
 #define FK_VEC_MATH(isa, attrs, lanes)                                                             \
-    static inline attrs vf_##isa vload_##isa(fk_dtype dtype, const void *p, int64_t i) {           \
+    static FK_INLINE attrs vf_##isa vload_##isa(fk_dtype dtype, const void *p, int64_t i) {           \
         if (dtype == FK_FLOAT32) return *(const vf_##isa *)((const float *)p + i);                 \
         const uint16_t *h = (const uint16_t *)p + i;                                                \
         if (dtype == FK_FLOAT16) return f16_load_##isa(h);                                          \
         return bf16_load_##isa(h);                                                                  \
     }                                                                                               \
                                                                                                     \
-    static inline attrs void vstore_##isa(fk_dtype dtype, vf_##isa v, void *p, int64_t i) {        \
+    static FK_INLINE attrs void vstore_##isa(fk_dtype dtype, vf_##isa v, void *p, int64_t i) {        \
         if (dtype == FK_FLOAT32) {                                                                  \
             *(vf_##isa *)((float *)p + i) = v;                                                      \
             return;                                                                                 \
@@ -107,6 +114,29 @@ static inline int fk_cpu_isa(void) {
             return;                                                                                 \
         }                                                                                           \
         bf16_store_##isa(v, h);                                                                     \
+    }                                                                                               \
+                                                                                                    \
+    /* v's lanes summed in order in fp64, and their max (NaN lanes skipped), read through memory: a  \
+     * vector subscripted in a loop made GCC keep it in memory for the whole function, its loop's    \
+     * accumulator included */                                                                      \
+    static FK_INLINE attrs double vsum_##isa(vf_##isa v) {                                         \
+        float t[lanes];                                                                             \
+        double s = 0.0;                                                                             \
+        memcpy(t, &v, sizeof t);                                                                    \
+        for (int l = 0; l < lanes; l++) s += t[l];                                                  \
+        return s;                                                                                   \
+    }                                                                                               \
+    static FK_INLINE attrs float vmax_##isa(vf_##isa v) {                                          \
+        float t[lanes], m = -INFINITY;                                                              \
+        memcpy(t, &v, sizeof t);                                                                    \
+        for (int l = 0; l < lanes; l++) m = t[l] > m ? t[l] : m;                                    \
+        return m;                                                                                   \
+    }                                                                                               \
+    static FK_INLINE attrs double vsum_d_##isa(vd_##isa v) {                                       \
+        double t[lanes / 2], s = 0.0;                                                               \
+        memcpy(t, &v, sizeof t);                                                                    \
+        for (int l = 0; l < lanes / 2; l++) s += t[l];                                              \
+        return s;                                                                                   \
     }                                                                                               \
                                                                                                     \
     /* p[i..i+len) as fp32 lanes, len <= lanes, the rest `fill` (a vector's tail) */                \
@@ -126,7 +156,7 @@ static inline int fk_cpu_isa(void) {
     }
 
 #define FK_VEC_EXP(isa, attrs)                                                                     \
-    static inline attrs vf_##isa exp_##isa(vf_##isa x) {                                           \
+    static FK_INLINE attrs vf_##isa exp_##isa(vf_##isa x) {                                           \
         const vf_##isa zero = {0};                                                                  \
         vi_##isa tiny = x < -87.33654475f;                                                          \
         x = select_##isa(tiny, zero - 87.0f, x);                                                    \
@@ -157,56 +187,88 @@ static inline int fk_cpu_isa(void) {
 FK_VEC_TYPES(generic, 4)
 FK_VEC_F16_SCALAR(generic, FK_ATTRS_GENERIC, 4)
 FK_VEC_SELECT(generic, FK_ATTRS_GENERIC)
+FK_VEC_BF16_LOAD(generic, FK_ATTRS_GENERIC)
 FK_VEC_BF16_INT(generic, FK_ATTRS_GENERIC)
-static inline FK_ATTRS_GENERIC void bf16_store_generic(vf_generic v, uint16_t *h) {
+static FK_INLINE FK_ATTRS_GENERIC void bf16_store_generic(vf_generic v, uint16_t *h) {
     bf16_store_int_generic(v, h);
 }
 FK_VEC_MATH(generic, FK_ATTRS_GENERIC, 4)
 FK_VEC_EXP(generic, FK_ATTRS_GENERIC)
+static FK_INLINE FK_ATTRS_GENERIC vd_generic widen_lo_generic(vf_generic v) { return (vd_generic){v[0], v[1]}; }
+static FK_INLINE FK_ATTRS_GENERIC vd_generic widen_hi_generic(vf_generic v) { return (vd_generic){v[2], v[3]}; }
+static FK_INLINE FK_ATTRS_GENERIC vf_generic narrow_generic(vd_generic lo, vd_generic hi) {
+    return (vf_generic){(float)lo[0], (float)lo[1], (float)hi[0], (float)hi[1]};
+}
 
 #if FK_X86
 FK_VEC_TYPES(avx2, 8)
-static inline FK_ATTRS_AVX2 vf_avx2 f16_load_avx2(const uint16_t *p) {
+static FK_INLINE FK_ATTRS_AVX2 vf_avx2 f16_load_avx2(const uint16_t *p) {
     return (vf_avx2)_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
 }
-static inline FK_ATTRS_AVX2 void f16_store_avx2(vf_avx2 v, uint16_t *p) {
+static FK_INLINE FK_ATTRS_AVX2 void f16_store_avx2(vf_avx2 v, uint16_t *p) {
     _mm_storeu_si128((__m128i *)p, _mm256_cvtps_ph((__m256)v, _MM_FROUND_TO_NEAREST_INT));
 }
 FK_VEC_SELECT(avx2, FK_ATTRS_AVX2)
+/* bf16 loads as one widening load and a shift (the vector-extension form took five ops) */
+static FK_INLINE FK_ATTRS_AVX2 vf_avx2 bf16_load_avx2(const uint16_t *h) {
+    return (vf_avx2)_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)h)), 16);
+}
 FK_VEC_BF16_INT(avx2, FK_ATTRS_AVX2)
-static inline FK_ATTRS_AVX2 void bf16_store_avx2(vf_avx2 v, uint16_t *h) { bf16_store_int_avx2(v, h); }
+static FK_INLINE FK_ATTRS_AVX2 void bf16_store_avx2(vf_avx2 v, uint16_t *h) { bf16_store_int_avx2(v, h); }
 FK_VEC_MATH(avx2, FK_ATTRS_AVX2, 8)
 FK_VEC_EXP(avx2, FK_ATTRS_AVX2)
+static FK_INLINE FK_ATTRS_AVX2 vd_avx2 widen_lo_avx2(vf_avx2 v) {
+    return (vd_avx2)_mm256_cvtps_pd(_mm256_castps256_ps128((__m256)v));
+}
+static FK_INLINE FK_ATTRS_AVX2 vd_avx2 widen_hi_avx2(vf_avx2 v) {
+    return (vd_avx2)_mm256_cvtps_pd(_mm256_extractf128_ps((__m256)v, 1));
+}
+static FK_INLINE FK_ATTRS_AVX2 vf_avx2 narrow_avx2(vd_avx2 lo, vd_avx2 hi) {
+    return (vf_avx2)_mm256_set_m128(_mm256_cvtpd_ps((__m256d)hi), _mm256_cvtpd_ps((__m256d)lo));
+}
 
 FK_VEC_TYPES(avx512, 16)
-static inline FK_ATTRS_AVX512 vf_avx512 f16_load_avx512(const uint16_t *p) {
+static FK_INLINE FK_ATTRS_AVX512 vf_avx512 f16_load_avx512(const uint16_t *p) {
     return (vf_avx512)_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p));
 }
-static inline FK_ATTRS_AVX512 void f16_store_avx512(vf_avx512 v, uint16_t *p) {
+static FK_INLINE FK_ATTRS_AVX512 void f16_store_avx512(vf_avx512 v, uint16_t *p) {
     _mm256_storeu_si256((__m256i *)p, _mm512_cvtps_ph((__m512)v, _MM_FROUND_TO_NEAREST_INT));
+}
+static FK_INLINE FK_ATTRS_AVX512 vf_avx512 bf16_load_avx512(const uint16_t *h) {
+    return (vf_avx512)_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)h)), 16);
 }
 FK_VEC_BF16_INT(avx512, FK_ATTRS_AVX512)
 /* AVX-512 BF16's vcvtneps2bf16 where the CPU has it (one op for the integer path's ~10; it flushes
  * subnormals to 0, D-85): fk_cpu_isa() sets the flag. */
-static inline FK_ATTRS_AVX512 void bf16_store_cvt(vf_avx512 v, uint16_t *h) {
+static FK_INLINE FK_ATTRS_AVX512 void bf16_store_cvt(vf_avx512 v, uint16_t *h) {
     _mm256_storeu_si256((__m256i *)h, (__m256i)_mm512_cvtneps_pbh((__m512)v));
 }
-static inline FK_ATTRS_AVX512 void bf16_store_avx512(vf_avx512 v, uint16_t *h) {
+static FK_INLINE FK_ATTRS_AVX512 void bf16_store_avx512(vf_avx512 v, uint16_t *h) {
     if (fk_avx512bf16) bf16_store_cvt(v, h);
     else bf16_store_int_avx512(v, h);
 }
 
 /* one vblendmps on the compare's mask register (the and / or form took three ops) */
-static inline FK_ATTRS_AVX512 vf_avx512 select_avx512(vi_avx512 mask, vf_avx512 a, vf_avx512 b) {
+static FK_INLINE FK_ATTRS_AVX512 vf_avx512 select_avx512(vi_avx512 mask, vf_avx512 a, vf_avx512 b) {
     return (vf_avx512)_mm512_mask_blend_ps(_mm512_movepi32_mask((__m512i)mask), (__m512)b, (__m512)a);
 }
 FK_VEC_MATH(avx512, FK_ATTRS_AVX512, 16)
+static FK_INLINE FK_ATTRS_AVX512 vd_avx512 widen_lo_avx512(vf_avx512 v) {
+    return (vd_avx512)_mm512_cvtps_pd(_mm512_castps512_ps256((__m512)v));
+}
+static FK_INLINE FK_ATTRS_AVX512 vd_avx512 widen_hi_avx512(vf_avx512 v) {
+    return (vd_avx512)_mm512_cvtps_pd(_mm512_extractf32x8_ps((__m512)v, 1));
+}
+static FK_INLINE FK_ATTRS_AVX512 vf_avx512 narrow_avx512(vd_avx512 lo, vd_avx512 hi) {
+    return (vf_avx512)_mm512_insertf32x8(_mm512_castps256_ps512(_mm512_cvtpd_ps((__m512d)lo)),
+                                         _mm512_cvtpd_ps((__m512d)hi), 1);
+}
 
 /* The same polynomial, with AVX-512's vscalefps for the 2^n step: it saturates to 0 / inf itself, so
  * the clamps shrink to one max / min (NaN kept: vmaxps returns its second operand for a NaN) and
  * the mask and integer exponent arithmetic go (~15 ops a vector instead of ~20, D-85). Results
  * below FLT_MIN come out subnormal instead of 0; -inf gives 0. */
-static inline FK_ATTRS_AVX512 vf_avx512 exp_avx512(vf_avx512 v) {
+static FK_INLINE FK_ATTRS_AVX512 vf_avx512 exp_avx512(vf_avx512 v) {
     __m512 x = _mm512_max_ps(_mm512_set1_ps(-110.0f), (__m512)v);
     x = _mm512_min_ps(_mm512_set1_ps(88.0f), x);
     __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),

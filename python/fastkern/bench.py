@@ -352,16 +352,16 @@ def softmax_cases_cpu(device):
 
                 def bwd_inputs(shape=shape, dim=dim, dtype=dtype, log=log, theirs=theirs):
                     x = torch.randn(shape, device=device, dtype=dtype) * 3
-                    _, row_max = torch.ops.fastkern.softmax.default(x, dim, 1.0, False, log)
-                    return torch.randn_like(x), x, row_max, theirs(x, dim)
+                    y, _ = torch.ops.fastkern.softmax.default(x, dim, 1.0, False, log)
+                    return torch.randn_like(x), y, theirs(x, dim)  # each backward reads its own y
                 yield (f"{name} fwd {tag}", 2 * numel * size,
                        lambda shape=shape, dtype=dtype: (torch.randn(shape, device=device, dtype=dtype) * 3,), {
                            "fastkern": lambda x, dim=dim, f=ours: f(x, dim),
                            "torch": lambda x, dim=dim, f=theirs: f(x, dim)})
                 yield (f"{name} bwd {tag}", 3 * numel * size, bwd_inputs, {
-                    "fastkern": lambda g, x, m, y, dim=dim, log=log: torch.ops.fastkern.softmax_backward.default(
-                        g, x, m, dim, 1.0, False, log),
-                    "torch": lambda g, x, m, y, dim=dim, back=back: back(g, y, dim, y.dtype)})
+                    "fastkern": lambda g, y, ty, dim=dim, log=log: torch.ops.fastkern.softmax_backward.default(
+                        g, y, None, dim, 1.0, False, log),
+                    "torch": lambda g, y, ty, dim=dim, back=back: back(g, ty, dim, ty.dtype)})
     b, h, sq = 2, 8, 512
     mask = torch.ones(sq, sq, dtype=torch.bool, device=device).triu(1)
     yield (f"softmax scale+causal fwd bf16 ({b},{h},{sq},{sq})", 2 * b * h * sq * sq * 2,

@@ -1,9 +1,10 @@
 """Softmax and log-softmax with a fused scale and causal mask: torch.library ops
 fastkern::softmax and fastkern::softmax_backward.
 
-Forward returns the output and one fp32 statistic per row, the max of the scaled, masked row;
-autograd saves x and that statistic (never the output), and backward recomputes
-y = exp(x * scale - max) / sum inside its kernel.
+Forward returns the output and one fp32 statistic per row, the max of the scaled, masked row. What
+autograd saves depends on the device (one tensor's worth either way): on CUDA x and that statistic,
+and backward recomputes y = exp(x * scale - max) / sum inside its memory-bound kernel; on the CPU,
+where that exp costs more than the memory it saves, the output y (D-87).
 Rows are reduced along any dim without a transposed copy: the kernels see x as (outer, n, inner).
 """
 import math
@@ -18,7 +19,7 @@ torch.library.define(
     "fastkern::softmax", "(Tensor x, int dim, float scale, bool causal, bool log) -> (Tensor, Tensor)")
 torch.library.define(
     "fastkern::softmax_backward",
-    "(Tensor grad, Tensor x, Tensor row_max, int dim, float scale, bool causal, bool log) -> Tensor")
+    "(Tensor grad, Tensor saved, Tensor? row_max, int dim, float scale, bool causal, bool log) -> Tensor")
 
 
 def _name(log):
@@ -75,40 +76,55 @@ def _softmax_fake(x, dim, scale, causal, log):
             x.new_empty(outer * inner, dtype=_stat_dtype(x)))
 
 
-def _softmax_backward(grad, x, row_max, dim, scale, causal, log):
-    outer, n, inner, causal_sq, code = _check(x, dim, scale, causal, log)
+def _saved(x, output):
+    """What backward needs from a forward on x that returned output = (y, row max): (x, row max) on
+    CUDA, (y, None) on the CPU."""
+    return (x, output[1]) if x.is_cuda else (output[0], None)
+
+
+def _softmax_backward(grad, saved, row_max, dim, scale, causal, log):
+    """dx from `saved`: x with its row max (CUDA), or the forward's output y with row_max None (CPU)."""
+    outer, n, inner, causal_sq, code = _check(saved, dim, scale, causal, log)
     op = _name(log) + "_backward"
     B.check_tensor(grad, op, "grad")
-    B.check_same(grad, x, op, "grad", "x")
-    if grad.shape != x.shape:
-        raise ValueError(f"fastkern.{op}: grad has shape {tuple(grad.shape)}, x has {tuple(x.shape)}")
-    if row_max.shape != (outer * inner,) or row_max.dtype != _stat_dtype(x) or row_max.device != x.device:
-        raise ValueError(f"fastkern.{op}: row_max must be the ({outer * inner},) {_stat_dtype(x)} row "
-                         f"statistic the forward returned")
-    grad, x = B.dense(grad), B.dense(x)
-    dx = torch.empty_like(x)
-    if dx.numel():
-        device, stream = B.launch_args(x)
-        _C.softmax_bwd(grad.data_ptr(), x.data_ptr(), row_max.data_ptr(), dx.data_ptr(), outer, n, inner,
-                       float(scale), causal_sq, int(log), code, device, stream)
+    B.check_same(grad, saved, op, "grad", "saved")
+    if grad.shape != saved.shape:
+        raise ValueError(f"fastkern.{op}: grad has shape {tuple(grad.shape)}, saved has {tuple(saved.shape)}")
+    if saved.is_cuda and (row_max is None or row_max.shape != (outer * inner,) or row_max.dtype != _stat_dtype(saved)
+                          or row_max.device != saved.device):
+        raise ValueError(f"fastkern.{op}: on CUDA saved is x and row_max the ({outer * inner},) "
+                         f"{_stat_dtype(saved)} row statistic the forward returned")
+    if not saved.is_cuda and row_max is not None:
+        raise ValueError(f"fastkern.{op}: on the CPU saved is the forward's output y and row_max None")
+    grad, saved = B.dense(grad), B.dense(saved)
+    dx = torch.empty_like(saved)
+    if not dx.numel():
+        return dx
+    if saved.is_cuda:
+        device, stream = B.launch_args(saved)
+        _C.softmax_bwd(grad.data_ptr(), saved.data_ptr(), row_max.data_ptr(), dx.data_ptr(), outer, n,
+                       inner, float(scale), causal_sq, int(log), code, device, stream)
+    else:
+        _C.softmax_bwd_from_output(grad.data_ptr(), saved.data_ptr(), dx.data_ptr(), outer, n, inner,
+                                   float(scale), causal_sq, int(log), code, torch.get_num_threads())
     return dx
 
 
-def _softmax_backward_fake(grad, x, row_max, dim, scale, causal, log):
-    _check(x, dim, scale, causal, log)
-    return torch.empty_like(x, memory_format=torch.contiguous_format)
+def _softmax_backward_fake(grad, saved, row_max, dim, scale, causal, log):
+    _check(saved, dim, scale, causal, log)
+    return torch.empty_like(saved, memory_format=torch.contiguous_format)
 
 
 def _setup_context(ctx, inputs, output):
     x, dim, scale, causal, log = inputs
-    ctx.save_for_backward(x, output[1])
+    ctx.save_for_backward(*_saved(x, output))
     ctx.args = (dim, scale, causal, log)
 
 
 def _backward(ctx, grad, grad_row_max):
-    x, row_max = ctx.saved_tensors
-    backward = _softmax_backward if B.plain_eager(grad, x) else _softmax_backward_op
-    return backward(grad, x, row_max, *ctx.args), None, None, None, None
+    saved, row_max = ctx.saved_tensors
+    backward = _softmax_backward if B.plain_eager(grad, saved) else _softmax_backward_op
+    return backward(grad, saved, row_max, *ctx.args), None, None, None, None
 
 
 class _SoftmaxFunction(torch.autograd.Function):
@@ -117,9 +133,10 @@ class _SoftmaxFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, dim, scale, causal, log, plan):
-        output = _launch(x, scale, log, *plan)
+        output = _launch(x, scale, log, *plan, stat=x.is_cuda)  # the CPU saves y, not the row max
         _setup_context(ctx, (x, dim, scale, causal, log), output)
-        ctx.mark_non_differentiable(output[1])
+        if output[1] is not None:
+            ctx.mark_non_differentiable(output[1])
         return output
 
     @staticmethod
