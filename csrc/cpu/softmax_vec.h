@@ -7,12 +7,12 @@
  *            paths' fp32 (3, 513) rows were over 2x torch's error in 45 and 8 of 300 draws; now 0,
  *            at the same speed), e kept (fp32: in y; 16-bit: a per-thread
  *            buffer); pass 3 y = e / s, or log: x * scale - m - log s (no exp); masked keys 0 / -inf.
- *   backward pass 1 p = exp(x * scale - m) (m the forward's saved row max), z = sum p, a = sum dy p
- *            (log: sum dy over all n keys), p kept as in the forward; pass 2 dx from the kept p:
- *            one exp an element, not two (D-84). z and a: fp32 lanes (TwoSum-compensated for fp32);
- *            dx = scale p / z (dy - c), c = a / z, in fp64 for fp32 (fp32's roundings there were over 2x
- *            torch's error where dy - c cancels, at a row's dominant key), else in fp32 with c held
- *            as a pair c_hi + c_lo; log: dx = scale (dy - p (a / z)).
+ *   backward (D-87) from the forward's output y: pass 1 z = sum y (log: sum exp y, kept as the
+ *            forward keeps e), a = sum dy y (log: sum dy over all n keys); pass 2 (the row is in L1)
+ *            dx = k y ((dy - c_hi) - c_lo), k = scale / z, c = a / z held as a pair of floats (log:
+ *            dx = scale (dy - exp y c)). fp32's z and a take exact products and fp64 sums: fp32 sums
+ *            (8-key lanes into fp64, or FMA-exact products) put 4-44 rows in 2000 over 2x torch's
+ *            error, where dy - c cancels at a row's dominant key.
  * cols (inner > 1): a tile of FK_TILE adjacent columns of one slab, the same passes over its n keys
  *   with one accumulator lane per column (sums flushed to fp64 every FK_COLS_FLUSH keys); the tile
  *   (n x 32 floats: 1 MiB at n = 8192) stays in L2 between passes.
@@ -115,10 +115,11 @@ static inline int needs_scratch(const softmax_job *j) {
     }                                                                                               \
                                                                                                     \
     /* dx from the forward's output y (D-87), for one dtype and direction (constants where inlined). \
-     * fp32: exact products and fp64 sums, dy's weights y normalised by z = sum y (log: sum exp y), \
-     * the last step in fp64; 16-bit: torch's formula (z = 1: our y then mostly is torch's, bit for \
-     * bit, and so is the error it carries), fp32 lanes per FK_CHUNK keys (16-bit products are exact \
-     * in fp32) joined in fp64, the last step in fp32 with c = a / z held as c_hi + c_lo. */        \
+     * fp32: exact products and fp64 sums, dy's weights y normalised by z = sum y (log: sum exp y); \
+     * 16-bit: torch's formula (z = 1: our y then mostly is torch's, bit for bit, and so is the    \
+     * error it carries), fp32 lanes per FK_CHUNK keys (16-bit products are exact in fp32) joined   \
+     * in fp64. The last step in fp32 for all, with c = a / z held as c_hi + c_lo (fp64 there took  \
+     * ~20% of fp32 (4096, 1024)'s time, one thread, for no test's gain). */                 \
     static inline __attribute__((always_inline)) attrs void bwd_rows_##isa(                         \
         const softmax_job *j, int64_t row, float *scratch, const fk_dtype dt, const int is_log) {   \
         const vf_##isa zero = {0};                                                                  \
@@ -164,18 +165,13 @@ static inline int needs_scratch(const softmax_job *j) {
             }                                                                                       \
         /* softmax: dx = k y (dy - c), k = scale / z; log: dx = scale (dy - e c); c = a / z */      \
         double c = a / z, kd = j->scale / z;                                                        \
-        const vd_##isa c_d = zd + c, k_d = zd + kd;                                                 \
         const float scale = (float)j->scale, k = (float)kd, c_hi = (float)c, c_lo = (float)(c - c_hi); \
         for (int64_t i = 0; i < len; i += lanes) {                                                  \
             vf_##isa e = keep ? xs_##isa(FK_FLOAT32, keep, i, len - i, 1.0f, 0.0f)                  \
                               : xs_##isa(dt, j->in, at + i, len - i, 1.0f, 0.0f);                   \
             vf_##isa g = xs_##isa(dt, j->dy, at + i, len - i, 1.0f, 0.0f), d;                       \
             if (is_log) d = scale * (g - e * c_hi); /* an FMA: with e normalised, rounding c suffices */ \
-            else if (dt == FK_FLOAT32) { /* fp32's ~4 roundings here were over 2x torch's error */    \
-                vd_##isa e_lo = widen_lo_##isa(e), e_hi = widen_hi_##isa(e);                        \
-                vd_##isa g_lo = widen_lo_##isa(g), g_hi = widen_hi_##isa(g);                        \
-                d = narrow_##isa(k_d * e_lo * (g_lo - c_d), k_d * e_hi * (g_hi - c_d));             \
-            } else d = k * e * ((g - c_hi) - c_lo);                                                 \
+            else d = k * e * ((g - c_hi) - c_lo);                                                 \
             put_##isa(dt, d, j->out, at + i, len - i);                                              \
         }                                                                                           \
         fill_keys(dt, j->out, at + len, n - len, 0.0f); /* masked keys: no gradient */              \
