@@ -9,6 +9,7 @@
  *                              fp16 by F16C (vcvtph2ps) where present
  *   vstore_isa(dtype, v, p, i) the reverse, rounding to nearest even (bf16 in integer lanes, NaN
  *                              kept quiet; fp16 by vcvtps2ph)
+ *   vany_isa(mask)             is any lane of a compare's mask set
  *   exp_isa(x)                 Cephes expf: n = round(x log2 e), r = x - n ln 2 (two-part ln 2),
  *                              exp(r) by a degree-6 polynomial, times 2^n from the exponent bits.
  *                              ~1 ulp on [-87.3, 88]; below -87.3 0 (the true value is under
@@ -199,6 +200,7 @@ static FK_INLINE FK_ATTRS_GENERIC vd_generic widen_hi_generic(vf_generic v) { re
 static FK_INLINE FK_ATTRS_GENERIC vf_generic narrow_generic(vd_generic lo, vd_generic hi) {
     return (vf_generic){(float)lo[0], (float)lo[1], (float)hi[0], (float)hi[1]};
 }
+static FK_INLINE FK_ATTRS_GENERIC int vany_generic(vi_generic m) { return (m[0] | m[1] | m[2] | m[3]) != 0; }
 
 #if FK_X86
 FK_VEC_TYPES(avx2, 8)
@@ -226,6 +228,7 @@ static FK_INLINE FK_ATTRS_AVX2 vd_avx2 widen_hi_avx2(vf_avx2 v) {
 static FK_INLINE FK_ATTRS_AVX2 vf_avx2 narrow_avx2(vd_avx2 lo, vd_avx2 hi) {
     return (vf_avx2)_mm256_set_m128(_mm256_cvtpd_ps((__m256d)hi), _mm256_cvtpd_ps((__m256d)lo));
 }
+static FK_INLINE FK_ATTRS_AVX2 int vany_avx2(vi_avx2 m) { return _mm256_movemask_ps((__m256)m) != 0; }
 
 FK_VEC_TYPES(avx512, 16)
 static FK_INLINE FK_ATTRS_AVX512 vf_avx512 f16_load_avx512(const uint16_t *p) {
@@ -263,6 +266,7 @@ static FK_INLINE FK_ATTRS_AVX512 vf_avx512 narrow_avx512(vd_avx512 lo, vd_avx512
     return (vf_avx512)_mm512_insertf32x8(_mm512_castps256_ps512(_mm512_cvtpd_ps((__m512d)lo)),
                                          _mm512_cvtpd_ps((__m512d)hi), 1);
 }
+static FK_INLINE FK_ATTRS_AVX512 int vany_avx512(vi_avx512 m) { return _mm512_movepi32_mask((__m512i)m) != 0; }
 
 /* The same polynomial, with AVX-512's vscalefps for the 2^n step: it saturates to 0 / inf itself, so
  * the clamps shrink to one max / min (NaN kept: vmaxps returns its second operand for a NaN) and
