@@ -400,6 +400,11 @@ def test_bad_input(device):
         fastkern.softmax(torch.randn(8, device=device), causal=True)
     with pytest.raises(ValueError, match=r"causal=True needs dim=-1 \(keys on the last dim\), got dim=0"):
         fastkern.softmax(x, 0, causal=True)
+    # a plan is remembered per (shape, dtype, device type, dim, causal, log): a tensor of the same
+    # shape on a device fastkern does not run on is still refused
+    fastkern.softmax(x, -1)
+    with pytest.raises(ValueError, match=r"fastkern.softmax: x is on meta, fastkern runs on cpu and cuda"):
+        fastkern.softmax(torch.empty(4, 8, device="meta"), -1)
 
 
 @needs_cuda
