@@ -95,7 +95,7 @@ CPU_DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64]
 
 # (batch, sq, sk, heads, kv_heads, head_dim, causal, window): odd sizes, Sq = 1 decoding, Sq > Sk
 # (bottom-right causal leaves the first Sq - Sk rows without keys), GQA / MQA, windows, every tile
-# edge of the CPU kernel (64 rows / keys) crossed
+# edge of the CPU kernel (64 rows / keys) crossed, its one-query (decoding) path
 CASES = [
     (1, 1, 1, 1, 1, 8, False, (-1, -1)),
     (2, 1, 257, 6, 2, 64, False, (-1, -1)),
@@ -110,6 +110,7 @@ CASES = [
     (1, 100, 150, 2, 1, 24, False, (32, -1)),
     (1, 100, 60, 2, 2, 64, True, (10, -1)),
     (2, 7, 5, 1, 1, 13, False, (1, 2)),
+    (1, 129, 140, 2, 1, 64, False, (20, 3)),  # a lone last row (the CPU's one-query path), windowed
 ]
 
 

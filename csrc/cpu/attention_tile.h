@@ -168,6 +168,59 @@ static FK_ATTRS void FN(mask_keys_rows)(const fk_attention_args *a, const seq_t 
     }
 }
 
+/* ---- forward of a tile of one query (decoding) ---------------------------------------------------
+ * The tile path pads its queries to whole vectors (kPad), so one query took 32 columns of Sᵀ = K Qᵀ;
+ * here its scores are dot products along d, one a key, and O += P V is the same one-row matmul.
+ * One row's visible keys are exactly [key_lo, key_hi): no element mask. */
+static FK_ATTRS void FN(fwd_row)(const attn_job *job, char *slot, const q_tile *t) {
+    const fk_attention_args *a = job->a;
+    const seq_t *s = &t->s;
+    const int64_t d = a->d, dp = job->dp, i = t->i0;
+    T *q = carve(&slot, dp, sizeof(T)), *o = carve(&slot, dp, sizeof(T));
+    T *kr = carve(&slot, kTile * dp, sizeof(T)), *v = carve(&slot, kTile * dp, sizeof(T));
+    T *p = carve(&slot, kTile, sizeof(T));
+#ifdef FK_T_DOUBLE
+    const int same = a->dtype == FK_FLOAT64;
+#else
+    const int same = a->dtype == FK_FLOAT32;
+#endif
+    /* K and V read where they lie when they hold T and no padding is needed (else copied) */
+    const int in_place = same && d == dp;
+    FN(load_queries)(a, s, t->h, i, 1, dp, q, NULL);
+    memset(o, 0, (size_t)dp * sizeof(T));
+    T m = -(T)INFINITY, l = 0;
+    int64_t jlo = key_lo(a, s, i), jhi = key_hi(a, s, i);
+    for (int64_t j0 = jlo; j0 < jhi; j0 += kTile) {
+        int64_t keys = jhi - j0 < kTile ? jhi - j0 : kTile, kp = round_up(keys, kPad);
+        const T *kt = kr, *vt = v;
+        int64_t ldk = dp, ldv = dp;
+        if (in_place) {
+            kt = (const T *)a->k + s->k + j0 * a->k_row + t->g * a->k_head, ldk = a->k_row;
+            vt = (const T *)a->v + s->v + j0 * a->v_row + t->g * a->v_head, ldv = a->v_row;
+        } else {
+            FN(load_keys)(a, a->k, s->k, a->k_row, a->k_head, j0, keys, t->g, dp, kr);
+            FN(load_keys)(a, a->v, s->v, a->v_row, a->v_head, j0, keys, t->g, dp, v);
+        }
+        T mnew = m;
+        for (int64_t x = 0; x < keys; x++) {
+            p[x] = FN(row_dot)(q, kt + x * ldk, dp);
+            mnew = p[x] > mnew ? p[x] : mnew; /* NaN skipped, as the tile path's max */
+        }
+        T alpha = m == -(T)INFINITY ? 0 : (T)exp((double)(m - mnew)), shift = mnew == -(T)INFINITY ? 0 : mnew, sum = 0;
+        for (int64_t x = 0; x < kp; x++) p[x] = x < keys ? p[x] - shift : -(T)INFINITY;
+        FN(exp_inplace)(p, kp);
+        for (int64_t x = 0; x < keys; x++) sum += p[x];
+        m = mnew, l = l * alpha + sum;
+        if (alpha != (T)1)
+            for (int64_t x = 0; x < dp; x++) o[x] *= alpha;
+        FN(gemm)(1, dp, keys, p, 1, 1, vt, ldv, o, dp, 1); /* O += P V */
+    }
+    int empty = l == 0;
+    FN(store_row)(a->dtype, o, empty ? 0 : 1 / l, s->o + i * a->o_row + t->h * a->o_head, d, a->out);
+    if (a->lse)
+        ((T *)a->lse)[s->lse + t->h * s->lse_head + i] = empty ? (T)INFINITY : m + (T)log((double)l);
+}
+
 /* ---- forward: one (batch, head, q tile) ----------------------------------------------------------
  * Scores are formed transposed, Sᵀ = K Qᵀ (Q transposed once per item, K read as it lies), so the
  * softmax statistics of the rows are vectors across the tile's queries, and O += P V reads Sᵀ by
@@ -176,6 +229,10 @@ static FK_ATTRS void FN(fwd_item)(const attn_job *job, char *slot, int64_t item)
     const fk_attention_args *a = job->a;
     q_tile t;
     if (!decode_q_tile(job, item, &t)) return;
+    if (t.rows == 1) { /* decoding */
+        FN(fwd_row)(job, slot, &t);
+        return;
+    }
     const seq_t *s = &t.s;
     const int64_t d = a->d, dp = job->dp, rows = t.rows, i0 = t.i0, rpad = round_up(rows, kPad);
     T *q = carve(&slot, kTile * dp, sizeof(T)), *qt = carve(&slot, dp * kTile, sizeof(T));
