@@ -13,7 +13,9 @@
  *     visited) load K and V as they lie, Sᵀ = K Qᵀ, mask the tile's edge elements, online softmax
  *     with the row statistics as vectors across the tile's queries (running max m and sum l, the
  *     output rescaled by exp(m_old - m_new)), O += P V; finally O /= l and lse = m + log l. A row
- *     that sees no key gets O = 0 and lse = +inf.
+ *     that sees no key gets O = 0 and lse = +inf. A tile of one query (decoding) takes its scores
+ *     as dot products along d instead (the tile path pads queries to 32 columns) and reads K and V
+ *     where they lie when it can (fwd_row).
  *   backward, two passes, each writing only what it owns (deterministic, no atomics, the same bits
  *     for any thread count): a dq pass per (batch, head, q tile) computes D = rowsum(dO * O) into the
  *     workspace, then for each visible key tile Sᵀ = K Qᵀ, Pᵀ = exp(Sᵀ - lse), dPᵀ = V dOᵀ,
