@@ -49,6 +49,23 @@ static inline int needs_scratch(const softmax_job *j) {
     return j->inner == 1 && j->dtype != FK_FLOAT32 && (j->dy ? j->is_log : !j->is_log);
 }
 
+/* The entry softmax.c calls for a kernel body `body(j, item, scratch, dtype, is_log)`, inlined once
+ * per dtype and direction so that its loads, stores and tests of them are constants (the forward's
+ * loop tested the dtype per vector before; D-91). */
+#define FK_SPECIALIZE(attrs, entry, body)                                                          \
+    static attrs void entry(const softmax_job *j, int64_t item, float *scratch) {                  \
+        if (j->dtype == FK_FLOAT32) {                                                               \
+            if (j->is_log) body(j, item, scratch, FK_FLOAT32, 1);                                   \
+            else body(j, item, scratch, FK_FLOAT32, 0);                                             \
+        } else if (j->dtype == FK_BFLOAT16) {                                                       \
+            if (j->is_log) body(j, item, scratch, FK_BFLOAT16, 1);                                  \
+            else body(j, item, scratch, FK_BFLOAT16, 0);                                            \
+        } else {                                                                                    \
+            if (j->is_log) body(j, item, scratch, FK_FLOAT16, 1);                                   \
+            else body(j, item, scratch, FK_FLOAT16, 0);                                             \
+        }                                                                                           \
+    }
+
 #define FK_SOFTMAX_VEC(isa, attrs, lanes)                                                           \
     static FK_INLINE attrs vi_##isa head_##isa(int64_t len) { /* lanes < len */                        \
         vi_##isa iota;                                                                              \
@@ -68,9 +85,9 @@ static inline int needs_scratch(const softmax_job *j) {
         else vstore_part_##isa(dt, v, p, at, len);                                                  \
     }                                                                                               \
                                                                                                     \
-    static attrs void softmax_fwd_rows_##isa(const softmax_job *j, int64_t row, float *scratch) {   \
+    static inline __attribute__((always_inline)) attrs void fwd_rows_##isa(                         \
+        const softmax_job *j, int64_t row, float *scratch, const fk_dtype dt, const int is_log) {   \
         const vf_##isa zero = {0};                                                                  \
-        const fk_dtype dt = j->dtype;                                                               \
         const float scale = (float)j->scale;                                                        \
         int64_t n = j->n, len = row_valid(j, row), at = row * n;                                    \
         if (len == 0) {                                                                             \
@@ -78,27 +95,48 @@ static inline int needs_scratch(const softmax_job *j) {
             if (j->row_max) ((float *)j->row_max)[row] = -INFINITY;                                 \
             return;                                                                                 \
         }                                                                                           \
-        vf_##isa vmax = zero - INFINITY;                                                            \
-        for (int64_t i = 0; i < len; i += lanes) {                                                  \
+        vf_##isa vmax = zero - INFINITY, vm[4] = {vmax, vmax, vmax, vmax};                          \
+        int64_t i0 = 0;                                                                             \
+        for (; i0 + 4 * lanes <= len; i0 += 4 * lanes) /* 4 chains of compare and select */         \
+            for (int u = 0; u < 4; u++) {                                                           \
+                vf_##isa v = vload_##isa(dt, j->in, at + i0 + u * lanes) * scale;                   \
+                vm[u] = select_##isa(v > vm[u], v, vm[u]);                                          \
+            }                                                                                       \
+        for (int u = 0; u < 4; u++) vmax = select_##isa(vm[u] > vmax, vm[u], vmax);                 \
+        for (int64_t i = i0; i < len; i += lanes) {                                                 \
             vf_##isa v = xs_##isa(dt, j->in, at + i, len - i, scale, -INFINITY);                    \
             vmax = select_##isa(v > vmax, v, vmax);                                                 \
         }                                                                                           \
         float m = vmax_##isa(vmax);                                                                 \
-        float *keep = j->is_log ? NULL : dt == FK_FLOAT32 ? (float *)j->out + at : scratch;         \
+        float *keep = is_log ? NULL : dt == FK_FLOAT32 ? (float *)j->out + at : scratch;         \
         vd_##isa sd = {0};                                                                          \
         for (int64_t j0 = 0; j0 < len; j0 += FK_SUM_VECS * lanes) {                                \
             int64_t end = len - j0 < FK_SUM_VECS * lanes ? len : j0 + FK_SUM_VECS * lanes;          \
-            vf_##isa acc = zero;                                                                    \
-            for (int64_t i = j0; i < end; i += lanes) {                                             \
+            vf_##isa acc = zero, acc2 = zero;                                                       \
+            int64_t i = j0;                                                                         \
+            for (; i + 4 * lanes <= end; i += 4 * lanes) { /* 4 exps' chains interleaved */         \
+                vf_##isa e0 = exp_##isa(vload_##isa(dt, j->in, at + i) * scale - m);                \
+                vf_##isa e1 = exp_##isa(vload_##isa(dt, j->in, at + i + lanes) * scale - m);        \
+                vf_##isa e2 = exp_##isa(vload_##isa(dt, j->in, at + i + 2 * lanes) * scale - m);    \
+                vf_##isa e3 = exp_##isa(vload_##isa(dt, j->in, at + i + 3 * lanes) * scale - m);    \
+                acc += e0 + e1, acc2 += e2 + e3;                                                    \
+                if (keep) {                                                                         \
+                    vstore_##isa(FK_FLOAT32, e0, keep, i), vstore_##isa(FK_FLOAT32, e1, keep, i + lanes); \
+                    vstore_##isa(FK_FLOAT32, e2, keep, i + 2 * lanes);                              \
+                    vstore_##isa(FK_FLOAT32, e3, keep, i + 3 * lanes);                              \
+                }                                                                                   \
+            }                                                                                       \
+            for (; i < end; i += lanes) {                                                           \
                 vf_##isa e = exp_##isa(xs_##isa(dt, j->in, at + i, len - i, scale, -INFINITY) - m); \
                 acc += e;                                                                           \
                 if (keep) put_##isa(FK_FLOAT32, e, keep, i, len - i);                               \
             }                                                                                       \
+            acc += acc2;                                                                            \
             sd += widen_lo_##isa(acc) + widen_hi_##isa(acc);                                        \
         }                                                                                           \
         double s = vsum_d_##isa(sd);                                                                \
         if (j->row_max) ((float *)j->row_max)[row] = m;                                             \
-        if (j->is_log) {                                                                            \
+        if (is_log) {                                                                            \
             float ls = (float)log(s);                                                               \
             for (int64_t i = 0; i < len; i += lanes)                                                \
                 put_##isa(dt, xs_##isa(dt, j->in, at + i, len - i, scale, 0.0f) - m - ls, j->out,   \
@@ -111,8 +149,10 @@ static inline int needs_scratch(const softmax_job *j) {
                 put_##isa(dt, e * inv, j->out, at + i, len - i);                                    \
             }                                                                                       \
         }                                                                                           \
-        fill_keys(dt, j->out, at + len, n - len, j->is_log ? -INFINITY : 0.0f);                     \
+        fill_keys(dt, j->out, at + len, n - len, is_log ? -INFINITY : 0.0f);                     \
     }                                                                                               \
+                                                                                                    \
+    FK_SPECIALIZE(attrs, softmax_fwd_rows_##isa, fwd_rows_##isa)                                   \
                                                                                                     \
     /* dx from the forward's output y (D-87), for one dtype and direction (constants where inlined). \
      * fp32: exact products and fp64 sums, dy's weights y normalised by z = sum y (log: sum exp y); \
@@ -176,25 +216,15 @@ static inline int needs_scratch(const softmax_job *j) {
         }                                                                                           \
         fill_keys(dt, j->out, at + len, n - len, 0.0f); /* masked keys: no gradient */              \
     }                                                                                               \
-    static attrs void softmax_bwd_rows_##isa(const softmax_job *j, int64_t row, float *scratch) {   \
-        if (j->dtype == FK_FLOAT32) {                                                               \
-            if (j->is_log) bwd_rows_##isa(j, row, scratch, FK_FLOAT32, 1);                          \
-            else bwd_rows_##isa(j, row, scratch, FK_FLOAT32, 0);                                    \
-        } else if (j->dtype == FK_BFLOAT16) {                                                       \
-            if (j->is_log) bwd_rows_##isa(j, row, scratch, FK_BFLOAT16, 1);                         \
-            else bwd_rows_##isa(j, row, scratch, FK_BFLOAT16, 0);                                   \
-        } else {                                                                                    \
-            if (j->is_log) bwd_rows_##isa(j, row, scratch, FK_FLOAT16, 1);                          \
-            else bwd_rows_##isa(j, row, scratch, FK_FLOAT16, 0);                                    \
-        }                                                                                           \
-    }                                                                                               \
+    FK_SPECIALIZE(attrs, softmax_bwd_rows_##isa, bwd_rows_##isa)                                   \
                                                                                                     \
     /* Columns [i0, i0 + w) of slab o (block b), w <= FK_COLS_WIDTH, one lane a column, the keys    \
      * streamed in order (each key's w columns are adjacent): pass 1 an online max and sum, the max \
      * of each FK_COLS_KEYS keys first, the sum rescaled once per block where it rose; pass 2 the   \
      * output (one more exp an element: a kept exp would cost a write and a read of memory). */     \
     static inline __attribute__((always_inline)) attrs void fwd_cols_##isa(                         \
-        const softmax_job *j, int64_t b, const fk_dtype dt, const int is_log) {                     \
+        const softmax_job *j, int64_t b, float *scratch, const fk_dtype dt, const int is_log) {     \
+        (void)scratch;                                                                              \
         enum { kVecs = FK_COLS_WIDTH / lanes };                                                     \
         const vf_##isa zero = {0};                                                                  \
         const vd_##isa zd = {0};                                                                    \
@@ -247,25 +277,14 @@ static inline int needs_scratch(const softmax_job *j) {
                 put_##isa(dt, is_log ? xv - f[v] : exp_##isa(xv) * f[v], j->out, at, left);         \
             }                                                                                       \
     }                                                                                               \
-    static attrs void softmax_fwd_cols_##isa(const softmax_job *j, int64_t b, float *scratch) {     \
-        (void)scratch;                                                                              \
-        if (j->dtype == FK_FLOAT32) {                                                               \
-            if (j->is_log) fwd_cols_##isa(j, b, FK_FLOAT32, 1);                                     \
-            else fwd_cols_##isa(j, b, FK_FLOAT32, 0);                                               \
-        } else if (j->dtype == FK_BFLOAT16) {                                                       \
-            if (j->is_log) fwd_cols_##isa(j, b, FK_BFLOAT16, 1);                                    \
-            else fwd_cols_##isa(j, b, FK_BFLOAT16, 0);                                              \
-        } else {                                                                                    \
-            if (j->is_log) fwd_cols_##isa(j, b, FK_FLOAT16, 1);                                     \
-            else fwd_cols_##isa(j, b, FK_FLOAT16, 0);                                               \
-        }                                                                                           \
-    }                                                                                               \
+    FK_SPECIALIZE(attrs, softmax_fwd_cols_##isa, fwd_cols_##isa)                                   \
                                                                                                     \
     /* The backward of those columns from y, keys streamed in order: the rows kernel's sums and     \
      * numerics one lane a column (16-bit: fp32 lanes flushed to fp64 every FK_COLS_FLUSH keys), exp \
      * y taken again in pass 2 for log. */                                                          \
     static inline __attribute__((always_inline)) attrs void bwd_cols_##isa(                         \
-        const softmax_job *j, int64_t b, const fk_dtype dt, const int is_log) {                     \
+        const softmax_job *j, int64_t b, float *scratch, const fk_dtype dt, const int is_log) {     \
+        (void)scratch;                                                                              \
         enum { kVecs = FK_COLS_WIDTH / lanes };                                                     \
         const vf_##isa zero = {0};                                                                  \
         const vd_##isa zd = {0};                                                                    \
@@ -320,19 +339,7 @@ static inline int needs_scratch(const softmax_job *j) {
                 put_##isa(dt, d, j->out, at, left);                                                 \
             }                                                                                       \
     }                                                                                               \
-    static attrs void softmax_bwd_cols_##isa(const softmax_job *j, int64_t b, float *scratch) {     \
-        (void)scratch;                                                                              \
-        if (j->dtype == FK_FLOAT32) {                                                               \
-            if (j->is_log) bwd_cols_##isa(j, b, FK_FLOAT32, 1);                                     \
-            else bwd_cols_##isa(j, b, FK_FLOAT32, 0);                                               \
-        } else if (j->dtype == FK_BFLOAT16) {                                                       \
-            if (j->is_log) bwd_cols_##isa(j, b, FK_BFLOAT16, 1);                                    \
-            else bwd_cols_##isa(j, b, FK_BFLOAT16, 0);                                              \
-        } else {                                                                                    \
-            if (j->is_log) bwd_cols_##isa(j, b, FK_FLOAT16, 1);                                     \
-            else bwd_cols_##isa(j, b, FK_FLOAT16, 0);                                               \
-        }                                                                                           \
-    }
+    FK_SPECIALIZE(attrs, softmax_bwd_cols_##isa, bwd_cols_##isa)
 
 FK_SOFTMAX_VEC(generic, FK_ATTRS_GENERIC, 4)
 #if FK_X86
