@@ -312,17 +312,16 @@ static inline int needs_scratch(const softmax_job *j) {
                 for (int v = 0; v < nv; v++)                                                        \
                     a_lo[v] += widen_lo_##isa(part[v]), a_hi[v] += widen_hi_##isa(part[v]), part[v] = zero; \
         }                                                                                           \
-        /* per column c = a / z; fp32 softmax: k = scale / z and c in fp64 lanes; else k = scale,    \
-         * c = c_hi + c_lo in fp32 lanes (16-bit: z = 1) */                                         \
-        vd_##isa c_lo[kVecs], c_hi[kVecs], k_lo[kVecs], k_hi[kVecs];                                \
+        /* per column c = a / z held as c_hi + c_lo in fp32 lanes and k = scale / z (16-bit: z = 1; \
+         * fp32 log: c = a / z, k = scale), the last step in fp32 as the rows' (D-88) */            \
         vf_##isa k[kVecs], q_hi[kVecs], q_lo[kVecs];                                                \
         for (int v = 0; v < nv; v++) {                                                              \
             vd_##isa lo = a_lo[v], hi = a_hi[v];                                                    \
             if (dt == FK_FLOAT32) lo /= z_lo[v], hi /= z_hi[v];                                     \
-            c_lo[v] = lo, c_hi[v] = hi;                                                             \
-            k_lo[v] = j->scale / z_lo[v], k_hi[v] = j->scale / z_hi[v];                             \
-            q_hi[v] = narrow_##isa(lo, hi), k[v] = zero + (float)j->scale;                          \
+            q_hi[v] = narrow_##isa(lo, hi);                                                         \
             q_lo[v] = narrow_##isa(lo - widen_lo_##isa(q_hi[v]), hi - widen_hi_##isa(q_hi[v]));    \
+            k[v] = dt == FK_FLOAT32 && !is_log                                                      \
+                       ? narrow_##isa(j->scale / z_lo[v], j->scale / z_hi[v]) : zero + (float)j->scale; \
         }                                                                                           \
         for (int64_t key = 0; key < n; key++)                                                       \
             for (int v = 0; v < nv; v++) {                                                          \
@@ -331,11 +330,7 @@ static inline int needs_scratch(const softmax_job *j) {
                 vf_##isa g = xs_##isa(dt, j->dy, at, left, 1.0f, 0.0f), d;                          \
                 if (is_log) e = exp_##isa(e);                                                       \
                 if (is_log) d = k[v] * (g - e * q_hi[v]);                                           \
-                else if (dt == FK_FLOAT32) {                                                        \
-                    vd_##isa e_lo = widen_lo_##isa(e), e_hi = widen_hi_##isa(e);                    \
-                    vd_##isa g_lo = widen_lo_##isa(g), g_hi = widen_hi_##isa(g);                    \
-                    d = narrow_##isa(k_lo[v] * e_lo * (g_lo - c_lo[v]), k_hi[v] * e_hi * (g_hi - c_hi[v])); \
-                } else d = k[v] * e * ((g - q_hi[v]) - q_lo[v]);                                    \
+                else d = k[v] * e * ((g - q_hi[v]) - q_lo[v]);                                    \
                 put_##isa(dt, d, j->out, at, left);                                                 \
             }                                                                                       \
     }                                                                                               \
