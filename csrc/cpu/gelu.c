@@ -161,11 +161,41 @@ static gelu_tile tile_of(const gelu_job *j, int64_t t) {
         }                                                                                           \
     }
 
+/* GELU in place over n fp32 values (matmul.c's epilogue; its scalar libm form took ~0.5 ms of the
+ * 1.9 ms of a (512, 512) x (512, 512)^T linear + GELU on 2 threads) */
+#define FK_GELU_ROW(isa, attrs, lanes)                                                             \
+    static attrs void gelu_row_##isa(float *x, int64_t n, int ap) {                               \
+        int64_t full = n / lanes * lanes;                                                           \
+        for (int64_t i = 0; i < full; i += lanes)                                                   \
+            vstore_##isa(FK_FLOAT32, gelu_##isa(vload_##isa(FK_FLOAT32, x, i), ap), x, i);          \
+        if (full < n)                                                                               \
+            vstore_part_##isa(FK_FLOAT32, gelu_##isa(vload_part_##isa(FK_FLOAT32, x, full, n - full, 0.0f), ap), \
+                              x, full, n - full);                                                   \
+    }
+
 FK_GELU_VEC(generic, FK_ATTRS_GENERIC, 4)
+FK_GELU_ROW(generic, FK_ATTRS_GENERIC, 4)
 #if FK_X86
 FK_GELU_VEC(avx2, FK_ATTRS_AVX2, 8)
+FK_GELU_ROW(avx2, FK_ATTRS_AVX2, 8)
 FK_GELU_VEC(avx512, FK_ATTRS_AVX512, 16)
+FK_GELU_ROW(avx512, FK_ATTRS_AVX512, 16)
 #endif
+
+void fk_cpu_gelu_f32_inplace(float *x, int64_t n, int approximate, int isa) {
+#if FK_X86
+    if (isa == FK_ISA_AVX512) {
+        gelu_row_avx512(x, n, approximate);
+        return;
+    }
+    if (isa == FK_ISA_AVX2) {
+        gelu_row_avx2(x, n, approximate);
+        return;
+    }
+#endif
+    (void)isa;
+    gelu_row_generic(x, n, approximate);
+}
 
 static void forward_tile(const gelu_job *j, gelu_tile tile) {
     int64_t c0 = tile.c0, len = tile.len, cols = j->cols;

@@ -16,7 +16,7 @@
  *     over kKc values of k: one B row (NR floats) load and MR broadcasts of A feed MR x NR FMAs.
  *     Chunks of kKc are summed into an fp32 block tile, so the sum is blocked (error ~ kKc + k / kKc
  *     roundings instead of k), like MKL's.
- *   - The epilogue adds the bias, stores `pre`, applies GELU (common.h's scalar forms) and rounds
+ *   - The epilogue adds the bias, stores `pre`, applies GELU (gelu.c's vector bodies) and rounds
  *     to the output dtype, one block row at a time.
  * The packing buffers are malloc'ed once per thread per call (k x (kMc + nc) + kMc x nc floats):
  * the one CPU entry point that allocates (fastkern.h says so).
@@ -25,7 +25,7 @@
 #include <stdatomic.h>
 #include <stdlib.h>
 
-#include "common.h"
+#include "vec.h"
 
 #define kKc 256     /* k per micro-kernel run: its A and B slices (~12 + 32 KiB) stay in L1 / L2 */
 #define kMc 144     /* rows of a block: multiple of every MR (12, 6, 4); A block k x 144 in L2 */
@@ -143,6 +143,7 @@ static void pack_panels(fk_dtype dtype, const void *src, int64_t lane_stride, in
 typedef struct {
     const fk_matmul_args *args;
     micro_kernel kern;
+    int isa; /* the epilogue's GELU vectors (vec.h) */
     int64_t nc, m_blocks, n_blocks;
     atomic_int out_of_memory;
 } gemm_job;
@@ -158,18 +159,16 @@ static void *alloc_floats(int64_t count) {
 
 /* Adds the bias, stores pre, applies the activation and stores C for the mc x nc block at
  * (batch bb, row m0, column n0), whose fp32 sums are in tile (row stride ldt). */
-static void store_block(const fk_matmul_args *g, const gemm_buffers *buf, int64_t ldt, int64_t bb,
-                        int64_t m0, int64_t mc, int64_t n0, int64_t nc) {
+static void store_block(const fk_matmul_args *g, int isa, const gemm_buffers *buf, int64_t ldt,
+                        int64_t bb, int64_t m0, int64_t mc, int64_t n0, int64_t nc) {
     for (int64_t i = 0; i < mc; i++) {
         float *row = buf->tile + i * ldt;
         int64_t offset = bb * g->c_batch + (m0 + i) * g->c_row + n0;
         if (g->bias)
             for (int64_t j = 0; j < nc; j++) row[j] += buf->bias[j];
         if (g->pre) fk_store_f32(g->dtype, row, offset, nc, g->pre);
-        if (g->activation != FK_ACT_NONE) {
-            int approximate = g->activation == FK_ACT_GELU_TANH;
-            for (int64_t j = 0; j < nc; j++) row[j] = gelu_f32(row[j], approximate);
-        }
+        if (g->activation != FK_ACT_NONE)
+            fk_cpu_gelu_f32_inplace(row, nc, g->activation == FK_ACT_GELU_TANH, isa);
         fk_store_f32(g->dtype, row, offset, nc, g->c);
     }
 }
@@ -195,7 +194,7 @@ static void run_block(const gemm_job *job, const gemm_buffers *buf, int64_t bb, 
                           p0 > 0);
         }
     }
-    store_block(g, buf, ldt, bb, m0, mc, n0, nc);
+    store_block(g, job->isa, buf, ldt, bb, m0, mc, n0, nc);
 }
 
 /* A thread's run of blocks, numbered (batch, column block, row block) with row blocks fastest. */
@@ -230,7 +229,7 @@ static void run_blocks(void *ctx, int64_t begin, int64_t end) {
 }
 
 static fk_status gemm_f32(const fk_matmul_args *g, int threads) {
-    gemm_job job = {.args = g, .kern = pick_kernel()};
+    gemm_job job = {.args = g, .kern = pick_kernel(), .isa = fk_cpu_isa()};
     /* narrow blocks when n is small; keep the packed B panel (k x nc) within ~8 MiB for huge k */
     int64_t nr = job.kern.nr, nc = (g->n + nr - 1) / nr * nr;
     if (nc > kNcMax) nc = kNcMax;

@@ -33,6 +33,10 @@
 
 enum { FK_ISA_GENERIC, FK_ISA_AVX2, FK_ISA_AVX512 };
 
+/* gelu.c: GELU (erf, or tanh with `approximate`) in place over x[0..n) in the vector body of `isa`
+ * (an fk_cpu_isa() value): matmul.c's epilogue */
+void fk_cpu_gelu_f32_inplace(float *x, int64_t n, int approximate, int isa);
+
 /* For the small vector helpers a kernel's loop calls: GCC left some (softmax_vec.h's loads) as calls,
  * each spilling the loop's vector registers around it. */
 #define FK_INLINE inline __attribute__((always_inline))
