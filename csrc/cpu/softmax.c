@@ -181,12 +181,13 @@ struct softmax_job {
     rows_fn row; /* the vector path's kernel (a row or a column block an item), NULL for fp64 */
 };
 
-#include "softmax_vec.h"
-
+/* Block b's slab o, first column i0 and width (columns a block; fewer in the last). */
 static fk_rows block_of(const softmax_job *j, int64_t b) {
     int64_t i0 = b % j->tiles * j->width;
     return (fk_rows){j->n, j->inner, b / j->tiles, i0, j->inner - i0 < j->width ? j->inner - i0 : j->width};
 }
+
+#include "softmax_vec.h"
 
 /* A thread's run of row blocks: backward when the job has dy. */
 static void run_blocks(void *arg, int64_t begin, int64_t end) {

@@ -229,8 +229,9 @@ static inline int needs_scratch(const softmax_job *j) {
         const vf_##isa zero = {0};                                                                  \
         const vd_##isa zd = {0};                                                                    \
         const float scale = (float)j->scale;                                                        \
-        int64_t n = j->n, inner = j->inner, i0 = b % j->tiles * j->width, o = b / j->tiles;         \
-        int64_t w = inner - i0 < j->width ? inner - i0 : j->width, nv = (w + lanes - 1) / lanes;    \
+        const fk_rows blk = block_of(j, b);                                                         \
+        int64_t n = blk.n, inner = blk.inner, i0 = blk.i0, o = blk.o, w = blk.width;                \
+        int64_t nv = (w + lanes - 1) / lanes;                                                       \
         const void *x = j->in;                                                                      \
         int64_t at0 = o * n * inner + i0;                                                           \
         vf_##isa m[kVecs], ref[kVecs], part[kVecs];                                                 \
@@ -289,8 +290,9 @@ static inline int needs_scratch(const softmax_job *j) {
         const vf_##isa zero = {0};                                                                  \
         const vd_##isa zd = {0};                                                                    \
         const float fill = is_log ? -INFINITY : 0.0f;                                               \
-        int64_t n = j->n, inner = j->inner, i0 = b % j->tiles * j->width, o = b / j->tiles;         \
-        int64_t w = inner - i0 < j->width ? inner - i0 : j->width, nv = (w + lanes - 1) / lanes;    \
+        const fk_rows blk = block_of(j, b);                                                         \
+        int64_t n = blk.n, inner = blk.inner, i0 = blk.i0, o = blk.o, w = blk.width;                \
+        int64_t nv = (w + lanes - 1) / lanes;                                                       \
         int64_t at0 = o * n * inner + i0;                                                           \
         vf_##isa part[kVecs];                                                                       \
         vd_##isa z_lo[kVecs], z_hi[kVecs], a_lo[kVecs], a_hi[kVecs];                                \

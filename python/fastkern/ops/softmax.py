@@ -56,14 +56,13 @@ def _stat_dtype(x):
 def _launch(x, scale, log, outer, n, inner, causal_sq, code, stat=True):
     """(y, row max) for validated arguments (a plan from _check); without `stat` (no backward will
     follow) the row max is neither allocated nor written, and None stands in for it."""
-    if not x.is_contiguous():
-        x = x.contiguous()
+    x = B.dense(x)
     y = torch.empty_like(x)
     row_max = torch.empty(outer * inner, dtype=_stat_dtype(x), device=x.device) if stat else None
     if outer and n and inner:
         device, stream = B.launch_args(x)
-        _C.softmax_fwd(x.data_ptr(), y.data_ptr(), row_max.data_ptr() if stat else 0, outer, n, inner,
-                       float(scale), causal_sq, log, code, device, stream)
+        _C.softmax_fwd(x.data_ptr(), y.data_ptr(), B.ptr(row_max), outer, n, inner, float(scale),
+                       causal_sq, int(log), code, device, stream)
     return y, row_max
 
 
