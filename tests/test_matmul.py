@@ -372,7 +372,9 @@ def test_tf32_copies_only_operands_that_are_not_k_major(tf32, monkeypatch):
 
 @needs_cuda
 @pytest.mark.parametrize("view,allow,forced", [("row", True, False), ("col", True, False), ("mis", True, False),
-                                               ("row", False, False), ("col", True, True)])
+                                               ("row", False, False), ("col", True, True)],
+                         ids=["cuda-row-tf32", "cuda-col-tf32", "cuda-mis-tf32", "cuda-row-exact",
+                              "cuda-col-tf32-forced"])  # "cuda" in the id: tools/sanitize.sh selects by it
 def test_dispatch_table_tf32(view, allow, forced, tf32, monkeypatch):
     """The fp32 rows: TF32 allowed on Hopper takes wgmma_sm90 for any operand view (copied K-major
     where needed); exact fp32 or a forced general kernel stays on simt_fp32."""
