@@ -172,7 +172,8 @@ def _arguments(a, b, bias, plan, want_pre):
     batch, m, n, k, code, act = plan
     flags = _flags(a)
     # fp32 under TF32 on Hopper: K-major copies where needed (n == 1 or k == 0 stay on simt_fp32)
-    tf32 = flags & _MM_TF32 and n > 1 and k > 0 and _tf32_wgmma(a.get_device(), flags)
+    tf32 = (flags & _MM_TF32 and m > 0 and n > 1 and k > 0 and B.CUDA_COMPILED
+            and _tf32_wgmma(a.get_device(), flags))
     side_a, side_b = ("a", "b") if tf32 else (None, None)
     rows_folded = b.dim() == 2 and a.dim() > 2
     if rows_folded:  # one GEMM of (prod(batch) * m, k) @ (k, n) when a's rows lie evenly
