@@ -305,6 +305,91 @@ def test_dispatch_table(dtype, view, forced, strategy, monkeypatch):
     assert_within_torch_error(out, torch_forward(a, b, bias, "gelu_tanh"), ref, strategy())
 
 
+# ---- CUDA, fp32 under TF32 (dispatch.cu's first row) ---------------------------------------------
+
+@pytest.fixture
+def tf32():
+    """torch.backends.cuda.matmul.allow_tf32 on for the test (fastkern and torch alike), restored after."""
+    before = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = True
+    yield
+    torch.backends.cuda.matmul.allow_tf32 = before
+
+
+def _tf32_strategy():
+    return "wgmma_sm90" if _hopper() else "simt_fp32"
+
+
+# K tails (k not a multiple of the 32-element k-tile, nor of 4: copied into padded rows), M / N
+# tails, a short k, a batch, a broadcast b. No m = 1 or k = 1: cuBLAS may run those exactly (gemv),
+# and then torch's error is no tf32 yardstick.
+TF32_SHAPES = [((384, 256), (256, 320)), ((257, 203), (203, 130)), ((1000, 1793), (1793, 1000)),
+               ((16, 64), (64, 96)), ((130, 5), (5, 72)), ((3, 67, 45), (3, 45, 38)), ((2, 100, 36), (36, 200))]
+
+
+@needs_cuda
+@pytest.mark.parametrize("majors", list(itertools.product(("row", "col"), repeat=2)), ids="-".join)
+@pytest.mark.parametrize("shapes", TF32_SHAPES, ids=lambda s: "x".join(map(str, s[0] + s[1][-1:])))
+def test_tf32_matches_torch_tf32(shapes, majors, tf32, poison):
+    """fp32 under allow_tf32: the error of torch.matmul under TF32 in the same run is the yardstick
+    (tf32's error, not fp32's), both operand majors, bias + each activation, gradients."""
+    i = TF32_SHAPES.index(shapes)
+    a = layout(make(shapes[0], torch.float32, "cuda"), majors[0])
+    b = layout(make(shapes[1], torch.float32, "cuda"), majors[1])
+    bias = make(shapes[1][-1:], torch.float32, "cuda") if i % 2 == 0 else None
+    activation = ACTIVATIONS[i % 3]
+    n = shapes[1][-1]
+    assert mm_ops._plan(a, b, bias, activation) == (_tf32_strategy() if n > 1 else "simt_fp32")
+    check(a, b, bias, activation, grads=True)
+
+
+@needs_cuda
+def test_tf32_linear_bias_gelu(tf32, poison):
+    """nn.Linear's weight (N, K) is K-major for B as it is: F.linear + bias + GELU under TF32."""
+    x, w, bias = make((4, 96, 200), torch.float32, "cuda"), make((136, 200), torch.float32, "cuda"), \
+        make((136,), torch.float32, "cuda")
+    out = fastkern.linear(x, w, bias, activation="gelu")
+    ref = F.gelu(F.linear(x.double(), w.double(), bias.double()))
+    assert_within_torch_error(out, F.gelu(F.linear(x, w, bias)), ref, _tf32_strategy())
+
+
+@needs_cuda
+def test_tf32_copies_only_operands_that_are_not_k_major(tf32, monkeypatch):
+    """On Hopper under TF32, w.t() (F.linear's B) and a row-major a reach the kernel in place; a
+    row-major b (x @ w) is copied K-major. Elsewhere (simt_fp32) nothing is copied."""
+    calls = []
+    real = mm_ops._C.matmul
+    monkeypatch.setattr(mm_ops._C, "matmul", lambda *args: calls.append(args) or real(*args))
+    x, w = make((64, 128), torch.float32, "cuda"), make((96, 128), torch.float32, "cuda")
+    fastkern.linear(x, w)
+    fastkern.matmul(x, w.t().contiguous())
+    (linear, matmul) = calls
+    assert linear[0] == x.data_ptr() and linear[1] == w.data_ptr()
+    assert matmul[0] == x.data_ptr()
+    copied = matmul[12:15] == (0, 1, 128)  # b's batch, row and column strides: K-major, padded rows
+    assert copied == _hopper()
+
+
+@needs_cuda
+@pytest.mark.parametrize("view,allow,forced", [("row", True, False), ("col", True, False), ("mis", True, False),
+                                               ("row", False, False), ("col", True, True)],
+                         ids=["cuda-row-tf32", "cuda-col-tf32", "cuda-mis-tf32", "cuda-row-exact",
+                              "cuda-col-tf32-forced"])  # "cuda" in the id: tools/sanitize.sh selects by it
+def test_dispatch_table_tf32(view, allow, forced, tf32, monkeypatch):
+    """The fp32 rows: TF32 allowed on Hopper takes wgmma_sm90 for any operand view (copied K-major
+    where needed); exact fp32 or a forced general kernel stays on simt_fp32."""
+    torch.backends.cuda.matmul.allow_tf32 = allow
+    if forced:
+        monkeypatch.setenv("FASTKERN_MATMUL_FORCE_GENERAL", "1")
+    a, b = make((384, 192), torch.float32, "cuda"), layout(make((192, 256), torch.float32, "cuda"), view)
+    bias = make((256,), torch.float32, "cuda")
+    strategy = _tf32_strategy() if allow and not forced else "simt_fp32"
+    assert mm_ops._plan(a, b, bias, "gelu_tanh") == strategy
+    out = fastkern.matmul(a, b, bias=bias, activation="gelu_tanh")
+    ref = torch_forward(a.double(), b.double(), bias.double(), "gelu_tanh")
+    assert_within_torch_error(out, torch_forward(a, b, bias, "gelu_tanh"), ref, strategy)
+
+
 @needs_cuda
 def test_cuda_graph_capture_and_replay():
     x = torch.randn(256, 512, device="cuda", requires_grad=True)

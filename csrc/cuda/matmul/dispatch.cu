@@ -1,7 +1,10 @@
 // Matmul on the GPU: which strategy runs for which problem. First matching row wins.
 //
 // dtype   device   flags / shape                      strategy      tile                    why
-// fp32    any      (TF32 allowed or not)              simt_fp32     128 x 128               exact; TF32 not yet taken
+// fp32    sm_90    TF32 allowed, built for sm_90a,    wgmma_sm90    128 x 128, persistent    tf32 wgmma (K-major
+//                  not forced general, both operands                                         only; ops/matmul.py
+//                  K-major and TMA-describable                                               copies the others)
+// fp32    any      otherwise                          simt_fp32     128 x 128               exact
 // 16-bit  sm_90    built for sm_90a, not forced       wgmma_sm90    128 x 128, persistent    TMA + wgmma
 //                  general, operands TMA-describable
 //                  (16-byte aligned base and strides)
@@ -43,13 +46,16 @@ bool operand_aligned(const void *p, int64_t stride, int64_t batch_stride, int el
 Plan plan_matmul(const fk_matmul_args &x, int device) {
     Plan plan;
     if (compute_major(device) < 8) return plan;
+    const bool hopper = compute_major(device) == 9 && kBuiltForSm90a && !(x.flags & FK_MM_FORCE_GENERAL);
     if (x.dtype == FK_FLOAT32) {
-        plan.strategy = Strategy::kSimtFp32;
+        const bool tma_kmajor = x.k > 0 && a_kmajor(x) && b_kmajor(x) && operand_aligned(x.a, x.a_row, x.a_batch, 4) &&
+                                operand_aligned(x.b, x.b_col, x.b_batch, 4);
+        plan.strategy = hopper && (x.flags & FK_MM_TF32) && tma_kmajor ? Strategy::kWgmmaSm90 : Strategy::kSimtFp32;
         return plan;
     }
     plan.aligned = operand_aligned(x.a, a_kmajor(x) ? x.a_row : x.a_col, x.a_batch, 2) &&
                    operand_aligned(x.b, b_kmajor(x) ? x.b_col : x.b_row, x.b_batch, 2);
-    if (compute_major(device) == 9 && kBuiltForSm90a && plan.aligned && !(x.flags & FK_MM_FORCE_GENERAL)) {
+    if (hopper && plan.aligned) {
         plan.strategy = Strategy::kWgmmaSm90;
         return plan;
     }

@@ -1,5 +1,5 @@
-// matmul_wgmma_sm90: the Hopper GEMM for bf16 / fp16 (sm_90a). dispatch.cu row "16-bit, sm_90,
-// TMA-describable operands".
+// matmul_wgmma_sm90: the Hopper GEMM for bf16 / fp16, and fp32 under TF32 (sm_90a). dispatch.cu rows
+// "16-bit, sm_90, TMA-describable operands" and "fp32, TF32 allowed, sm_90, K-major operands".
 //
 // Napkin math: 4096^3 is 137 GFLOP: 0.18 ms at the H200's measured ~775 TFLOP/s (cuBLAS). A 128 x
 // 128 CTA tile moves (128 + 128) x 64 x 2 = 32 KB of operands a k-step for 2 x 128^2 x 64 = 2.1
@@ -15,6 +15,11 @@
 // M/N-major operands through the descriptors' transpose bits), keep one wgmma group in flight and
 // release the previous stage. The epilogue (bias, pre-activation, GELU) goes through shared memory
 // to TMA stores, or straight from registers where C's rows are not 16-byte aligned.
+// TF32 (fp32 operands): the same kernel in bytes. A 128-byte swizzled row holds 32 fp32 instead of
+// 64 halves, so a stage is still 32 KB (BK = 32) and a wgmma m64n128k8 step still 32 bytes along it;
+// the TMA rounds fp32 to tf32 on load (TFLOAT32 maps, round to nearest like cuBLAS). wgmma takes tf32
+// K-major only: ops/matmul.py copies other operands first (one pass over them). fp32 C needs 64 KB
+// of staging, so the ring has 5 stages. TF32 4096^3: 0.39 ms at cuBLAS's ~350 TFLOP/s (H200); untimed (D-87).
 #include "../hopper.cuh"
 #include "matmul.cuh"
 #include "wgmma_ops.cuh"
@@ -23,29 +28,36 @@
 namespace fk::mm {
 namespace {
 
-constexpr int kBM = 128, kBN = 128, kBK = 64, kStages = 6;
+constexpr int kBM = 128, kBN = 128;
 constexpr int kConsumers = 2, kThreads = 128 * (1 + kConsumers);
 constexpr int kBoxBytes = 64 * 64 * 2;                // one 64 x 64 TMA box of 16-bit elements (8 KB)
-constexpr int kStageBytes = (kBM + kBN) * kBK * 2;    // 32 KB
+// Per element type T: a 128-byte swizzled row holds kBK elements (the k-tile: 64 halves, 32 fp32),
+// a wgmma k-step covers 32 bytes of it (k16, or k8 for tf32), a 16-byte chunk kChunk elements.
+template <typename T> constexpr int kBK = 128 / (int)sizeof(T);
+template <typename T> constexpr int kStepK = 32 / (int)sizeof(T);
+template <typename T> constexpr int kChunk = 16 / (int)sizeof(T);
+template <typename T> constexpr int kStages = sizeof(T) == 4 ? 5 : 6;  // fp32 staging is 64 KB, not 32
+constexpr int kStageBytes = (kBM + kBN) * 128;        // 32 KB for every T
 
 // Named barriers: 0 is __syncthreads; consumer warpgroup c syncs its 128 threads on kConsumer0 + c.
 enum NamedBarrier { kConsumer0 = 1 };
 
 template <typename T> struct Smem {
-    alignas(1024) T a[kStages][kBM * kBK];
-    alignas(1024) T b[kStages][kBN * kBK];
-    alignas(1024) T out[kConsumers][64 * kBN];  // a consumer's 64 x 128 as two swizzled 64 x 64 boxes
-    uint64_t full[kStages], empty[kStages];
+    alignas(1024) T a[kStages<T>][kBM * kBK<T>];
+    alignas(1024) T b[kStages<T>][kBN * kBK<T>];
+    alignas(1024) T out[kConsumers][64 * kBN];  // a consumer's 64 x 128 as swizzled 64 x kBK boxes
+    uint64_t full[kStages<T>], empty[kStages<T>];
 };
-constexpr int kSmemBytes = sizeof(Smem<__half>) + 1024;  // + room to align the base to 1024 bytes
-static_assert(kSmemBytes <= 227 * 1024, "the operand ring and staging fit Hopper's shared memory");
+template <typename T> constexpr int kSmemBytes = sizeof(Smem<T>) + 1024;  // + room to align the base
+static_assert(kSmemBytes<__half> <= 227 * 1024 && kSmemBytes<float> <= 227 * 1024,
+              "the operand ring and staging fit Hopper's shared memory");
 
 // A ring position: the slot and the parity of its current pass.
-struct Stage {
+template <typename T> struct Stage {
     int slot = 0;
     uint32_t phase = 0;
     __device__ void next() {
-        if (++slot == kStages) slot = 0, phase ^= 1;
+        if (++slot == kStages<T>) slot = 0, phase ^= 1;
     }
 };
 
@@ -62,7 +74,7 @@ __device__ __forceinline__ Work work_of(int64_t tile, int tiles_m, int tiles_n) 
 template <typename T, bool kAKMajor, bool kBKMajor>
 __device__ __forceinline__ void producer(Smem<T> &s, const CUtensorMap *map_a, const CUtensorMap *map_b,
                                          const Params &p, int tiles_m, int tiles_n, int k_tiles) {
-    Stage st;
+    Stage<T> st;
     const int64_t total = (int64_t)tiles_m * tiles_n * p.batch;
     for (int64_t tile = blockIdx.x; tile < total; tile += gridDim.x) {
         const Work w = work_of(tile, tiles_m, tiles_n);
@@ -70,7 +82,7 @@ __device__ __forceinline__ void producer(Smem<T> &s, const CUtensorMap *map_a, c
         for (int kt = 0; kt < k_tiles; kt++, st.next()) {
             mbar_wait(&s.empty[st.slot], st.phase ^ 1);  // the first pass finds every slot free
             mbar_arrive_expect_tx(&s.full[st.slot], kStageBytes);
-            const int k0 = kt * kBK;
+            const int k0 = kt * kBK<T>;
             if constexpr (kAKMajor) {
                 tma_load_3d(s.a[st.slot], map_a, &s.full[st.slot], k0, (int)w.m0, ca);
             } else {
@@ -90,8 +102,9 @@ __device__ __forceinline__ void producer(Smem<T> &s, const CUtensorMap *map_a, c
 }
 
 // Each consumer writes its 64 x 128 tile (bias added, GELU applied, in T) into its staging buffer
-// in the TMA's 128-byte-swizzled box layout (a 16-byte chunk of row r sits at chunk ^ (r % 8), so
-// the 8 rows a warp writes at once fall in different banks); one thread stores the boxes by TMA
+// in the TMA's 128-byte-swizzled box layout, boxes of 64 rows x 128 bytes (a 16-byte chunk of row r
+// sits at chunk ^ (r % 8), so the 8 rows a warp writes at once fall in different banks); one thread
+// stores the boxes by TMA
 // (clipped at the matrix edges) and the warpgroup moves on while the copy drains. The
 // pre-activation, when asked, goes first through the same buffer.
 template <typename T>
@@ -119,18 +132,23 @@ __device__ __forceinline__ void epilogue_tma(Smem<T> &s, const CUtensorMap *map_
             for (int h = 0; h < 2; h++) {
                 float v0 = acc[4 * j + 2 * h] + b0, v1 = acc[4 * j + 2 * h + 1] + b1;
                 if (pass == 1) v0 = activate<T>(v0, p.activation), v1 = activate<T>(v1, p.activation);
-                const int r = row0 + 8 * h, cc = col % 64;
-                const int at = (col / 64) * 64 * 64 + r * 64 + (((cc / 8) ^ (r % 8)) * 8) + cc % 8;
-                T pair[2] = {from_f32<T>(v0), from_f32<T>(v1)};
-                *reinterpret_cast<uint32_t *>(out + at) = *reinterpret_cast<const uint32_t *>(pair);
+                constexpr int kBox = kBK<T>, kCh = kChunk<T>;  // a box row: 128 bytes of C
+                const int r = row0 + 8 * h, cc = col % kBox;
+                const int at = (col / kBox) * 64 * kBox + r * kBox + (((cc / kCh) ^ (r % 8)) * kCh) + cc % kCh;
+                if constexpr (std::is_same_v<T, float>) {
+                    *reinterpret_cast<float2 *>(out + at) = make_float2(v0, v1);
+                } else {
+                    T pair[2] = {from_f32<T>(v0), from_f32<T>(v1)};
+                    *reinterpret_cast<uint32_t *>(out + at) = *reinterpret_cast<const uint32_t *>(pair);
+                }
             }
         }
         fence_proxy_async_shared();
         named_barrier_sync(kConsumer0 + c, 128);
         if (t == 0) {
 #pragma unroll
-            for (int box = 0; box < kBN / 64; box++)
-                tma_store_3d(pass == 0 ? map_pre : map_c, out + box * 64 * 64, (int)w.n0 + box * 64,
+            for (int box = 0; box < kBN / kBK<T>; box++)
+                tma_store_3d(pass == 0 ? map_pre : map_c, out + box * 64 * kBK<T>, (int)w.n0 + box * kBK<T>,
                              (int)w.m0 + c * 64, (int)w.batch);
             bulk_commit_group();
         }
@@ -141,7 +159,7 @@ template <typename T, bool kAKMajor, bool kBKMajor>
 __device__ __forceinline__ void consumer(Smem<T> &s, const CUtensorMap *map_c, const CUtensorMap *map_pre,
                                          const Params &p, int tiles_m, int tiles_n, int k_tiles) {
     const int c = threadIdx.x / 128 - 1, t = threadIdx.x % 128;
-    Stage st;
+    Stage<T> st;
     float acc[kBN / 2];
     const int64_t total = (int64_t)tiles_m * tiles_n * p.batch;
     for (int64_t tile = blockIdx.x; tile < total; tile += gridDim.x) {
@@ -152,15 +170,19 @@ __device__ __forceinline__ void consumer(Smem<T> &s, const CUtensorMap *map_c, c
             mbar_wait(&s.full[st.slot], st.phase);
             wgmma_fence();
 #pragma unroll
-            for (int kk = 0; kk < kBK / 16; kk++) {
-                // K-major: 128-byte rows of K, 8-row groups 1024 bytes apart, k16 = 32 bytes along a row.
-                // M/N-major: 64 x 64 boxes (8 KB apart) of 128-byte K rows, k16 = 16 rows = 2048 bytes.
+            for (int kk = 0; kk < kBK<T> / kStepK<T>; kk++) {
+                // K-major: 128-byte rows of K, 8-row groups 1024 bytes apart, a k-step = 32 bytes along a row.
+                // M/N-major (16-bit): 64 x 64 boxes (8 KB apart) of 128-byte K rows, k16 = 16 rows = 2048 bytes.
                 const uint64_t da = kAKMajor
-                    ? smem_desc_sw128(s.a[st.slot] + c * 64 * kBK + kk * 16, 16, 1024)
+                    ? smem_desc_sw128(s.a[st.slot] + c * 64 * kBK<T> + kk * kStepK<T>, 16, 1024)
                     : smem_desc_sw128(s.a[st.slot] + c * 64 * 64 + kk * 16 * 64, kBoxBytes, 1024);
-                const uint64_t db = kBKMajor ? smem_desc_sw128(s.b[st.slot] + kk * 16, 16, 1024)
+                const uint64_t db = kBKMajor ? smem_desc_sw128(s.b[st.slot] + kk * kStepK<T>, 16, 1024)
                                              : smem_desc_sw128(s.b[st.slot] + kk * 16 * 64, kBoxBytes, 1024);
-                wgmma_m64n128k16<T, !kAKMajor, !kBKMajor>(acc, da, db, kt > 0 || kk > 0);
+                if constexpr (std::is_same_v<T, float>) {
+                    wgmma_m64n128k8_tf32(acc, da, db, kt > 0 || kk > 0);
+                } else {
+                    wgmma_m64n128k16<T, !kAKMajor, !kBKMajor>(acc, da, db, kt > 0 || kk > 0);
+                }
             }
             wgmma_commit();
             wgmma_wait<1>();  // the previous stage's wgmmas are done: release it
@@ -197,11 +219,12 @@ template <typename T, bool kAKMajor, bool kBKMajor>
 __global__ void __launch_bounds__(kThreads, 1)
     matmul_wgmma_sm90(const __grid_constant__ CUtensorMap map_a, const __grid_constant__ CUtensorMap map_b,
                       const __grid_constant__ CUtensorMap map_c, const __grid_constant__ CUtensorMap map_pre, Params p) {
+    static_assert(!std::is_same_v<T, float> || (kAKMajor && kBKMajor), "wgmma takes tf32 K-major only");
 #if FK_SM90A
     extern __shared__ unsigned char smem_raw[];
     auto &s = *reinterpret_cast<Smem<T> *>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
     if (threadIdx.x == 0) {
-        for (int i = 0; i < kStages; i++) mbar_init(&s.full[i], 1), mbar_init(&s.empty[i], kConsumers);
+        for (int i = 0; i < kStages<T>; i++) mbar_init(&s.full[i], 1), mbar_init(&s.empty[i], kConsumers);
         fence_barrier_init();
         prefetch_tensormap(&map_a);
         prefetch_tensormap(&map_b);
@@ -209,7 +232,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     __syncthreads();
     grid_dependency_sync();
     const int tiles_m = (int)((p.m + kBM - 1) / kBM), tiles_n = (int)((p.n + kBN - 1) / kBN);
-    const int k_tiles = (int)((p.k + kBK - 1) / kBK);
+    const int k_tiles = (int)((p.k + kBK<T> - 1) / kBK<T>);
     if (threadIdx.x < 128) {
         setmaxnreg_dec<40>();
         if (threadIdx.x == 0) producer<T, kAKMajor, kBKMajor>(s, &map_a, &map_b, p, tiles_m, tiles_n, k_tiles);
@@ -222,41 +245,53 @@ __global__ void __launch_bounds__(kThreads, 1)
 
 // ---- host: tensor maps and launch ---------------------------------------------------------------
 
-// A 3-d map (inner, outer, batch) of 16-bit elements in 64 x box_outer boxes, 128-byte swizzle; a
-// batch stride of 0 (a broadcast operand) is one batch, always read at batch 0.
-bool encode(CUtensorMap *map, fk_dtype dtype, const void *base, int64_t inner, int64_t outer, int64_t stride,
-            int64_t batch, int64_t batch_stride, int box_outer) {
+// How a map reads its elements: C (and pre) are stored as they are; fp32 operands are read as tf32,
+// the TMA rounding each element to nearest on the way to shared memory.
+enum class MapUse { kOperand, kOutput };
+CUtensorMapDataType map_type(fk_dtype dtype, MapUse use) {
+    if (dtype == FK_FLOAT32)
+        return use == MapUse::kOperand ? CU_TENSOR_MAP_DATA_TYPE_TFLOAT32 : CU_TENSOR_MAP_DATA_TYPE_FLOAT32;
+    return dtype == FK_BFLOAT16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16;
+}
+
+// A 3-d map (inner, outer, batch) in boxes of 128 bytes (64 16-bit / 32 fp32 elements) x box_outer,
+// 128-byte swizzle; a batch stride of 0 (a broadcast operand) is one batch, always read at batch 0.
+bool encode(CUtensorMap *map, fk_dtype dtype, MapUse use, const void *base, int64_t inner, int64_t outer,
+            int64_t stride, int64_t batch, int64_t batch_stride, int box_outer) {
     auto fn = tensor_map_encoder();
     if (!fn) return false;
+    const int elem = fk_dtype_size(dtype);
     const cuuint64_t dims[3] = {(cuuint64_t)inner, (cuuint64_t)outer, (cuuint64_t)(batch_stride ? batch : 1)};
-    const cuuint64_t strides[2] = {(cuuint64_t)stride * 2,
-                                   (cuuint64_t)(batch_stride ? batch_stride : stride * outer) * 2};
-    const cuuint32_t box[3] = {64, (cuuint32_t)box_outer, 1}, elem_strides[3] = {1, 1, 1};
-    return fn(map, dtype == FK_BFLOAT16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16, 3,
-              const_cast<void *>(base), dims, strides, box, elem_strides, CU_TENSOR_MAP_INTERLEAVE_NONE,
-              CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+    const cuuint64_t strides[2] = {(cuuint64_t)(stride * elem),
+                                   (cuuint64_t)((batch_stride ? batch_stride : stride * outer) * elem)};
+    const cuuint32_t box[3] = {(cuuint32_t)(128 / elem), (cuuint32_t)box_outer, 1}, elem_strides[3] = {1, 1, 1};
+    return fn(map, map_type(dtype, use), 3, const_cast<void *>(base), dims, strides, box, elem_strides,
+              CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
               CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
 }
 
 template <typename T, bool kAKMajor, bool kBKMajor>
 fk_status launch(const Params &p, fk_dtype dtype, int device, cudaStream_t stream) {
+    constexpr MapUse kIn = MapUse::kOperand, kOut = MapUse::kOutput;
     CUtensorMap map_a, map_b, map_c = {}, map_pre = {};
-    const bool ok_a = kAKMajor ? encode(&map_a, dtype, p.a, p.k, p.m, p.a_row, p.batch, p.a_batch, kBM)
-                               : encode(&map_a, dtype, p.a, p.m, p.k, p.a_col, p.batch, p.a_batch, 64);
-    const bool ok_b = kBKMajor ? encode(&map_b, dtype, p.b, p.k, p.n, p.b_col, p.batch, p.b_batch, kBN)
-                               : encode(&map_b, dtype, p.b, p.n, p.k, p.b_row, p.batch, p.b_batch, 64);
+    const bool ok_a = kAKMajor ? encode(&map_a, dtype, kIn, p.a, p.k, p.m, p.a_row, p.batch, p.a_batch, kBM)
+                               : encode(&map_a, dtype, kIn, p.a, p.m, p.k, p.a_col, p.batch, p.a_batch, 64);
+    const bool ok_b = kBKMajor ? encode(&map_b, dtype, kIn, p.b, p.k, p.n, p.b_col, p.batch, p.b_batch, kBN)
+                               : encode(&map_b, dtype, kIn, p.b, p.n, p.k, p.b_row, p.batch, p.b_batch, 64);
     if (!ok_a || !ok_b) return fk_fail(FK_ERR_RUNTIME, "matmul: cuTensorMapEncodeTiled failed");
     // C (and pre) through TMA stores when their rows are 16-byte aligned; else stores from registers.
     Params q = p;
-    q.tma_store = aligned16(p.c) && (p.pre == nullptr || aligned16(p.pre)) && (p.c_row * 2) % 16 == 0 &&
-                  (p.c_batch * 2) % 16 == 0 && encode(&map_c, dtype, p.c, p.n, p.m, p.c_row, p.batch, p.c_batch, 64) &&
-                  (p.pre == nullptr || encode(&map_pre, dtype, p.pre, p.n, p.m, p.c_row, p.batch, p.c_batch, 64));
+    constexpr int kElem = (int)sizeof(T);
+    q.tma_store = aligned16(p.c) && (p.pre == nullptr || aligned16(p.pre)) && (p.c_row * kElem) % 16 == 0 &&
+                  (p.c_batch * kElem) % 16 == 0 &&
+                  encode(&map_c, dtype, kOut, p.c, p.n, p.m, p.c_row, p.batch, p.c_batch, 64) &&
+                  (p.pre == nullptr || encode(&map_pre, dtype, kOut, p.pre, p.n, p.m, p.c_row, p.batch, p.c_batch, 64));
     constexpr auto kernel = matmul_wgmma_sm90<T, kAKMajor, kBKMajor>;
-    cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes);
+    cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes<T>);
     if (e != cudaSuccess) return cuda_status(e, "matmul");
     const int64_t tiles = ((p.m + kBM - 1) / kBM) * ((p.n + kBN - 1) / kBN) * p.batch;
     const unsigned grid = (unsigned)std::min<int64_t>(tiles, sm_count(device));
-    return Launch(dim3(grid), dim3(kThreads), kSmemBytes, stream, device)("matmul", kernel, map_a, map_b, map_c,
+    return Launch(dim3(grid), dim3(kThreads), kSmemBytes<T>, stream, device)("matmul", kernel, map_a, map_b, map_c,
                                                                           map_pre, q);
 }
 
@@ -269,9 +304,14 @@ fk_status launch_majors(const Params &p, fk_dtype dtype, bool a_kmajor, bool b_k
 
 }  // namespace
 
-// 2 dtypes x 4 operand majors = 8 instances.
+// 2 16-bit dtypes x 4 operand majors + fp32 (tf32) with both operands K-major = 9 instances.
 fk_status launch_wgmma_sm90(const Plan &, const Params &p, fk_dtype dtype, bool a_kmajor, bool b_kmajor,
                             int device, cudaStream_t stream) {
+    if (dtype == FK_FLOAT32) {
+        if (!a_kmajor || !b_kmajor)  // dispatch.cu sends fp32 here only with both operands K-major
+            return fk_fail(FK_ERR_RUNTIME, "matmul: the tf32 kernel needs K-major operands");
+        return launch<float, true, true>(p, dtype, device, stream);
+    }
     if (dtype == FK_BFLOAT16) return launch_majors<__nv_bfloat16>(p, dtype, a_kmajor, b_kmajor, device, stream);
     return launch_majors<__half>(p, dtype, a_kmajor, b_kmajor, device, stream);
 }

@@ -9,8 +9,11 @@ strides (no copies), and sums over the batch dims an operand was broadcast along
 separate backward op: the backward is built from fastkern::matmul and fastkern::gelu_backward.
 
 Operands are used in place when each matrix is row-major or column-major (x, w.t(), x.mT); other
-strides are copied first. When b is 2-D, a's batch dims fold into its rows (one GEMM).
+strides are copied first. When b is 2-D, a's batch dims fold into its rows (one GEMM). fp32 under
+TF32 on Hopper is the exception: the tf32 wgmma reads both operands K-major only (a row-major, b
+column-major as in F.linear's weight.t()), so others are copied K-major first, one pass over them.
 """
+import functools
 import os
 
 import torch
@@ -109,19 +112,32 @@ def _misaligned(t, strides, step=0):
         t.data_ptr() % 16 or max(strides) % 8 or step % 8)
 
 
-def _operand(t, batch):
+def _kmajor_tf32(t, strides, side, step):
+    """Whether a fp32 operand reaches the tf32 kernel as it is: K-major (a's columns, b's rows
+    contiguous) with its base and other strides 16-byte multiples (dispatch.cu's TF32 row)."""
+    inner, outer = (strides[1], strides[0]) if side == "a" else (strides[0], strides[1])
+    return inner == 1 and outer != 1 and outer % 4 == 0 and step % 4 == 0 and t.data_ptr() % 16 == 0
+
+
+def _operand(t, batch, tf32_side=None):
     """(tensor, batch stride, row stride, col stride) of `t` seen as batch + its matrix: the tensor
     itself when its matrices are row- or column-major, else a contiguous copy (copies before
     broadcasting, so a broadcast operand is never materialized unless its batch dims cannot
     collapse into one stride). A 16-bit CUDA operand whose rows are not 16-byte aligned (a 1793-wide
     matrix, an offset view) is copied into padded rows: one pass over it buys the TMA / cp.async
-    kernels, where the element-load path ran at a third of their rate (docs/decisions.md, D-77)."""
+    kernels, where the element-load path ran at a third of their rate (docs/decisions.md, D-77).
+    tf32_side ("a" or "b", fp32 under TF32 on Hopper): an operand that is not K-major and 16-byte
+    aligned is copied into padded K-major rows, so the tf32 wgmma kernel takes it."""
     rows, cols = t.shape[-2], t.shape[-1]
     stride = t.stride()
     strides = _layout(rows, cols, stride[-2], stride[-1])
     if strides is None:
         t = t.contiguous()
         strides = _layout(rows, cols, cols, 1)
+    if tf32_side is not None and not _kmajor_tf32(t, strides, tf32_side, _batch_stride(
+            t.shape[:-2], t.stride()[:-2]) or 0 if t.dim() > 2 else 0):
+        t = _padded(t, rows, cols) if tf32_side == "a" else _padded(t.mT, cols, rows).mT
+        strides = _layout(rows, cols, t.stride(-2), t.stride(-1))
     if _misaligned(t, strides, _batch_stride(t.shape[:-2], t.stride()[:-2]) or 0 if t.dim() > 2 else 0):
         t = _padded(t, rows, cols)
         strides = _layout(rows, cols, t.stride(-2), 1)
@@ -135,6 +151,14 @@ def _operand(t, batch):
     return t, step, *strides
 
 
+@functools.lru_cache(maxsize=None)
+def _tf32_wgmma(device, flags):
+    """Whether fp32 K-major operands under these flags take the tf32 wgmma kernel on this device:
+    dispatch.cu's own answer for a 128^3 problem (its arch, build and flag checks, asked once)."""
+    k_major = (0, 0, 0, 0, 0, 1, 128, 128, 128, 0, 128, 1, 0, 1, 128, 0, 128, 0, 0, flags)
+    return _C.matmul_plan(*k_major, device) == "wgmma_sm90"
+
+
 def _flags(t):
     flags = _MM_FORCE_GENERAL if os.environ.get("FASTKERN_MATMUL_FORCE_GENERAL") == "1" else 0
     if t.is_cuda and t.dtype == torch.float32 and (
@@ -146,6 +170,11 @@ def _flags(t):
 def _arguments(a, b, bias, plan, want_pre):
     """(out, pre, the C call's arguments up to flags) for validated inputs."""
     batch, m, n, k, code, act = plan
+    flags = _flags(a)
+    # fp32 under TF32 on Hopper: K-major copies where needed (n == 1 or k == 0 stay on simt_fp32)
+    tf32 = (flags & _MM_TF32 and m > 0 and n > 1 and k > 0 and B.CUDA_COMPILED
+            and _tf32_wgmma(a.get_device(), flags))
+    side_a, side_b = ("a", "b") if tf32 else (None, None)
     rows_folded = b.dim() == 2 and a.dim() > 2
     if rows_folded:  # one GEMM of (prod(batch) * m, k) @ (k, n) when a's rows lie evenly
         try:
@@ -153,13 +182,13 @@ def _arguments(a, b, bias, plan, want_pre):
         except RuntimeError:
             rows_folded = False
     if rows_folded:
-        n_batch, m_run, a_args = 1, a.shape[0], _operand(a, ())
-        b_args = _operand(b, ())
+        n_batch, m_run, a_args = 1, a.shape[0], _operand(a, (), side_a)
+        b_args = _operand(b, (), side_b)
     else:
         n_batch, m_run = 1, m
         for size in batch:
             n_batch *= size
-        a_args, b_args = _operand(a, batch), _operand(b, batch)
+        a_args, b_args = _operand(a, batch, side_a), _operand(b, batch, side_b)
     out = torch.empty(*batch, m, n, dtype=a.dtype, device=a.device)
     # pre: written with an activation when wanted; an empty stand-in for the op's second output
     # otherwise, and none at all on the direct path (want_pre=False)
@@ -168,7 +197,7 @@ def _arguments(a, b, bias, plan, want_pre):
     args = (a_args[0].data_ptr(), b_args[0].data_ptr(), B.ptr(bias), out.data_ptr(),
             pre.data_ptr() if pre is not None and pre.numel() else 0, n_batch, m_run, n, k,
             *a_args[1:], *b_args[1:],
-            0 if rows_folded else m * n, n, code, act, _flags(a))
+            0 if rows_folded else m * n, n, code, act, flags)
     return out, pre, args, (a_args[0], b_args[0], bias)
 
 
