@@ -88,6 +88,25 @@ __device__ __forceinline__ void tma_store_3d(const CUtensorMap *map, const void 
                  : "memory");
 #endif
 }
+// 1-d bulk copy of `bytes` (a multiple of 16, both addresses 16-byte aligned) global -> smem,
+// completing `bytes` on `bar`.
+__device__ __forceinline__ void bulk_load(void *dst, const void *src, uint32_t bytes, uint64_t *bar) {
+#if FK_SM90A
+    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::"r"(
+                     cvta_shared(dst)),
+                 "l"(src), "r"(bytes), "r"(cvta_shared(bar))
+                 : "memory");
+#endif
+}
+// 1-d bulk reduction: dst[i] += src[i] (fp32, `bytes` a multiple of 16, 16-byte aligned) from smem
+// into global memory, element-wise atomic, in this thread's bulk group.
+__device__ __forceinline__ void bulk_reduce_add_f32(float *dst, const float *src, uint32_t bytes) {
+#if FK_SM90A
+    asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;\n" ::"l"(dst),
+                 "r"(cvta_shared(src)), "r"(bytes)
+                 : "memory");
+#endif
+}
 __device__ __forceinline__ void bulk_commit_group() {
 #if FK_SM90A
     asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
