@@ -130,6 +130,16 @@ __device__ __forceinline__ void fence_proxy_async_shared() {
     asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
 #endif
 }
+// Stores four 8 x 8 16-bit matrices transposed: register j of lane l holds row l / 4, columns
+// 2 (l % 4) and + 1 of matrix j (the mma / wgmma accumulator layout); lane l gives the address of row
+// l % 8 of the transposed matrix l / 8 (16 contiguous bytes: column l % 8 of the original).
+__device__ __forceinline__ void stmatrix_x4_trans(void *p, const uint32_t (&r)[4]) {
+#if FK_SM90A
+    asm volatile("stmatrix.sync.aligned.m8n8.x4.trans.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(cvta_shared(p)),
+                 "r"(r[0]), "r"(r[1]), "r"(r[2]), "r"(r[3])
+                 : "memory");
+#endif
+}
 // bar.sync on named barrier `id` (1..15; 0 is __syncthreads) for `count` threads.
 __device__ __forceinline__ void named_barrier_sync(int id, int count) {
     asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(count) : "memory");

@@ -31,6 +31,10 @@
 
 #include <cudaTypedefs.h>
 
+#ifndef FK_ATTN_BWD_STMATRIX  // A/B switch: dS to shared memory by stmatrix .trans (else 2-byte stores)
+#define FK_ATTN_BWD_STMATRIX 1
+#endif
+
 namespace fk::attn {
 namespace {
 
@@ -92,14 +96,13 @@ __device__ __forceinline__ int dq_index(int row, int col) {
 }
 
 // The CTA's job: keys [n0, n0 + kBN) of kv head g of sequence b; query tiles [t_lo, t_lo + nq) of
-// each of the group's heads: iteration it is head g x group + it / nq, tile t_lo + it % nq.
+// each of the group's heads: iteration it is head g x group + it / nq, tile t_lo + it % nq. ([[maybe_unused]] here
+// and below: other targets compile the kernel body out.)
 struct Job {
     Seq s;
     int b, g, group, n0, t_lo, nq;
-    __device__ int head(int it) const { return g * group + it / nq; }
-    __device__ int m0(int it) const { return (t_lo + it % nq) * kBM; }
 };
-__device__ __forceinline__ Job job_of(const Params &p) {
+[[maybe_unused]] __device__ __forceinline__ Job job_of(const Params &p) {
     Job j;
     j.b = blockIdx.z, j.g = blockIdx.y, j.group = (int)(p.heads / p.kv_heads), j.n0 = blockIdx.x * kBN;
     j.s = seq_of(p, j.b);
@@ -123,7 +126,7 @@ __device__ __forceinline__ void producer(Smem<T, D> &s, const CUtensorMap *map_q
     }
     Stage<kStages> st;
     for (int it = 0; it < j.nq * j.group; it++) {
-        const int h = j.head(it), m0 = j.m0(it);
+        const int h = j.g * j.group + it / j.nq, m0 = (j.t_lo + it % j.nq) * kBM;
         mbar_wait(&s.empty[st.slot], st.phase ^ 1);  // the first pass finds every slot free
         mbar_arrive_expect_tx(&s.full[st.slot], kStageBytes);
 #pragma unroll
@@ -229,26 +232,39 @@ template <typename T> __device__ __forceinline__ void pack_a(uint32_t (&a)[kBM /
 }
 
 // dSᵀ (registers) -> dS in box c of s.ds: row = query, column = key, 128-byte swizzle (16-byte
-// chunk index XOR row % 8), as TMA lays out Q.
+// chunk index XOR row % 8), as TMA lays out Q. stmatrix: da[kk][m] is the 8 x 8 block (keys
+// 16 w + 8 (m % 2) + 0..7, queries 8 (2 kk + m / 2) + 0..7); stored transposed, its row r (query)
+// is the 16-byte chunk of keys 2 w + m % 2 of dS row 8 (2 kk + m / 2) + r.
 template <typename T, int D>
-__device__ __forceinline__ void store_ds(Smem<T, D> &s, const float (&dp)[32], int c) {
-    const int t = threadIdx.x % 128, lane = t % 32;
+__device__ __forceinline__ void store_ds(Smem<T, D> &s, const float (&dp)[32], const uint32_t (&da)[kBM / 16][4],
+                                         int c) {
+    const int t = threadIdx.x % 128, w = t / 32, lane = t % 32;
     T *box = s.ds + c * kBM * kBoxCols;
+    if constexpr (FK_ATTN_BWD_STMATRIX) {
+        const int m = lane / 8, r = lane % 8;
 #pragma unroll
-    for (int hr = 0; hr < 2; hr++) {
-        const int key = 16 * (t / 32) + lane / 4 + 8 * hr;
+        for (int kk = 0; kk < kBM / 16; kk++) {
+            const int row = 8 * (2 * kk + m / 2) + r;
+            stmatrix_x4_trans(box + row * kBoxCols + (((2 * w + m % 2) ^ r) * 8), da[kk]);
+        }
+    } else {
 #pragma unroll
-        for (int jj = 0; jj < 8; jj++)
+        for (int hr = 0; hr < 2; hr++) {
+            const int key = 16 * w + lane / 4 + 8 * hr;
 #pragma unroll
-            for (int e = 0; e < 2; e++) {
-                const int row = 8 * jj + 2 * (lane & 3) + e;
-                box[row * kBoxCols + (((key / 8) ^ (row % 8)) * 8) + key % 8] = from_f32<T>(dp[4 * jj + 2 * hr + e]);
-            }
+            for (int jj = 0; jj < 8; jj++)
+#pragma unroll
+                for (int e = 0; e < 2; e++) {
+                    const int row = 8 * jj + 2 * (lane & 3) + e;
+                    box[row * kBoxCols + (((key / 8) ^ (row % 8)) * 8) + key % 8] =
+                        from_f32<T>(dp[4 * jj + 2 * hr + e]);
+                }
+        }
     }
 }
 
 // dQ accumulator -> region c of s.dq in accumulator order: float4 q of thread t at (q x 128 + t) x 4.
-__device__ __forceinline__ void store_dq(float *dq_smem, const float (&dq)[32], int c) {
+[[maybe_unused]] __device__ __forceinline__ void store_dq(float *dq_smem, const float (&dq)[32], int c) {
     const int t = threadIdx.x % 128;
 #pragma unroll
     for (int q = 0; q < 8; q++)
@@ -290,7 +306,7 @@ __device__ __forceinline__ void consumer(Smem<T, D> &s, const Params &p, const W
     const int iters = j.nq * j.group;
     if (iters > 0) mbar_wait(&s.kv_full, 0);
     for (int it = 0; it < iters; it++) {
-        const int h = j.head(it), m0 = j.m0(it);
+        const int h = j.g * j.group + it / j.nq, m0 = (j.t_lo + it % j.nq) * kBM;
         mbar_wait(&s.full[st.slot], st.phase);
         wgmma_fence();
         issue_s_dp<T, D>(sc, dp, s, st.slot, c);
@@ -301,7 +317,7 @@ __device__ __forceinline__ void consumer(Smem<T, D> &s, const Params &p, const W
         softmax_grad<T, D>(sc, dp, s, st.slot, p, j.s, m0, j.n0 + 64 * c, key0);
         pack_a<T>(pa, sc);
         pack_a<T>(da, dp);
-        store_ds<T, D>(s, dp, c);  // the previous dS was last read before kDqReady
+        store_ds<T, D>(s, dp, da, c);  // the previous dS was last read before kDqReady
         wgmma_fence();
         issue_rs<T, D>(dv, pa, s.dout[st.slot]);
         issue_rs<T, D>(dk, da, s.q[st.slot]);
