@@ -20,10 +20,11 @@
 // (TMA) and lse, D (1-d bulk copies) through a two-stage mbarrier ring. Consumer warpgroup c owns
 // keys 64 c .. 64 c + 63: Sᵀ = K Qᵀ and dPᵀ = V dOᵀ (wgmma SS), Pᵀ = 2^(Sᵀ scale log2 e - lse
 // log2 e) (masked), dSᵀ = Pᵀ (dPᵀ - D); dV += Pᵀ dO and dK += dSᵀ Q (wgmma, Pᵀ / dSᵀ from registers:
-// the accumulator layout is the A layout); dS goes to shared memory (K-major, 128-byte swizzle) and
-// dQ = dS K (wgmma SS) splits the head dim (D 128) or the keys (D 64) between the warpgroups; dQ
-// goes to shared memory in accumulator order and one thread adds it to the fp32 workspace by a bulk
-// reduction (cp.reduce.async.bulk .add.f32). attention_bwd_dq_convert_sm90 writes dq = scale dQ.
+// the accumulator layout is the A layout); dS goes to shared memory (stmatrix .trans: K-major,
+// 128-byte swizzle) and dQ = dS K (wgmma SS) splits the head dim (D 128) or the keys (D 64)
+// between the warpgroups; dQ goes to shared memory in accumulator order and one thread adds it to
+// the fp32 workspace by a bulk reduction (cp.reduce.async.bulk .add.f32);
+// attention_bwd_dq_convert_sm90 writes dq = scale dQ.
 // Why: the sm_80 kernel does 7 products where this does 5, with mma.sync (155 TFLOP/s, H200).
 #include "../hopper.cuh"
 #include "../matmul/wgmma_ops.cuh"
@@ -96,8 +97,8 @@ __device__ __forceinline__ int dq_index(int row, int col) {
 }
 
 // The CTA's job: keys [n0, n0 + kBN) of kv head g of sequence b; query tiles [t_lo, t_lo + nq) of
-// each of the group's heads: iteration it is head g x group + it / nq, tile t_lo + it % nq. ([[maybe_unused]] here
-// and below: other targets compile the kernel body out.)
+// each of the group's heads: iteration it is head g x group + it / nq, tile t_lo + it % nq.
+// ([[maybe_unused]] here and below: other targets compile the kernel body out.)
 struct Job {
     Seq s;
     int b, g, group, n0, t_lo, nq;

@@ -89,7 +89,7 @@ Plan plan_attention(const fk_attention_args &x, int backward, int sms, int major
     if (nothing_to_do(x, backward)) return plan;
     plan.d_bucket = d_bucket(x.d);
     if (backward) {
-        if (!(x.flags & FK_ATTN_DETERMINISTIC) && major == 9 && kBuiltForSm90a && !(x.flags & FK_ATTN_FORCE_GENERAL) &&
+        if (!(x.flags & (FK_ATTN_DETERMINISTIC | FK_ATTN_FORCE_GENERAL)) && major == 9 && kBuiltForSm90a &&
             (x.d == 64 || x.d == 128) && x.sq > 0 && x.sk > 0 && x.cu_seqlens_q == nullptr &&
             tma_ok(x.q, x.q_row, x.q_head, x.q_batch, x, x.heads) &&
             tma_ok(x.k, x.k_row, x.k_head, x.k_batch, x, x.kv_heads) &&
