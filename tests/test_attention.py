@@ -577,7 +577,8 @@ def _sms():
 
 
 # csrc/cuda/attention/dispatch.cu's table, row by row (shapes sized for a GPU of 100-150 SMs):
-# (id, qkv(b, sq, sk, h, hkv, d), causal, forced general) -> forward strategy. Backward: bwd_mma_sm80.
+# (id, qkv(b, sq, sk, h, hkv, d), causal, forced general) -> forward strategy. Backward: bwd_wgmma_sm90
+# on Hopper at d 64 / 128 unless forced, else bwd_mma_sm80 (_bwd_strategy).
 ATTENTION_ROWS = [
     ("split", (1, 1, 4096, 8, 2, 128), False, False, lambda: "fwd_split_mma_sm80"),
     ("split-forced", (2, 100, 2048, 4, 4, 64), True, True, lambda: "fwd_split_mma_sm80"),
@@ -589,6 +590,10 @@ ATTENTION_ROWS = [
     ("forced", (2, 1000, 1100, 16, 16, 128), True, True, lambda: "fwd_mma_sm80"),
     ("gqa-packed", (40, 16, 200, 32, 4, 128), False, False, lambda: "fwd_mma_sm80"),
 ]
+
+
+def _bwd_strategy(shape, forced):
+    return "bwd_wgmma_sm90" if _hopper() and not forced and shape[5] in (64, 128) else "bwd_mma_sm80"
 
 
 @needs_cuda
@@ -603,7 +608,7 @@ def test_dispatch_table(shape, causal, forced, strategy, monkeypatch, poison):
         monkeypatch.setenv("FASTKERN_ATTENTION_FORCE_GENERAL", "1")
     q, k, v = qkv(*shape, torch.bfloat16, "cuda")
     assert attention_ops._plan(q, k, v, causal=causal) == strategy()
-    assert attention_ops._plan(q, k, v, causal=causal, backward=True) == "bwd_mma_sm80"
+    assert attention_ops._plan(q, k, v, causal=causal, backward=True) == _bwd_strategy(shape, forced)
     check(q, k, v, causal=causal)
 
 

@@ -89,6 +89,25 @@ __device__ __forceinline__ void tma_store_3d(const CUtensorMap *map, const void 
                  : "memory");
 #endif
 }
+// 1-d bulk copy of `bytes` (a multiple of 16, both addresses 16-byte aligned) global -> smem,
+// completing `bytes` on `bar`.
+__device__ __forceinline__ void bulk_load(void *dst, const void *src, uint32_t bytes, uint64_t *bar) {
+#if FK_SM90A
+    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::"r"(
+                     cvta_shared(dst)),
+                 "l"(src), "r"(bytes), "r"(cvta_shared(bar))
+                 : "memory");
+#endif
+}
+// 1-d bulk reduction: dst[i] += src[i] (fp32, `bytes` a multiple of 16, 16-byte aligned) from smem
+// into global memory, element-wise atomic, in this thread's bulk group.
+__device__ __forceinline__ void bulk_reduce_add_f32(float *dst, const float *src, uint32_t bytes) {
+#if FK_SM90A
+    asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;\n" ::"l"(dst),
+                 "r"(cvta_shared(src)), "r"(bytes)
+                 : "memory");
+#endif
+}
 __device__ __forceinline__ void bulk_commit_group() {
 #if FK_SM90A
     asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
@@ -110,6 +129,16 @@ template <int N> __device__ __forceinline__ void bulk_wait_group() {
 __device__ __forceinline__ void fence_proxy_async_shared() {
 #if FK_SM90A
     asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+#endif
+}
+// Stores four 8 x 8 16-bit matrices transposed: register j of lane l holds row l / 4, columns
+// 2 (l % 4) and + 1 of matrix j (the mma / wgmma accumulator layout); lane l gives the address of row
+// l % 8 of the transposed matrix l / 8 (16 contiguous bytes: column l % 8 of the original).
+__device__ __forceinline__ void stmatrix_x4_trans(void *p, const uint32_t (&r)[4]) {
+#if FK_SM90A
+    asm volatile("stmatrix.sync.aligned.m8n8.x4.trans.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(cvta_shared(p)),
+                 "r"(r[0]), "r"(r[1]), "r"(r[2]), "r"(r[3])
+                 : "memory");
 #endif
 }
 // bar.sync on named barrier `id` (1..15; 0 is __syncthreads) for `count` threads.

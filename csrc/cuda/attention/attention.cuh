@@ -37,7 +37,8 @@ struct Params {
     bool pack_gqa;                    // forward: a CTA's rows are (query, head of the kv head's group)
     int splits;                       // forward: key ranges per query tile (1: no split)
     float *part_out, *part_lse;       // split forward: partial outputs (fp32) and their lse
-    float *dvec;                      // backward: rowsum(dO * O), (batch, heads, sq) fp32
+    float *dvec;                      // backward: rowsum(dO * O), (batch, heads, sq) fp32 (bwd_wgmma_sm90:
+                                      // its whole workspace, laid out there)
 };
 
 // A/B switches (FASTKERN_NVCC_FLAGS=-D...): the key tile of the forward and of the dQ kernel at
@@ -57,7 +58,7 @@ struct Params {
 
 // ---- host side ----------------------------------------------------------------------------------
 
-enum class Strategy { kEmpty, kFwdMmaSm80, kFwdSplitMmaSm80, kFwdWgmmaSm90, kBwdMmaSm80 };
+enum class Strategy { kEmpty, kFwdMmaSm80, kFwdSplitMmaSm80, kFwdWgmmaSm90, kBwdMmaSm80, kBwdWgmmaSm90 };
 const char *strategy_name(Strategy s);
 
 struct Plan {
@@ -73,6 +74,7 @@ struct Plan {
 fk_status launch_fwd_mma_sm80(const Plan &plan, const Params &p, fk_dtype dtype, int device, cudaStream_t stream);
 fk_status launch_fwd_wgmma_sm90(const Plan &plan, const Params &p, fk_dtype dtype, int device, cudaStream_t stream);
 fk_status launch_bwd_mma_sm80(const Plan &plan, const Params &p, fk_dtype dtype, int device, cudaStream_t stream);
+fk_status launch_bwd_wgmma_sm90(const Plan &plan, const Params &p, fk_dtype dtype, int device, cudaStream_t stream);
 
 // ---- per-sequence geometry ----------------------------------------------------------------------
 

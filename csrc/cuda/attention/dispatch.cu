@@ -13,19 +13,25 @@
 // fwd  16-bit  sm_80+  otherwise                                      fwd_mma_sm80      the general kernel
 // fwd (sm_80 rows): GQA with sq x group <= 128 (64 at D 256) packs the group's heads into one CTA's
 //      rows (pack_gqa): K / V read once per group, CTAs counted per kv head.
-// bwd  16-bit  sm_80+  any (bitwise deterministic with or without      bwd_mma_sm80      the general kernel
-//                      FK_ATTN_DETERMINISTIC: no atomics, dQ kernel)
+// bwd  16-bit  sm_80+  FK_ATTN_DETERMINISTIC (bitwise: no atomics,    bwd_mma_sm80      deterministic
+//                      a dQ kernel)
+// bwd  16-bit  sm_90   d 64 or 128, sq, sk > 0, not varlen, q / k / v / bwd_wgmma_sm90    TMA + wgmma, 5
+//                      dout TMA-describable (as fwd_wgmma_sm90), built                   products not 7
+//                      for sm_90a, not FK_ATTN_FORCE_GENERAL                             (UNTESTED on GPU)
+// bwd  16-bit  sm_80+  otherwise                                      bwd_mma_sm80      the general kernel
 // any  fp32 / fp64     -                                              (TypeError)
 // any  any     < sm_80 -                                              (RuntimeError)
 //
 // Every row: head-dim instances D 64 (d <= 64), 128 (d <= 128), 256 (d <= 256); rows whose every
 // tensor has a 16-byte aligned base and strides that are multiples of 8 elements take cp.async,
 // others element loads (p.async). fwd_wgmma_sm90 instantiates d 64 and 128 exactly (other d keep
-// the sm_80 kernel); its TMA copies need the alignment its row names. No Hopper backward yet.
+// the sm_80 kernel); its TMA copies need the alignment its row names; so does bwd_wgmma_sm90's.
 // (The fwd_wgmma_sm90 row's figures: its file's napkin math.)
 //
 // Workspace: forward split: splits x batch x heads x sq x (1 + d) fp32 (partial lse, then outputs);
-// backward: batch x heads x sq fp32 (rowsum(dO * O)). varlen sizes use the maximum lengths.
+// backward: batch x heads x sq fp32 (rowsum(dO * O)); bwd_wgmma_sm90: batch x heads x sq rounded up
+// to 64 x (2 + d) fp32 (lse log2 e, rowsum(dO * O), the dQ accumulators). varlen sizes use the
+// maximum lengths.
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -40,6 +46,7 @@ const char *strategy_name(Strategy s) {
     case Strategy::kFwdSplitMmaSm80: return "fwd_split_mma_sm80";
     case Strategy::kFwdWgmmaSm90: return "fwd_wgmma_sm90";
     case Strategy::kBwdMmaSm80: return "bwd_mma_sm80";
+    case Strategy::kBwdWgmmaSm90: return "bwd_wgmma_sm90";
     default: return "empty";
     }
 }
@@ -82,6 +89,17 @@ Plan plan_attention(const fk_attention_args &x, int backward, int sms, int major
     if (nothing_to_do(x, backward)) return plan;
     plan.d_bucket = d_bucket(x.d);
     if (backward) {
+        if (!(x.flags & (FK_ATTN_DETERMINISTIC | FK_ATTN_FORCE_GENERAL)) && major == 9 && kBuiltForSm90a &&
+            (x.d == 64 || x.d == 128) && x.sq > 0 && x.sk > 0 && x.cu_seqlens_q == nullptr &&
+            tma_ok(x.q, x.q_row, x.q_head, x.q_batch, x, x.heads) &&
+            tma_ok(x.k, x.k_row, x.k_head, x.k_batch, x, x.kv_heads) &&
+            tma_ok(x.v, x.v_row, x.v_head, x.v_batch, x, x.kv_heads) &&
+            tma_ok(x.dout, x.do_row, x.do_head, x.do_batch, x, x.heads)) {
+            plan.strategy = Strategy::kBwdWgmmaSm90;
+            plan.d_bucket = (int)x.d;
+            plan.workspace_bytes = x.batch * x.heads * ((x.sq + 63) / 64 * 64) * (2 + x.d) * (int64_t)sizeof(float);
+            return plan;
+        }
         plan.strategy = Strategy::kBwdMmaSm80;
         plan.workspace_bytes = x.batch * x.heads * x.sq * (int64_t)sizeof(float);
         return plan;
@@ -188,7 +206,7 @@ Params params_of(const fk_attention_args &x, const Plan &plan) {
     if (plan.strategy == Strategy::kFwdSplitMmaSm80) {
         p.part_lse = ws;
         p.part_out = ws + split_lse_floats(plan.splits, x);
-    } else if (plan.strategy == Strategy::kBwdMmaSm80) {
+    } else if (plan.strategy == Strategy::kBwdMmaSm80 || plan.strategy == Strategy::kBwdWgmmaSm90) {
         p.dvec = ws;
     }
     return p;
@@ -217,6 +235,7 @@ fk_status run(const fk_attention_args *args, int backward, int device, void *str
     case Strategy::kFwdSplitMmaSm80: return launch_fwd_mma_sm80(plan, p, x.dtype, device, s);
     case Strategy::kFwdWgmmaSm90: return launch_fwd_wgmma_sm90(plan, p, x.dtype, device, s);
     case Strategy::kBwdMmaSm80: return launch_bwd_mma_sm80(plan, p, x.dtype, device, s);
+    case Strategy::kBwdWgmmaSm90: return launch_bwd_wgmma_sm90(plan, p, x.dtype, device, s);
     default: return FK_OK;
     }
 }
