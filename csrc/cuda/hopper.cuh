@@ -213,4 +213,22 @@ inline PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
     return fn;
 }
 
+// A 4-d map (d, rows, heads, sequences) of 16-bit elements in 64 x `box_rows` boxes (64 columns:
+// one 128-byte swizzled row), rows past `rows` zero-filled: the attention kernels' Q, K, V, dO. A
+// dimension of size 1 takes any valid stride. Strides are in elements.
+inline bool encode_map_4d(CUtensorMap *map, fk_dtype dtype, const void *base, int64_t d, int64_t rows, int64_t heads,
+                          int64_t batch, int64_t row, int64_t head, int64_t seq, int box_rows) {
+    auto fn = tensor_map_encoder();
+    if (!fn) return false;
+    if (heads == 1) head = row * rows;
+    if (batch == 1) seq = head * heads;
+    const cuuint64_t dims[4] = {(cuuint64_t)d, (cuuint64_t)rows, (cuuint64_t)heads, (cuuint64_t)batch};
+    const cuuint64_t strides[3] = {(cuuint64_t)row * 2, (cuuint64_t)head * 2, (cuuint64_t)seq * 2};
+    const cuuint32_t box[4] = {64, (cuuint32_t)box_rows, 1, 1}, elem_strides[4] = {1, 1, 1, 1};
+    return fn(map, dtype == FK_BFLOAT16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16, 4,
+              const_cast<void *>(base), dims, strides, box, elem_strides, CU_TENSOR_MAP_INTERLEAVE_NONE,
+              CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+              CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
+}
+
 }  // namespace fk

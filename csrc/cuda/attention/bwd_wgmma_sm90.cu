@@ -30,8 +30,6 @@
 #include "../matmul/wgmma_ops.cuh"
 #include "attention.cuh"
 
-#include <cudaTypedefs.h>
-
 #ifndef FK_ATTN_BWD_STMATRIX  // A/B switch: dS to shared memory by stmatrix .trans (else 2-byte stores)
 #define FK_ATTN_BWD_STMATRIX 1
 #endif
@@ -420,47 +418,16 @@ __global__ void __launch_bounds__(256) attention_bwd_dq_convert_sm90(const Param
 
 // ---- host: tensor maps and launch ---------------------------------------------------------------
 
-PFN_cuTensorMapEncodeTiled_v12000 encode_fn() {
-    static PFN_cuTensorMapEncodeTiled_v12000 fn = [] {
-        void *ptr = nullptr;
-        cudaDriverEntryPointQueryResult result;
-        if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &ptr, 12000, cudaEnableDefault, &result) !=
-                cudaSuccess ||
-            result != cudaDriverEntryPointSuccess)
-            ptr = nullptr;
-        return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(ptr);
-    }();
-    return fn;
-}
-
-// A 4-d map (d, rows, heads, sequences) of 16-bit elements in 64 x `box_rows` boxes, 128-byte
-// swizzle, rows past `rows` zero-filled (as fwd_wgmma_sm90.cu's). A dimension of size 1 takes any
-// valid stride.
-bool encode(CUtensorMap *map, fk_dtype dtype, const void *base, int64_t d, int64_t rows, int64_t heads,
-            int64_t batch, int64_t row, int64_t head, int64_t seq, int box_rows) {
-    auto fn = encode_fn();
-    if (!fn) return false;
-    if (heads == 1) head = row * rows;
-    if (batch == 1) seq = head * heads;
-    const cuuint64_t dims[4] = {(cuuint64_t)d, (cuuint64_t)rows, (cuuint64_t)heads, (cuuint64_t)batch};
-    const cuuint64_t strides[3] = {(cuuint64_t)row * 2, (cuuint64_t)head * 2, (cuuint64_t)seq * 2};
-    const cuuint32_t box[4] = {kBoxCols, (cuuint32_t)box_rows, 1, 1}, elem_strides[4] = {1, 1, 1, 1};
-    return fn(map, dtype == FK_BFLOAT16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16, 4,
-              const_cast<void *>(base), dims, strides, box, elem_strides, CU_TENSOR_MAP_INTERLEAVE_NONE,
-              CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
-              CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
-}
-
 template <typename T, int D> fk_status launch(const Params &p, fk_dtype dtype, int device, cudaStream_t stream) {
     Work ws;
     ws.m_tiles = (int)((p.sq + kBM - 1) / kBM);
     const int64_t rows = p.batch * p.heads * ws.m_tiles * kBM;
     ws.lse2 = p.dvec, ws.dvec = p.dvec + rows, ws.dq = p.dvec + 2 * rows;  // p.dvec: the workspace
     CUtensorMap map_q, map_k, map_v, map_do;
-    if (!encode(&map_q, dtype, p.q, D, p.sq, p.heads, p.batch, p.q_row, p.q_head, p.q_batch, kBM) ||
-        !encode(&map_do, dtype, p.dout, D, p.sq, p.heads, p.batch, p.do_row, p.do_head, p.do_batch, kBM) ||
-        !encode(&map_k, dtype, p.k, D, p.sk, p.kv_heads, p.batch, p.k_row, p.k_head, p.k_batch, kBN) ||
-        !encode(&map_v, dtype, p.v, D, p.sk, p.kv_heads, p.batch, p.v_row, p.v_head, p.v_batch, kBN))
+    if (!encode_map_4d(&map_q, dtype, p.q, D, p.sq, p.heads, p.batch, p.q_row, p.q_head, p.q_batch, kBM) ||
+        !encode_map_4d(&map_do, dtype, p.dout, D, p.sq, p.heads, p.batch, p.do_row, p.do_head, p.do_batch, kBM) ||
+        !encode_map_4d(&map_k, dtype, p.k, D, p.sk, p.kv_heads, p.batch, p.k_row, p.k_head, p.k_batch, kBN) ||
+        !encode_map_4d(&map_v, dtype, p.v, D, p.sk, p.kv_heads, p.batch, p.v_row, p.v_head, p.v_batch, kBN))
         return fk_fail(FK_ERR_RUNTIME, "attention_bwd: cuTensorMapEncodeTiled failed");
     cudaError_t e = cudaMemsetAsync(ws.dq, 0, rows * D * sizeof(float), stream);
     if (e != cudaSuccess) return cuda_status(e, "attention_bwd");

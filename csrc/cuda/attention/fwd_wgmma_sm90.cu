@@ -388,30 +388,13 @@ __global__ void __launch_bounds__(Cfg<D>::kThreads, 1)
 
 // ---- host: tensor maps and launch ---------------------------------------------------------------
 
-// A 4-d map (d, rows, heads, sequences) of 16-bit elements in 64 x `box_rows` boxes, 128-byte
-// swizzle, rows past `rows` zero-filled. A dimension of size 1 takes any valid stride.
-bool encode(CUtensorMap *map, fk_dtype dtype, const void *base, int64_t d, int64_t rows, int64_t heads,
-            int64_t batch, int64_t row, int64_t head, int64_t seq, int box_rows) {
-    auto fn = tensor_map_encoder();
-    if (!fn) return false;
-    if (heads == 1) head = row * rows;
-    if (batch == 1) seq = head * heads;
-    const cuuint64_t dims[4] = {(cuuint64_t)d, (cuuint64_t)rows, (cuuint64_t)heads, (cuuint64_t)batch};
-    const cuuint64_t strides[3] = {(cuuint64_t)row * 2, (cuuint64_t)head * 2, (cuuint64_t)seq * 2};
-    const cuuint32_t box[4] = {kBoxCols, (cuuint32_t)box_rows, 1, 1}, elem_strides[4] = {1, 1, 1, 1};
-    return fn(map, dtype == FK_BFLOAT16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16, 4,
-              const_cast<void *>(base), dims, strides, box, elem_strides, CU_TENSOR_MAP_INTERLEAVE_NONE,
-              CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
-              CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
-}
-
 template <typename T, int D>
 fk_status launch(const Params &p, bool persistent, fk_dtype dtype, int device, cudaStream_t stream) {
     CUtensorMap map_q, map_k, map_v;
     using C = Cfg<D>;
-    if (!encode(&map_q, dtype, p.q, D, p.sq, p.heads, p.batch, p.q_row, p.q_head, p.q_batch, C::kBM) ||
-        !encode(&map_k, dtype, p.k, D, p.sk, p.kv_heads, p.batch, p.k_row, p.k_head, p.k_batch, C::kBN) ||
-        !encode(&map_v, dtype, p.v, D, p.sk, p.kv_heads, p.batch, p.v_row, p.v_head, p.v_batch, C::kBN))
+    if (!encode_map_4d(&map_q, dtype, p.q, D, p.sq, p.heads, p.batch, p.q_row, p.q_head, p.q_batch, C::kBM) ||
+        !encode_map_4d(&map_k, dtype, p.k, D, p.sk, p.kv_heads, p.batch, p.k_row, p.k_head, p.k_batch, C::kBN) ||
+        !encode_map_4d(&map_v, dtype, p.v, D, p.sk, p.kv_heads, p.batch, p.v_row, p.v_head, p.v_batch, C::kBN))
         return fk_fail(FK_ERR_RUNTIME, "attention_fwd: cuTensorMapEncodeTiled failed");
     constexpr auto kernel = attention_fwd_wgmma_sm90<T, D>;
     cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes<D>);
