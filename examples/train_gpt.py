@@ -178,9 +178,13 @@ def wrap_dist(model, kind, device):
             from torch.distributed.fsdp import fully_shard
         except ImportError:  # torch < 2.6
             from torch.distributed._composable.fsdp import fully_shard
+        from torch.distributed.device_mesh import init_device_mesh
+        # The mesh names the device type: left to itself, FSDP2 picks CUDA whenever a GPU exists,
+        # also for CPU ranks (and then sets an ordinal that may not exist).
+        mesh = init_device_mesh(device.type, (torch.distributed.get_world_size(),))
         for block in model.blocks:
-            fully_shard(block)
-        fully_shard(model)
+            fully_shard(block, mesh=mesh)
+        fully_shard(model, mesh=mesh)
     return model
 
 
