@@ -408,6 +408,19 @@ def test_fallbacks_are_counted_or_refused():
     assert fastkern.stats() == {}
 
 
+def test_fallback_under_compile_compiles_once():
+    """A fallback inside torch.compile'd code (transformers' GPT-2 trains with attention dropout)
+    is one graph: no recompile per call, so no count read back from fastkern.stats()."""
+    query = torch.randn(1, 2, 8, 16)
+    mask = torch.rand(8, 8) > 0.3
+    fn = torch.compile(lambda q: fastkern.scaled_dot_product_attention(q, q, q, attn_mask=mask), fullgraph=True)
+    fastkern.stats(reset=True)
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        for _ in range(3):
+            torch.testing.assert_close(fn(query), F.scaled_dot_product_attention(query, query, query, attn_mask=mask))
+    assert fastkern.stats() == {}
+
+
 def test_bad_input():
     q, k, v = qkv(2, 5, 6, 4, 2, 8, torch.float32)
     f = fastkern.flash_attn_func

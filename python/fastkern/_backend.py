@@ -139,13 +139,18 @@ def fallback(op, argument):
     if not _FALLBACK[0]:
         raise NotImplementedError(f"fastkern.{op}: {argument} is not supported by fastkern's kernels "
                                   f"(fastkern.set_fallback(True) runs torch's implementation instead)")
+    if torch.compiler.is_compiling():
+        # Not counted inside a compiled graph: dynamo would guard on the count it read, and every
+        # call would then recompile (transformers' GPT-2 under compile: 8 recompiles, then eager).
+        return
     key = f"fallback.{op}.{argument}"
     _STATS[key] = _STATS.get(key, 0) + 1
 
 
 def stats(reset=False):
     """Counters of what ran where, e.g. {"fallback.scaled_dot_product_attention.attn_mask": 3}: calls
-    that fell back to torch, by function and argument. reset=True clears them (returns the old ones)."""
+    that fell back to torch, by function and argument (eager calls: torch.compile'd code does not count).
+    reset=True clears them (returns the old ones)."""
     out = dict(_STATS)
     if reset:
         _STATS.clear()
