@@ -302,6 +302,30 @@ def test_transformers_models_match_unpatched(family, device):
         assert "NewGELUActivation -> fastkern" in str(report) and "Conv1D" in str(report)
 
 
+@needs_transformers
+def test_fastkern_mask_skips_the_plain_causal_mask_under_compile():
+    """The "fastkern" mask is None for a plain causal mask without padding also while torch.compile
+    traces (transformers' sdpa_mask materialises it there, and a mask means torch's masked SDPA);
+    with padding, or a window, it is sdpa_mask's."""
+    import inspect
+    from transformers import masking_utils
+    mask = sys.modules["fastkern.patch"].causal_or_sdpa_mask
+    newer = "q_length" in inspect.signature(masking_utils.sdpa_mask).parameters  # else cache_position
+
+    def query(n):
+        return {"q_length": n} if newer else {"cache_position": torch.arange(n)}
+
+    traced = torch.compile(lambda: mask(batch_size=2, kv_length=8, **query(8)), fullgraph=True)
+    assert traced() is None and mask(batch_size=2, kv_length=8, **query(1)) is None
+    padding = torch.ones(2, 8, dtype=torch.bool)
+    padding[1, :3] = False
+    window = masking_utils.sliding_window_causal_mask_function(4)
+    for kwargs in ({"attention_mask": padding}, {"local_size": 4, "mask_function": window}):
+        got = mask(batch_size=2, kv_length=8, **query(8), **kwargs)
+        assert got is not None
+        assert torch.equal(got, masking_utils.sdpa_mask(batch_size=2, kv_length=8, **query(8), **kwargs))
+
+
 def test_causal_lm_loss_follows_transformers_semantics():
     """fastkern.patch's loss for transformers' causal LMs: labels shifted by one, -100 ignored, the
     mean, or the sum over num_items_in_batch when given; an fp32 loss from bf16 logits."""

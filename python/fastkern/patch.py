@@ -125,7 +125,7 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
                       **kwargs):
     """transformers' attention-function signature (AttentionInterface), (B, H, S, D) in, (B, S, H, D)
     out, as its sdpa_attention_forward, computed by fastkern.scaled_dot_product_attention (torch's
-    until fastkern has one). The mask comes in SDPA's format (registered with sdpa_mask)."""
+    until fastkern has one). The mask comes in SDPA's format (causal_or_sdpa_mask)."""
     sdpa = _sdpa()
     is_causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
     is_causal = bool(query.shape[2] > 1 and attention_mask is None and is_causal)
@@ -151,12 +151,29 @@ def register_transformers():
     masks = getattr(transformers, "AttentionMaskInterface", None)
     if masks is not None:
         try:
-            from transformers.masking_utils import sdpa_mask
+            from transformers import masking_utils
         except ImportError:
-            sdpa_mask = None
-        if sdpa_mask is not None:  # without a mask function transformers passes no mask at all
-            masks.register("fastkern", sdpa_mask)
+            masking_utils = None
+        if getattr(masking_utils, "sdpa_mask", None) is not None:  # without one transformers passes no mask
+            masks.register("fastkern", causal_or_sdpa_mask)
     return True
+
+
+def causal_or_sdpa_mask(**kwargs):
+    """The "fastkern" mask (transformers calls mask functions by keyword): None (is_causal in the
+    kernel) for a plain causal mask without padding, also under torch.compile; anything else as
+    transformers' sdpa_mask builds it. sdpa_mask materialises even the plain causal mask while
+    dynamo traces (on torch < 2.14: its guard against torch.export baking is_causal in), and a mask
+    sends every call to torch's masked SDPA. The query length is q_length (transformers >= 5.2x) or
+    cache_position's; torch.compile guards on it, so a new length recompiles."""
+    from transformers import masking_utils
+    q_length = kwargs["q_length"] if "q_length" in kwargs else kwargs["cache_position"].shape[0]
+    if (kwargs.get("allow_is_causal_skip", True) and kwargs.get("attention_mask") is None
+            and kwargs.get("local_size") is None
+            and kwargs.get("mask_function", masking_utils.causal_mask_function) is masking_utils.causal_mask_function
+            and (q_length == 1 or q_length == kwargs["kv_length"])):
+        return None
+    return masking_utils.sdpa_mask(**kwargs)
 
 
 def causal_lm_loss(logits, labels, vocab_size=None, num_items_in_batch=None, ignore_index=-100, shift_labels=None,
