@@ -342,3 +342,31 @@ def test_causal_lm_loss_follows_transformers_semantics():
     want_sum = F.cross_entropy(flat, shifted, reduction="sum") / 13
     torch.testing.assert_close(causal_lm_loss(logits, labels, 50, num_items_in_batch=torch.tensor(13)), want_sum,
                                rtol=1e-5, atol=1e-5)
+
+
+def test_patched_linears_route_to_the_faster_kernel():
+    """fastkern.patch's linears are kernel="auto": torch's kernels where fastkern's matmul is slower
+    today (CPU, fp32, under torch.compile, CUDA rows cuBLAS aligns), fastkern's on eager 16-bit CUDA
+    calls cuBLAS cannot align; a fastkern Linear the model already had keeps its kernel."""
+    mine = fastkern.nn.Linear(16, 24)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(approximate="tanh"), torch.nn.Linear(32, 16),
+                                mine)
+    want = model(x := torch.randn(5, 16))
+    report = fastkern.patch(model)
+    assert [getattr(m, "kernel", None) for m in model] == ["auto", None, "auto", "fastkern"]
+    assert any("torch_linear_is_faster" in note for note in report.notes)
+    calls = []
+    real = fastkern.nn.linear
+    fastkern.nn.linear = lambda *a, **k: calls.append(a[1].shape) or real(*a, **k)
+    try:
+        got = model(x)
+    finally:
+        fastkern.nn.linear = real
+    assert calls == [torch.Size([24, 16])]  # only the module that forces fastkern's kernel
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    faster = fastkern.nn.torch_linear_is_faster
+    assert faster(x, 16, 32) and faster(x.bfloat16(), 768, 50257)  # the CPU: torch's
+    assert torch.compile(lambda t: faster(t, 768, 50257), fullgraph=True)(x)
+    if torch.cuda.is_available():
+        lm_head = torch.randn(4, 768, device="cuda", dtype=torch.bfloat16)
+        assert not faster(lm_head, 768, 50257) and faster(lm_head, 768, 3072) and faster(lm_head.float(), 768, 50257)

@@ -55,17 +55,43 @@ class LogSoftmax(Softmax):
         return log_softmax(input, _legacy_dim(self.dim, input))
 
 
+_TORCH_GELU = {None: None, "gelu": "none", "gelu_tanh": "tanh"}
+
+
+def torch_linear_is_faster(x, in_features, out_features):
+    """Where a linear with kernel="auto" (what fastkern.patch sets) runs torch's kernels, because
+    fastkern's matmul is slower there today (D-93, H100, GPT-2 small's training step): on the CPU;
+    in fp32; inside torch.compile'd code (inductor pads odd shapes for cuBLAS and fuses the
+    epilogue: fastkern's 25 linears took 28 ms of a 56 ms step, cuBLAS ~13); on the GPU wherever
+    cuBLAS can align its rows. fastkern's kernel keeps eager 16-bit CUDA calls whose K or N rows are
+    not 16-byte multiples, cuBLAS's cliff (GPT-2's LM head, N 50257: 2.1x torch forward)."""
+    if torch.compiler.is_compiling() or x.device.type != "cuda" or x.dtype not in (torch.bfloat16, torch.float16):
+        return True
+    return in_features % 8 == 0 and out_features % 8 == 0
+
+
+def _torch_linear(x, weight_kn, bias, activation):
+    """torch's x @ weight_kn + bias, then the GELU `activation`: the kernel="auto" route."""
+    out = torch.matmul(x, weight_kn) if bias is None else torch.addmm(
+        bias, x.reshape(-1, x.shape[-1]), weight_kn).view(*x.shape[:-1], weight_kn.shape[-1])
+    return out if activation is None else F.gelu(out, approximate=_TORCH_GELU[activation])
+
+
 class Linear(torch.nn.Linear):
     """fastkern's torch.nn.Linear: same constructor, parameters, initialisation, state_dict and
     repr. `activation` (None, 'gelu' or 'gelu_tanh') fuses a GELU after it (swap_modules sets it
-    for a Linear followed by a GELU in a Sequential)."""
+    for a Linear followed by a GELU in a Sequential). `kernel`: "fastkern" (default) always runs
+    fastkern's matmul; "auto" (fastkern.patch's choice) runs torch's where torch_linear_is_faster."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, device=None,
-                 dtype=None, *, activation=None) -> None:
+                 dtype=None, *, activation=None, kernel="fastkern") -> None:
         super().__init__(in_features, out_features, bias, device, dtype)
-        self.activation = activation
+        self.activation, self.kernel = activation, kernel
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
+        if self.kernel == "auto" and torch_linear_is_faster(input, self.in_features, self.out_features):
+            out = F.linear(input, self.weight, self.bias)
+            return out if self.activation is None else F.gelu(out, approximate=_TORCH_GELU[self.activation])
         input, weight, bias = _autocast(input, self.weight, self.bias)
         return linear(input, weight, bias, activation=self.activation)
 
@@ -159,9 +185,9 @@ class Conv1D(torch.nn.Module):
     parameters and state_dict ("weight" (nx, nf), "bias" (nf,)), read in place as matmul's row-major
     B; `activation` (None, 'gelu', 'gelu_tanh') fuses a GELU after it."""
 
-    def __init__(self, nf: int, nx: int, *, activation=None, device=None, dtype=None) -> None:
+    def __init__(self, nf: int, nx: int, *, activation=None, device=None, dtype=None, kernel="fastkern") -> None:
         super().__init__()
-        self.nf, self.nx, self.activation = nf, nx, activation
+        self.nf, self.nx, self.activation, self.kernel = nf, nx, activation, kernel
         self.weight = torch.nn.Parameter(torch.empty(nx, nf, device=device, dtype=dtype))
         self.bias = torch.nn.Parameter(torch.zeros(nf, device=device, dtype=dtype))
         torch.nn.init.normal_(self.weight, std=0.02)
@@ -169,11 +195,14 @@ class Conv1D(torch.nn.Module):
     @classmethod
     def sharing(cls, conv, activation=None):
         """A fastkern Conv1D holding `conv`'s own Parameters (no copies, nothing allocated)."""
-        new = cls(conv.nf, conv.weight.shape[0], activation=activation, device="meta", dtype=conv.weight.dtype)
+        new = cls(conv.nf, conv.weight.shape[0], activation=activation, device="meta", dtype=conv.weight.dtype,
+                  kernel=getattr(conv, "kernel", "fastkern"))
         new.weight, new.bias = conv.weight, conv.bias
         return new.train(conv.training)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kernel == "auto" and torch_linear_is_faster(x, self.nx, self.nf):
+            return _torch_linear(x, self.weight, self.bias, self.activation)
         x, weight, bias = _autocast(x, self.weight, self.bias)
         return matmul(x, weight, bias=bias, activation=self.activation)
 

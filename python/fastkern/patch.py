@@ -14,6 +14,9 @@ What it takes over (each group behind its keyword):
                  gelu too, a linear followed by a GELU becomes one linear with the GELU fused in its
                  epilogue: consecutive members of an nn.Sequential, and the known transformers
                  pairs (GPT2MLP c_fc + act, Bert / Roberta / ViT *Intermediate dense + act).
+                 The new modules run fastkern's matmul only where it is faster than torch's today
+                 (kernel="auto": eager 16-bit CUDA calls with rows cuBLAS cannot align) and
+                 torch's kernels elsewhere, under torch.compile and on the CPU included.
   attention      torch.nn.MultiheadAttention (its fastkern subclass runs calls that need no weights
                  in fastkern.scaled_dot_product_attention, others in torch's forward); transformers
                  models that route attention through AttentionInterface get the "fastkern"
@@ -316,7 +319,15 @@ def patch(model, *, gelu=True, softmax=True, linear=True, attention=True, cross_
     flags = {"gelu": gelu, "softmax": softmax, "linear": linear, "attention": attention,
              "cross_entropy": cross_entropy}
     report = PatchReport()
+    before = {id(m) for m in model.modules() if type(m) in (fnn.Linear, fnn.Conv1D)}
     _walk(model, flags, report)
+    linears = [m for m in model.modules() if type(m) in (fnn.Linear, fnn.Conv1D) and id(m) not in before]
+    for m in linears:
+        m.kernel = "auto"
+    if linears:
+        report.notes.append("linear: fastkern's matmul runs where it beats torch's (eager 16-bit CUDA calls "
+                            "whose rows cuBLAS cannot align, e.g. an LM head of 50257); torch's elsewhere "
+                            "(fastkern.nn.torch_linear_is_faster; kernel='fastkern' on a module forces ours)")
     if type(model).__module__.startswith("transformers"):
         _patch_hf_model(model, attention, cross_entropy, report)
     for flag, on in flags.items():
