@@ -370,3 +370,5 @@ def test_patched_linears_route_to_the_faster_kernel():
     if torch.cuda.is_available():
         lm_head = torch.randn(4, 768, device="cuda", dtype=torch.bfloat16)
         assert not faster(lm_head, 768, 50257) and faster(lm_head, 768, 3072) and faster(lm_head.float(), 768, 50257)
+        with torch.autocast("cuda", torch.bfloat16):  # the dtype autocast runs it in, not the input's
+            assert not faster(lm_head.float(), 768, 50257)

@@ -65,7 +65,10 @@ def torch_linear_is_faster(x, in_features, out_features):
     epilogue: fastkern's 25 linears took 28 ms of a 56 ms step, cuBLAS ~13); on the GPU wherever
     cuBLAS can align its rows. fastkern's kernel keeps eager 16-bit CUDA calls whose K or N rows are
     not 16-byte multiples, cuBLAS's cliff (GPT-2's LM head, N 50257: 2.1x torch forward)."""
-    if torch.compiler.is_compiling() or x.device.type != "cuda" or x.dtype not in (torch.bfloat16, torch.float16):
+    if torch.compiler.is_compiling() or x.device.type != "cuda":
+        return True
+    dtype = torch.get_autocast_dtype("cuda") if torch.is_autocast_enabled("cuda") else x.dtype
+    if dtype not in (torch.bfloat16, torch.float16):  # (under autocast x may be fp32: the dtype it runs in)
         return True
     return in_features % 8 == 0 and out_features % 8 == 0
 
