@@ -309,6 +309,7 @@ def test_fastkern_mask_skips_the_plain_causal_mask_under_compile():
     with padding, or a window, it is sdpa_mask's."""
     import inspect
     from transformers import masking_utils
+    assert fastkern.register_transformers()
     mask = sys.modules["fastkern.patch"].causal_or_sdpa_mask
     newer = "q_length" in inspect.signature(masking_utils.sdpa_mask).parameters  # else cache_position
 

@@ -158,8 +158,12 @@ def register_transformers():
         except ImportError:
             masking_utils = None
         if getattr(masking_utils, "sdpa_mask", None) is not None:  # without one transformers passes no mask
+            _MASKING[0] = masking_utils  # imported here: dynamo cannot trace transformers' lazy import
             masks.register("fastkern", causal_or_sdpa_mask)
     return True
+
+
+_MASKING = [None]  # transformers.masking_utils, set by register_transformers
 
 
 def causal_or_sdpa_mask(**kwargs):
@@ -169,7 +173,7 @@ def causal_or_sdpa_mask(**kwargs):
     dynamo traces (on torch < 2.14: its guard against torch.export baking is_causal in), and a mask
     sends every call to torch's masked SDPA. The query length is q_length (transformers >= 5.2x) or
     cache_position's; torch.compile guards on it, so a new length recompiles."""
-    from transformers import masking_utils
+    masking_utils = _MASKING[0]
     q_length = kwargs["q_length"] if "q_length" in kwargs else kwargs["cache_position"].shape[0]
     if (kwargs.get("allow_is_causal_skip", True) and kwargs.get("attention_mask") is None
             and kwargs.get("local_size") is None
