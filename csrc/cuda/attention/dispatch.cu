@@ -17,7 +17,7 @@
 //                      a dQ kernel)
 // bwd  16-bit  sm_90   d 64 or 128, sq, sk > 0, not varlen, q / k / v / bwd_wgmma_sm90    TMA + wgmma, 5
 //                      dout TMA-describable (as fwd_wgmma_sm90), built                   products not 7
-//                      for sm_90a, not FK_ATTN_FORCE_GENERAL                             (UNTESTED on GPU)
+//                      for sm_90a, not FK_ATTN_FORCE_GENERAL
 // bwd  16-bit  sm_80+  otherwise                                      bwd_mma_sm80      the general kernel
 // any  fp32 / fp64     -                                              (TypeError)
 // any  any     < sm_80 -                                              (RuntimeError)

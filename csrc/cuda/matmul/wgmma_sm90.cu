@@ -19,7 +19,8 @@
 // 64 halves, so a stage is still 32 KB (BK = 32) and a wgmma m64n128k8 step still 32 bytes along it;
 // the TMA rounds fp32 to tf32 on load (TFLOAT32 maps, round to nearest like cuBLAS). wgmma takes tf32
 // K-major only: ops/matmul.py copies other operands first (one pass over them). fp32 C needs 64 KB
-// of staging, so the ring has 5 stages. TF32 4096^3: 0.39 ms at cuBLAS's ~350 TFLOP/s (H200); untimed (D-87).
+// of staging, so the ring has 5 stages. TF32 4096^3: 0.39 ms at cuBLAS's ~350 TFLOP/s (H200);
+// measured 0.88x of it in `linear` form on the H100 (D-87).
 #include "../hopper.cuh"
 #include "matmul.cuh"
 #include "wgmma_ops.cuh"
