@@ -1,9 +1,11 @@
 """Loss curves of several examples/train_gpt.py runs in one PNG, and how far apart they are.
 
-    python examples/plot_curves.py runs/train-torch.json runs/train-fastkern.json --out runs/loss.png
+    python examples/plot_curves.py runs/train-torch.json runs/train-fastkern.json --out runs/loss.png \
+        --bundle runs/curves.json
 
 Prints, for each run after the first, the largest relative gap to the first run's loss at its
 logged steps (every --log-every steps of the runs; the issue's bar: within 2% at every one).
+An input is a train-*.json of train_gpt.py or a bundle ({"runs": [...]}) that --bundle wrote.
 """
 import argparse
 import json
@@ -14,8 +16,15 @@ def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("runs", nargs="+", help="train-*.json files written by train_gpt.py --out-dir")
     p.add_argument("--out", default="loss.png")
+    p.add_argument("--bundle", help="also write the runs as one JSON here")
     args = p.parse_args()
-    runs = [json.load(open(path)) for path in args.runs]
+    runs = []
+    for path in args.runs:
+        data = json.load(open(path))
+        runs += data["runs"] if "runs" in data else [data]
+    if args.bundle:
+        with open(args.bundle, "w") as f:
+            json.dump({"runs": runs}, f, indent=1)
     first = runs[0]
     every = first["args"]["log_every"]
 

@@ -65,7 +65,7 @@ def torch_linear_is_faster(x, in_features, out_features):
     epilogue: fastkern's 25 linears took 28 ms of a 56 ms step, cuBLAS ~13); on the GPU wherever
     cuBLAS can align its rows. fastkern's kernel keeps eager 16-bit CUDA calls whose K or N rows are
     not 16-byte multiples, cuBLAS's cliff (GPT-2's LM head, N 50257: 2.1x torch forward)."""
-    if torch.compiler.is_compiling() or x.device.type != "cuda":
+    if torch.compiler.is_compiling() or not x.is_cuda:
         return True
     dtype = torch.get_autocast_dtype("cuda") if torch.is_autocast_enabled("cuda") else x.dtype
     if dtype not in (torch.bfloat16, torch.float16):  # (under autocast x may be fp32: the dtype it runs in)
@@ -93,8 +93,7 @@ class Linear(torch.nn.Linear):
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         if self.kernel == "auto" and torch_linear_is_faster(input, self.in_features, self.out_features):
-            out = F.linear(input, self.weight, self.bias)
-            return out if self.activation is None else F.gelu(out, approximate=_TORCH_GELU[self.activation])
+            return _torch_linear(input, self.weight.t(), self.bias, self.activation)
         input, weight, bias = _autocast(input, self.weight, self.bias)
         return linear(input, weight, bias, activation=self.activation)
 
