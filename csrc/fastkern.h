@@ -132,27 +132,31 @@ const char *fk_cuda_softmax_plan(int backward, int64_t outer, int64_t n, int64_t
  * backward: dx_ij = g_i * (exp(x_ij - lse_i) - eps / classes - (1 - eps) [j == t_i]), 0 on ignored
  * rows, where g_i = grad[i] (none: `rows` elements of loss_dtype), grad[0] (sum) or grad[0] / valid (mean).
  * dx may be x itself: each element is read once and then written by the same thread.
+ * x_ld / dx_ld: the row strides of x and dx in elements (>= classes; rows need not be contiguous
+ * with each other: a padded dlogits, row stride a multiple of 16 bytes, keeps the LM head's
+ * backward GEMMs on their aligned kernels).
  * Targets outside [0, classes) other than ignore_index: the CPU refuses them (FK_ERR_VALUE); the GPU
  * cannot report without a host sync, so such a row's loss (and its gradient) is NaN.
  * NaN / inf logits make the row's loss NaN, as in torch (ignored rows stay 0). */
 typedef enum { FK_REDUCE_NONE = 0, FK_REDUCE_MEAN = 1, FK_REDUCE_SUM = 2 } fk_reduction;
 fk_status fk_cpu_cross_entropy_fwd(const void *x, const int64_t *target, void *loss, void *lse,
                                    void *valid, void *workspace, int64_t rows, int64_t classes,
-                                   int64_t ignore_index, double label_smoothing, int reduction,
+                                   int64_t x_ld, int64_t ignore_index, double label_smoothing, int reduction,
                                    fk_dtype dtype, fk_dtype loss_dtype, int threads);
 fk_status fk_cpu_cross_entropy_bwd(const void *grad, const void *x, const int64_t *target,
                                    const void *lse, const void *valid, void *dx, int64_t rows,
-                                   int64_t classes, int64_t ignore_index, double label_smoothing,
-                                   int reduction, fk_dtype dtype, fk_dtype loss_dtype, int threads);
+                                   int64_t classes, int64_t x_ld, int64_t dx_ld, int64_t ignore_index,
+                                   double label_smoothing, int reduction, fk_dtype dtype,
+                                   fk_dtype loss_dtype, int threads);
 fk_status fk_cuda_cross_entropy_fwd(const void *x, const int64_t *target, void *loss, float *lse,
                                     float *valid, float *workspace, int64_t rows, int64_t classes,
-                                    int64_t ignore_index, double label_smoothing, int reduction,
+                                    int64_t x_ld, int64_t ignore_index, double label_smoothing, int reduction,
                                     fk_dtype dtype, fk_dtype loss_dtype, int device, void *stream);
 fk_status fk_cuda_cross_entropy_bwd(const void *grad, const void *x, const int64_t *target,
                                     const float *lse, const float *valid, void *dx, int64_t rows,
-                                    int64_t classes, int64_t ignore_index, double label_smoothing,
-                                    int reduction, fk_dtype dtype, fk_dtype loss_dtype, int device,
-                                    void *stream);
+                                    int64_t classes, int64_t x_ld, int64_t dx_ld, int64_t ignore_index,
+                                    double label_smoothing, int reduction, fk_dtype dtype,
+                                    fk_dtype loss_dtype, int device, void *stream);
 
 /* ---- Matmul / linear -------------------------------------------------------------------------
  * For b < batch: C[b] = act(A[b] @ B[b] + bias), fp32 accumulation (fp64 for fp64, CPU only).

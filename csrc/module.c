@@ -192,29 +192,29 @@ static PyObject *py_softmax_bwd_from_output(PyObject *self, PyObject *args) {
 
 /* ---- cross-entropy ---------------------------------------------------------------------------- */
 
-/* cross_entropy_fwd(x, target, loss, lse, valid, workspace, rows, classes, ignore_index,
+/* cross_entropy_fwd(x, target, loss, lse, valid, workspace, rows, classes, x_ld, ignore_index,
  *                   label_smoothing, reduction, dtype, loss_dtype, device, stream) */
 static PyObject *py_cross_entropy_fwd(PyObject *self, PyObject *args) {
     (void)self;
     unsigned long long x, target, loss, lse, valid, workspace, stream;
-    long long rows, classes, ignore_index;
+    long long rows, classes, x_ld, ignore_index;
     double label_smoothing;
     int reduction, dtype, loss_dtype, device;
-    if (!PyArg_ParseTuple(args, "KKKKKKLLLdiiiiK", &x, &target, &loss, &lse, &valid, &workspace, &rows,
-                          &classes, &ignore_index, &label_smoothing, &reduction, &dtype, &loss_dtype, &device,
+    if (!PyArg_ParseTuple(args, "KKKKKKLLLLdiiiiK", &x, &target, &loss, &lse, &valid, &workspace, &rows,
+                          &classes, &x_ld, &ignore_index, &label_smoothing, &reduction, &dtype, &loss_dtype, &device,
                           &stream))
         return NULL;
     fk_status status;
     if (device < 0) {
         Py_BEGIN_ALLOW_THREADS
         status = fk_cpu_cross_entropy_fwd(PTR(x), PTR(target), PTR(loss), PTR(lse), PTR(valid),
-                                          PTR(workspace), rows, classes, ignore_index, label_smoothing,
+                                          PTR(workspace), rows, classes, x_ld, ignore_index, label_smoothing,
                                           reduction, (fk_dtype)dtype, (fk_dtype)loss_dtype, cpu_threads(stream));
         Py_END_ALLOW_THREADS
     } else {
 #if FK_HAS_CUDA
         status = fk_cuda_cross_entropy_fwd(PTR(x), PTR(target), PTR(loss), PTR(lse), PTR(valid),
-                                           PTR(workspace), rows, classes, ignore_index, label_smoothing,
+                                           PTR(workspace), rows, classes, x_ld, ignore_index, label_smoothing,
                                            reduction, (fk_dtype)dtype, (fk_dtype)loss_dtype, device, PTR(stream));
 #else
         return no_cuda("cross_entropy");
@@ -223,28 +223,29 @@ static PyObject *py_cross_entropy_fwd(PyObject *self, PyObject *args) {
     return finish(status);
 }
 
-/* cross_entropy_bwd(grad, x, target, lse, valid, dx, rows, classes, ignore_index, label_smoothing,
- *                   reduction, dtype, loss_dtype, device, stream) */
+/* cross_entropy_bwd(grad, x, target, lse, valid, dx, rows, classes, x_ld, dx_ld, ignore_index,
+ *                   label_smoothing, reduction, dtype, loss_dtype, device, stream) */
 static PyObject *py_cross_entropy_bwd(PyObject *self, PyObject *args) {
     (void)self;
     unsigned long long grad, x, target, lse, valid, dx, stream;
-    long long rows, classes, ignore_index;
+    long long rows, classes, x_ld, dx_ld, ignore_index;
     double label_smoothing;
     int reduction, dtype, loss_dtype, device;
-    if (!PyArg_ParseTuple(args, "KKKKKKLLLdiiiiK", &grad, &x, &target, &lse, &valid, &dx, &rows, &classes,
-                          &ignore_index, &label_smoothing, &reduction, &dtype, &loss_dtype, &device, &stream))
+    if (!PyArg_ParseTuple(args, "KKKKKKLLLLLdiiiiK", &grad, &x, &target, &lse, &valid, &dx, &rows, &classes,
+                          &x_ld, &dx_ld, &ignore_index, &label_smoothing, &reduction, &dtype, &loss_dtype, &device,
+                          &stream))
         return NULL;
     fk_status status;
     if (device < 0) {
         Py_BEGIN_ALLOW_THREADS
         status = fk_cpu_cross_entropy_bwd(PTR(grad), PTR(x), PTR(target), PTR(lse), PTR(valid), PTR(dx),
-                                          rows, classes, ignore_index, label_smoothing, reduction,
+                                          rows, classes, x_ld, dx_ld, ignore_index, label_smoothing, reduction,
                                           (fk_dtype)dtype, (fk_dtype)loss_dtype, cpu_threads(stream));
         Py_END_ALLOW_THREADS
     } else {
 #if FK_HAS_CUDA
         status = fk_cuda_cross_entropy_bwd(PTR(grad), PTR(x), PTR(target), PTR(lse), PTR(valid), PTR(dx),
-                                           rows, classes, ignore_index, label_smoothing, reduction,
+                                           rows, classes, x_ld, dx_ld, ignore_index, label_smoothing, reduction,
                                            (fk_dtype)dtype, (fk_dtype)loss_dtype, device, PTR(stream));
 #else
         return no_cuda("cross_entropy");

@@ -113,6 +113,32 @@ def test_views_and_misaligned(device, dtype, poison):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+def test_padded_rows_in_and_out(device, monkeypatch):
+    """Logits in padded rows (row stride 56 for 53 classes) are read in place, not copied; 16-bit CUDA
+    dlogits whose rows are not 16-byte multiples come back in padded rows (the LM head's backward
+    GEMMs then read them aligned), others contiguous; loss and gradient equal the contiguous
+    logits' bit for bit."""
+    copies = []
+    real = torch.Tensor.contiguous
+    monkeypatch.setattr(torch.Tensor, "contiguous",
+                        lambda t, *a, **kw: (t.is_contiguous() or copies.append(tuple(t.shape))) and real(t, *a, **kw))
+    for dtype in (torch.float32, torch.bfloat16):
+        x = (torch.randn(7, 56, device=device) * 3).to(dtype)[:, :53].requires_grad_()
+        t = targets(7, 53, device)
+        got = fastkern.cross_entropy(x, t, label_smoothing=0.1)
+        (g,) = torch.autograd.grad(got, x)
+        assert (7, 53) not in copies
+        xc = real(x.detach()).requires_grad_()
+        want = fastkern.cross_entropy(xc, t, label_smoothing=0.1)
+        (gc,) = torch.autograd.grad(want, xc)
+        assert torch.equal(got, want) and torch.equal(g, gc)
+        padded = device == "cuda" and dtype == torch.bfloat16
+        assert g.stride() == ((56 if padded else 53), 1) and gc.stride() == g.stride()
+        if padded:
+            assert g.data_ptr() % 16 == 0
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_one_dim_logits_and_the_module(device):
     x = torch.randn(11, device=device)
     t = torch.tensor(4, device=device)
@@ -207,11 +233,13 @@ def test_opcheck(device):
     t = targets(6, 40, device)
     t3 = targets(6, 40, device, ignore_index=3, ignored=0.5)
     xh = x.detach().bfloat16().requires_grad_()
+    xo = torch.randn(6, 43, device=device).bfloat16().requires_grad_()  # rows not 16-byte multiples
+    to = targets(6, 43, device)
     for args in [(x, t, -100, 0.0, "mean", False), (x, t3, 3, 0.1, "sum", False), (x, t, -100, 0.2, "none", False),
-                 (xh, t, -100, 0.0, "mean", True), (xh, t, -100, 0.0, "none", True)]:
+                 (xh, t, -100, 0.0, "mean", True), (xh, t, -100, 0.0, "none", True), (xo, to, -100, 0.0, "mean", True)]:
         torch.library.opcheck(torch.ops.fastkern.cross_entropy.default, args)
     for reduction in REDUCTIONS:
-        for logits, fp32_loss in ((x.detach(), False), (xh.detach(), True)):
+        for logits, fp32_loss, t in ((x.detach(), False, t), (xh.detach(), True, t), (xo.detach(), True, to)):
             loss, lse, valid = torch.ops.fastkern.cross_entropy.default(logits, t, -100, 0.1, reduction, fp32_loss)
             torch.library.opcheck(torch.ops.fastkern.cross_entropy_backward.default,
                                   (torch.randn_like(loss), logits, t, lse, valid, -100, 0.1, reduction, fp32_loss))

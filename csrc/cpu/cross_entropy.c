@@ -31,6 +31,7 @@ struct ce_job {
     void *lse;      /* forward writes, backward reads */
     void *row_loss; /* forward with a reduction: the workspace */
     int64_t classes, ignore_index;
+    int64_t x_ld, out_ld; /* row strides of x and of dx (elements) */
     double eps, g; /* label smoothing; backward with a reduction: the gradient of every row's loss */
     int reduction;
     fk_dtype dtype, loss_dtype;
@@ -77,7 +78,7 @@ static double row_grad(const ce_job *j, int64_t row) {
         for (int64_t j0 = 0; j0 < c; j0 += FK_CHUNK) {                                              \
             int64_t len = c - j0 < FK_CHUNK ? c - j0 : FK_CHUNK;                                    \
             int64_t padded = (len + lanes - 1) / lanes * lanes;                                     \
-            fk_load_f32(j->dtype, j->x, row * c + j0, len, buf);                                    \
+            fk_load_f32(j->dtype, j->x, row * j->x_ld + j0, len, buf);                                    \
             if (j->eps != 0.0) {                                                                    \
                 for (int64_t i = len; i < padded; i++) buf[i] = 0.0f;                               \
                 vf_##isa acc = zero;                                                                \
@@ -103,7 +104,7 @@ static double row_grad(const ce_job *j, int64_t row) {
         }                                                                                           \
         double lse = m + log(s);                                                                    \
         float xt;                                                                                   \
-        fk_load_f32(j->dtype, j->x, row * c + t, 1, &xt);                                           \
+        fk_load_f32(j->dtype, j->x, row * j->x_ld + t, 1, &xt);                                    \
         ((float *)j->lse)[2 * row] = m, ((float *)j->lse)[2 * row + 1] = (float)log(s);             \
         double loss = lse - (1.0 - j->eps) * xt;                                                    \
         if (j->eps != 0.0) loss -= j->eps / (double)c * sx;                                         \
@@ -115,7 +116,7 @@ static double row_grad(const ce_job *j, int64_t row) {
         int64_t c = j->classes, t = j->target[row];                                                 \
         int size = fk_dtype_size(j->dtype);                                                         \
         if (t == j->ignore_index) {                                                                 \
-            memset((char *)j->out + row * c * size, 0, (size_t)(c * size));                         \
+            memset((char *)j->out + row * j->out_ld * size, 0, (size_t)(c * size));                      \
             return;                                                                                 \
         }                                                                                           \
         double g = row_grad(j, row);                                                                \
@@ -125,7 +126,7 @@ static double row_grad(const ce_job *j, int64_t row) {
         for (int64_t j0 = 0; j0 < c; j0 += FK_CHUNK) {                                              \
             int64_t len = c - j0 < FK_CHUNK ? c - j0 : FK_CHUNK;                                    \
             int64_t padded = (len + lanes - 1) / lanes * lanes;                                     \
-            fk_load_f32(j->dtype, j->x, row * c + j0, len, buf);                                    \
+            fk_load_f32(j->dtype, j->x, row * j->x_ld + j0, len, buf);                                    \
             for (int64_t i = len; i < padded; i++) buf[i] = 0.0f;                                   \
             int has_t = t >= j0 && t < j0 + len;                                                    \
             float xt = has_t ? buf[t - j0] : 0.0f;                                                  \
@@ -135,7 +136,7 @@ static double row_grad(const ce_job *j, int64_t row) {
             }                                                                                       \
             if (has_t) /* p - 1 cancels near 1: the target's element in fp64 */                     \
                 buf[t - j0] = (float)(g * (exp((double)(xt - m) - log_s) - j->eps / (double)c - (1.0 - j->eps)));\
-            fk_store_f32(j->dtype, buf, row * c + j0, len, j->out);                                 \
+            fk_store_f32(j->dtype, buf, row * j->out_ld + j0, len, j->out);                                 \
         }                                                                                           \
     }
 
@@ -148,7 +149,7 @@ FK_CE_ROWS(avx512, FK_ATTRS_AVX512, 16)
 /* fp64: the same passes, scalar, libm's exp. */
 static void ce_fwd_row_f64(const ce_job *j, int64_t row) {
     int64_t c = j->classes, t = j->target[row];
-    const double *x = (const double *)j->x + row * c;
+    const double *x = (const double *)j->x + row * j->x_ld;
     if (t == j->ignore_index) {
         ((double *)j->lse)[2 * row] = ((double *)j->lse)[2 * row + 1] = 0.0;
         put_loss(j, row, 0.0);
@@ -173,8 +174,8 @@ static void ce_fwd_row_f64(const ce_job *j, int64_t row) {
 
 static void ce_bwd_row_f64(const ce_job *j, int64_t row) {
     int64_t c = j->classes, t = j->target[row];
-    const double *x = (const double *)j->x + row * c;
-    double *dx = (double *)j->out + row * c;
+    const double *x = (const double *)j->x + row * j->x_ld;
+    double *dx = (double *)j->out + row * j->out_ld;
     if (t == j->ignore_index) {
         memset(dx, 0, (size_t)c * sizeof(double));
         return;
@@ -248,7 +249,7 @@ static void store_scalar(fk_dtype dtype, double v, void *p, int64_t at) {
 
 fk_status fk_cpu_cross_entropy_fwd(const void *x, const int64_t *target, void *loss, void *lse,
                                    void *valid, void *workspace, int64_t rows, int64_t classes,
-                                   int64_t ignore_index, double label_smoothing, int reduction,
+                                   int64_t x_ld, int64_t ignore_index, double label_smoothing, int reduction,
                                    fk_dtype dtype, fk_dtype loss_dtype, int threads) {
     int64_t count = 0;
     fk_status status = check_args("cross_entropy", target, rows, classes, ignore_index,
@@ -258,7 +259,9 @@ fk_status fk_cpu_cross_entropy_fwd(const void *x, const int64_t *target, void *l
         return fk_fail(FK_ERR_VALUE, "cross_entropy: no classes (logits of shape (%lld, 0))",
                        (long long)rows);
     fk_dtype stat = dtype == FK_FLOAT64 ? FK_FLOAT64 : FK_FLOAT32;
-    ce_job j = {x, NULL, target, loss, lse, workspace, classes, ignore_index, label_smoothing, 0.0,
+    if (x_ld < classes) return fk_fail(FK_ERR_VALUE, "cross_entropy: row stride %lld < %lld classes",
+                                       (long long)x_ld, (long long)classes);
+    ce_job j = {x, NULL, target, loss, lse, workspace, classes, ignore_index, x_ld, 0, label_smoothing, 0.0,
                 reduction, dtype, loss_dtype, pick_row(dtype, 0)};
     fk_parallel_for(threads, rows, fk_min_items(classes), run_rows, &j);
     store_scalar(stat, (double)count, valid, 0);
@@ -272,8 +275,9 @@ fk_status fk_cpu_cross_entropy_fwd(const void *x, const int64_t *target, void *l
 
 fk_status fk_cpu_cross_entropy_bwd(const void *grad, const void *x, const int64_t *target,
                                    const void *lse, const void *valid, void *dx, int64_t rows,
-                                   int64_t classes, int64_t ignore_index, double label_smoothing,
-                                   int reduction, fk_dtype dtype, fk_dtype loss_dtype, int threads) {
+                                   int64_t classes, int64_t x_ld, int64_t dx_ld, int64_t ignore_index,
+                                   double label_smoothing, int reduction, fk_dtype dtype,
+                                   fk_dtype loss_dtype, int threads) {
     int64_t count = 0;
     fk_status status = check_args("cross_entropy_backward", target, rows, classes, ignore_index,
                                   label_smoothing, reduction, dtype, loss_dtype, &count);
@@ -284,7 +288,10 @@ fk_status fk_cpu_cross_entropy_bwd(const void *grad, const void *x, const int64_
         g = load_scalar(loss_dtype, grad);
         if (reduction == FK_REDUCE_MEAN) g /= load_scalar(stat, valid);
     }
-    ce_job j = {x, grad, target, dx, (void *)lse, NULL, classes, ignore_index, label_smoothing, g,
+    if (x_ld < classes || dx_ld < classes)
+        return fk_fail(FK_ERR_VALUE, "cross_entropy_backward: row strides %lld / %lld < %lld classes",
+                       (long long)x_ld, (long long)dx_ld, (long long)classes);
+    ce_job j = {x, grad, target, dx, (void *)lse, NULL, classes, ignore_index, x_ld, dx_ld, label_smoothing, g,
                 reduction, dtype, loss_dtype, pick_row(dtype, 1)};
     fk_parallel_for(threads, rows, fk_min_items(classes), run_rows, &j);
     return FK_OK;

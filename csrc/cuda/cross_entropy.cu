@@ -19,7 +19,8 @@
 //     the mean is the same bits on every run (no atomics).
 //   backward: one read and one write of the row: dx = g * (exp((x - max) - log sum) - eps / C),
 //     minus g * (1 - eps) at the target; the pack read is the pack written, so dx may be x (the eager in-place backward).
-//     Where x and dx differ in 16-byte phase, the row is walked element by element.
+//     Rows have their own strides (a padded dlogits keeps the LM head's GEMMs aligned); the walk
+//     follows dx's 16-byte frame, and where x is out of that phase its packs load element by element.
 // exp: fp32 data uses accurate expf (its errors meet torch's fp32 ones); 16-bit data one MUFU.EX2
 // (exp_ftz), which is far inside the rounding of the 16-bit output.
 // Targets out of range give the row a NaN loss and gradient (no host sync to report them).
@@ -105,9 +106,18 @@ template <typename T> struct RowFrame {
     }
 };
 
+// A pack's N elements from p, one by one (p not 16-byte aligned).
+template <typename T> __device__ __forceinline__ fk::Pack<T> load_elements(const T *p) {
+    fk::Pack<T> r;
+#pragma unroll
+    for (int k = 0; k < fk::Pack<T>::N; k++) r.v[k] = p[k];
+    return r;
+}
+
 // Calls f(col, values, count) over the lane's elements of a row of n: single elements of the head
-// and tail, 16-byte packs (kUnroll loads issued before the first is used) in between.
-template <typename T, int kGroup, typename F>
+// and tail, packs (kUnroll loads issued before the first is used) in between. The frame may be
+// another row's (the backward's dx): kVector false loads each pack element by element.
+template <typename T, int kGroup, bool kVector = true, typename F>
 __device__ __forceinline__ void for_each_pack(const T *xr, int64_t n, int lane, const RowFrame<T> &fr, F &&f) {
     constexpr int N = fk::Pack<T>::N;
     for (int64_t i = lane; i < fr.head; i += kGroup) {
@@ -119,7 +129,10 @@ __device__ __forceinline__ void for_each_pack(const T *xr, int64_t n, int lane, 
         fk::Pack<T> raw[kUnroll];
 #pragma unroll
         for (int u = 0; u < kUnroll; u++)
-            if (p0 + u * kGroup < fr.packs) raw[u] = fk::load_pack(xa + (p0 + u * kGroup) * N);
+            if (p0 + u * kGroup < fr.packs) {
+                const T *at = xa + (p0 + u * kGroup) * N;
+                raw[u] = kVector ? fk::load_pack(at) : load_elements(at);
+            }
 #pragma unroll
         for (int u = 0; u < kUnroll; u++) {
             const int64_t p = p0 + u * kGroup;
@@ -141,7 +154,7 @@ template <typename T, int kGroup>
 __global__ void __launch_bounds__(kThreads)
 cross_entropy_fwd_rows(const T *__restrict__ x, const int64_t *__restrict__ target, void *__restrict__ loss,
                        float *__restrict__ lse, float *__restrict__ row_loss, int64_t rows, int64_t classes,
-                       int64_t ignore_index, float eps, bool loss_fp32) {
+                       int64_t x_ld, int64_t ignore_index, float eps, bool loss_fp32) {
     fk::grid_dependency_sync();
     const int lane = threadIdx.x % kGroup;
     const int64_t row = (int64_t)blockIdx.x * (kThreads / kGroup) + threadIdx.x / kGroup;
@@ -154,7 +167,7 @@ cross_entropy_fwd_rows(const T *__restrict__ x, const int64_t *__restrict__ targ
         else store_loss<T>(loss, row, l, loss_fp32);
     };
     if (t == ignore_index) return write(0.f, 0.f, 0.f);
-    const T *xr = x + row * classes;
+    const T *xr = x + row * x_ld;
     const bool smooth = eps != 0.f;
     RowStats st;
     for_each_pack<T, kGroup>(xr, classes, lane, RowFrame<T>(xr, classes, true),
@@ -199,7 +212,8 @@ template <typename T, int kGroup>
 __global__ void __launch_bounds__(kThreads)
 cross_entropy_bwd_rows(const void *__restrict__ grad, const T *x, const int64_t *__restrict__ target,
                        const float *__restrict__ lse, const float *__restrict__ valid, T *dx, int64_t rows,
-                       int64_t classes, int64_t ignore_index, float eps, int reduction, bool loss_fp32) {
+                       int64_t classes, int64_t x_ld, int64_t dx_ld, int64_t ignore_index, float eps, int reduction,
+                       bool loss_fp32) {
     // x and dx may be one buffer (no __restrict__ on them): each pack is read, then written, by one thread
     fk::grid_dependency_sync();
     constexpr int N = fk::Pack<T>::N;
@@ -207,10 +221,10 @@ cross_entropy_bwd_rows(const void *__restrict__ grad, const T *x, const int64_t 
     const int64_t row = (int64_t)blockIdx.x * (kThreads / kGroup) + threadIdx.x / kGroup;
     if (row >= rows) return;
     const int64_t t = target[row];
-    const T *xr = x + row * classes;
-    T *dr = dx + row * classes;
+    const T *xr = x + row * x_ld;
+    T *dr = dx + row * dx_ld;
     const bool same_phase = ((reinterpret_cast<uintptr_t>(xr) ^ reinterpret_cast<uintptr_t>(dr)) & 15) == 0;
-    const RowFrame<T> fr(xr, classes, same_phase);
+    const RowFrame<T> fr(dr, classes, true);  // the stores' frame; x's loads follow it (packs where in phase)
     if (t == ignore_index) {
         fk::Pack<T> zero;
 #pragma unroll
@@ -224,7 +238,7 @@ cross_entropy_bwd_rows(const void *__restrict__ grad, const T *x, const int64_t 
     if (reduction == FK_REDUCE_MEAN) g /= *valid;
     if (t < 0 || t >= classes) g = NAN;
     const float m = lse[2 * row], log_s = lse[2 * row + 1], off = eps / (float)classes, hit = 1.f - eps;
-    for_each_pack<T, kGroup>(xr, classes, lane, fr, [&](int64_t col, const float *v, int count) {
+    auto write = [&](int64_t col, const float *v, int count) {
         if (count == 1) {
             dr[col] = fk::from_f32<T>(g * (exp_of<T>((v[0] - m) - log_s) - off - (col == t ? hit : 0.f)));
             return;
@@ -234,12 +248,15 @@ cross_entropy_bwd_rows(const void *__restrict__ grad, const T *x, const int64_t 
         for (int k = 0; k < N; k++)
             out.v[k] = fk::from_f32<T>(g * (exp_of<T>((v[k] - m) - log_s) - off - (col + k == t ? hit : 0.f)));
         fk::store_pack(dr + col, out);
-    });
+    };
+    if (same_phase) for_each_pack<T, kGroup, true>(xr, classes, lane, fr, write);
+    else for_each_pack<T, kGroup, false>(xr, classes, lane, fr, write);
 }
 
 template <typename T> fk_status launch_fwd(const T *x, const int64_t *target, void *loss, float *lse, float *valid,
-                                           float *workspace, int64_t rows, int64_t classes, int64_t ignore_index,
-                                           float eps, int reduction, bool loss_fp32, int device, cudaStream_t stream) {
+                                           float *workspace, int64_t rows, int64_t classes, int64_t x_ld,
+                                           int64_t ignore_index, float eps, int reduction, bool loss_fp32, int device,
+                                           cudaStream_t stream) {
     const char *op = "cross_entropy";
     float *row_loss = reduction == FK_REDUCE_NONE ? nullptr : workspace;
     if (rows > 0) {
@@ -248,11 +265,11 @@ template <typename T> fk_status launch_fwd(const T *x, const int64_t *target, vo
         const dim3 grid((unsigned)((rows + per_cta - 1) / per_cta));
         fk_status status = warp
             ? fk::Launch(grid, dim3(kThreads), 0, stream, device)(op, cross_entropy_fwd_rows<T, 32>, x, target, loss,
-                                                                   lse, row_loss, rows, classes, ignore_index, eps,
-                                                                   loss_fp32)
+                                                                   lse, row_loss, rows, classes, x_ld, ignore_index,
+                                                                   eps, loss_fp32)
             : fk::Launch(grid, dim3(kThreads), 0, stream, device)(op, cross_entropy_fwd_rows<T, kThreads>, x, target,
-                                                                   loss, lse, row_loss, rows, classes, ignore_index,
-                                                                   eps, loss_fp32);
+                                                                   loss, lse, row_loss, rows, classes, x_ld,
+                                                                   ignore_index, eps, loss_fp32);
         if (status != FK_OK) return status;
     }
     return fk::Launch(dim3(1), dim3(1024), 0, stream, device)(op, cross_entropy_fwd_reduce<T>, (const float *)row_loss,
@@ -261,28 +278,31 @@ template <typename T> fk_status launch_fwd(const T *x, const int64_t *target, vo
 }
 
 template <typename T> fk_status launch_bwd(const void *grad, const T *x, const int64_t *target, const float *lse,
-                                           const float *valid, T *dx, int64_t rows, int64_t classes,
-                                           int64_t ignore_index, float eps, int reduction, bool loss_fp32,
-                                           int device, cudaStream_t stream) {
+                                           const float *valid, T *dx, int64_t rows, int64_t classes, int64_t x_ld,
+                                           int64_t dx_ld, int64_t ignore_index, float eps, int reduction,
+                                           bool loss_fp32, int device, cudaStream_t stream) {
     if (rows == 0 || classes == 0) return FK_OK;
     const char *op = "cross_entropy_backward";
     const bool warp = classes <= kWarpMaxClasses;
     const int64_t per_cta = warp ? kThreads / 32 : 1;
     const dim3 grid((unsigned)((rows + per_cta - 1) / per_cta));
     return warp ? fk::Launch(grid, dim3(kThreads), 0, stream, device)(op, cross_entropy_bwd_rows<T, 32>, grad, x,
-                                                                      target, lse, valid, dx, rows, classes,
-                                                                      ignore_index, eps, reduction, loss_fp32)
+                                                                      target, lse, valid, dx, rows, classes, x_ld,
+                                                                      dx_ld, ignore_index, eps, reduction, loss_fp32)
                 : fk::Launch(grid, dim3(kThreads), 0, stream, device)(op, cross_entropy_bwd_rows<T, kThreads>, grad,
-                                                                      x, target, lse, valid, dx, rows, classes,
-                                                                      ignore_index, eps, reduction, loss_fp32);
+                                                                      x, target, lse, valid, dx, rows, classes, x_ld,
+                                                                      dx_ld, ignore_index, eps, reduction, loss_fp32);
 }
 
-fk_status check(const char *op, int64_t rows, int64_t classes, double eps, int reduction, fk_dtype dtype,
-                fk_dtype loss_dtype) {
+fk_status check(const char *op, int64_t rows, int64_t classes, int64_t x_ld, int64_t dx_ld, double eps,
+                int reduction, fk_dtype dtype, fk_dtype loss_dtype) {
     if (loss_dtype != dtype && loss_dtype != FK_FLOAT32)
         return fk_fail(FK_ERR_TYPE, "%s: the loss dtype code %d must be the logits' (%d) or float32", op,
                        (int)loss_dtype, (int)dtype);
     if (rows < 0 || classes < 0) return fk_fail(FK_ERR_VALUE, "%s: negative size", op);
+    if (x_ld < classes || dx_ld < classes)
+        return fk_fail(FK_ERR_VALUE, "%s: row strides %lld / %lld < %lld classes", op, (long long)x_ld,
+                       (long long)dx_ld, (long long)classes);
     if (rows > (int64_t)0x7fffffff) return fk_fail(FK_ERR_VALUE, "%s: more than 2^31 - 1 rows", op);
     if (reduction != FK_REDUCE_NONE && reduction != FK_REDUCE_MEAN && reduction != FK_REDUCE_SUM)
         return fk_fail(FK_ERR_VALUE, "%s: unknown reduction code %d", op, reduction);
@@ -294,27 +314,29 @@ fk_status check(const char *op, int64_t rows, int64_t classes, double eps, int r
 
 extern "C" fk_status fk_cuda_cross_entropy_fwd(const void *x, const int64_t *target, void *loss, float *lse,
                                                float *valid, float *workspace, int64_t rows, int64_t classes,
-                                               int64_t ignore_index, double label_smoothing, int reduction,
-                                               fk_dtype dtype, fk_dtype loss_dtype, int device, void *stream) {
-    fk_status status = check("cross_entropy", rows, classes, label_smoothing, reduction, dtype, loss_dtype);
+                                               int64_t x_ld, int64_t ignore_index, double label_smoothing,
+                                               int reduction, fk_dtype dtype, fk_dtype loss_dtype, int device,
+                                               void *stream) {
+    fk_status status = check("cross_entropy", rows, classes, x_ld, x_ld, label_smoothing, reduction, dtype, loss_dtype);
     if (status != FK_OK) return status;
     if (reduction != FK_REDUCE_NONE && rows > 0 && workspace == nullptr)
         return fk_fail(FK_ERR_VALUE, "cross_entropy: a reduction needs the per-row workspace");
     FK_CUDA_ENTER("cross_entropy", device);
     FK_DISPATCH_CUDA_DTYPE(dtype, "cross_entropy",
-        return launch_fwd<T>((const T *)x, target, loss, lse, valid, workspace, rows, classes, ignore_index,
+        return launch_fwd<T>((const T *)x, target, loss, lse, valid, workspace, rows, classes, x_ld, ignore_index,
                              (float)label_smoothing, reduction, loss_dtype != dtype, device, (cudaStream_t)stream));
 }
 
 extern "C" fk_status fk_cuda_cross_entropy_bwd(const void *grad, const void *x, const int64_t *target,
                                                const float *lse, const float *valid, void *dx, int64_t rows,
-                                               int64_t classes, int64_t ignore_index, double label_smoothing,
-                                               int reduction, fk_dtype dtype, fk_dtype loss_dtype, int device,
-                                               void *stream) {
-    fk_status status = check("cross_entropy_backward", rows, classes, label_smoothing, reduction, dtype, loss_dtype);
+                                               int64_t classes, int64_t x_ld, int64_t dx_ld, int64_t ignore_index,
+                                               double label_smoothing, int reduction, fk_dtype dtype,
+                                               fk_dtype loss_dtype, int device, void *stream) {
+    fk_status status = check("cross_entropy_backward", rows, classes, x_ld, dx_ld, label_smoothing, reduction, dtype,
+                             loss_dtype);
     if (status != FK_OK) return status;
     FK_CUDA_ENTER("cross_entropy_backward", device);
     FK_DISPATCH_CUDA_DTYPE(dtype, "cross_entropy_backward",
-        return launch_bwd<T>(grad, (const T *)x, target, lse, valid, (T *)dx, rows, classes, ignore_index,
+        return launch_bwd<T>(grad, (const T *)x, target, lse, valid, (T *)dx, rows, classes, x_ld, dx_ld, ignore_index,
                              (float)label_smoothing, reduction, loss_dtype != dtype, device, (cudaStream_t)stream));
 }

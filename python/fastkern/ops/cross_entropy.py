@@ -72,10 +72,36 @@ def _check(logits, target, ignore_index, label_smoothing, reduction, op="cross_e
     return rows, classes, code, red
 
 
+def _rows(t):
+    """(t, row stride): `t` itself when its rows are contiguous, whatever their stride (a padded
+    view), else a contiguous copy."""
+    rows, classes = t.shape
+    if (classes > 1 and t.stride(1) != 1) or (rows > 1 and t.stride(0) < classes):
+        t = t.contiguous()
+    return t, (t.stride(0) if rows > 1 else classes)
+
+
+def _padded_rows(logits):
+    """Whether dlogits gets rows padded to a 16-byte multiple: 16-bit CUDA logits whose rows are not
+    (GPT-2's 50257 classes). The LM head's backward GEMMs then read it aligned: in place in
+    fastkern's matmul (which copied it into padded rows, twice), on cuBLAS's aligned kernels under
+    torch.compile (its misaligned one took 8.3 ms of a GPT-2 step against 2.5, H100)."""
+    return logits.device.type == "cuda" and logits.element_size() == 2 and logits.shape[1] % 8 != 0
+
+
+def _dlogits(logits):
+    """An empty dlogits for `logits`: a (rows, classes) view of padded rows where _padded_rows says so,
+    else contiguous. The fake kernel returns the same strides."""
+    rows, classes = logits.shape
+    if not _padded_rows(logits):
+        return torch.empty((rows, classes), dtype=logits.dtype, device=logits.device)
+    return torch.empty((rows, -(-classes // 8) * 8), dtype=logits.dtype, device=logits.device)[:, :classes]
+
+
 def _launch(logits, target, ignore_index, label_smoothing, fp32_loss, plan):
     """(loss, lse, valid) for validated arguments; the loss in fp32 with `fp32_loss` (autocast)."""
     rows, classes, code, red = plan
-    x, target = B.dense(logits), B.dense(target)
+    (x, x_ld), target = _rows(logits), B.dense(target)
     stat = _stat_dtype(x)
     loss_dtype = _loss_dtype(x, fp32_loss)
     loss = torch.empty(rows if red == 0 else (), dtype=loss_dtype, device=x.device)
@@ -84,8 +110,8 @@ def _launch(logits, target, ignore_index, label_smoothing, fp32_loss, plan):
     workspace = torch.empty(rows, dtype=stat, device=x.device) if red and rows else None
     device, stream = B.launch_args(x)
     _C.cross_entropy_fwd(x.data_ptr(), target.data_ptr(), loss.data_ptr(), lse.data_ptr(), valid.data_ptr(),
-                         B.ptr(workspace), rows, classes, int(ignore_index), float(label_smoothing), red, code,
-                         B._DTYPE_CODES[loss_dtype], device, stream)
+                         B.ptr(workspace), rows, classes, x_ld, int(ignore_index), float(label_smoothing), red,
+                         code, B._DTYPE_CODES[loss_dtype], device, stream)
     return loss, lse, valid
 
 
@@ -124,12 +150,13 @@ def _check_backward(grad, logits, target, lse, valid, ignore_index, label_smooth
 def _backward_launch(grad, logits, target, lse, valid, ignore_index, label_smoothing, fp32_loss, plan, out=None):
     """dlogits for validated arguments, written into `out` when given (it may be logits itself)."""
     rows, classes, code, red = plan
-    grad, x, target = B.dense(grad), B.dense(logits), B.dense(target)
-    dx = torch.empty_like(x) if out is None else out
+    grad, (x, x_ld), target = B.dense(grad), _rows(logits), B.dense(target)
+    dx = _dlogits(x) if out is None else out
     if dx.numel():
         device, stream = B.launch_args(x)
         _C.cross_entropy_bwd(grad.data_ptr(), x.data_ptr(), target.data_ptr(), lse.data_ptr(), valid.data_ptr(),
-                             dx.data_ptr(), rows, classes, int(ignore_index), float(label_smoothing), red, code,
+                             dx.data_ptr(), rows, classes, x_ld, dx.stride(0) if rows > 1 else classes,
+                             int(ignore_index), float(label_smoothing), red, code,
                              B._DTYPE_CODES[_loss_dtype(x, fp32_loss)], device, stream)
     return dx
 
@@ -142,7 +169,7 @@ def _cross_entropy_backward(grad, logits, target, lse, valid, ignore_index, labe
 def _cross_entropy_backward_fake(grad, logits, target, lse, valid, ignore_index, label_smoothing, reduction,
                                  fp32_loss):
     _check_backward(grad, logits, target, lse, valid, ignore_index, label_smoothing, reduction, fp32_loss)
-    return torch.empty_like(logits, memory_format=torch.contiguous_format)
+    return _dlogits(logits)
 
 
 def _setup_context(ctx, inputs, output):
@@ -235,7 +262,7 @@ class _CrossEntropyFunction(torch.autograd.Function):
             return (*_backward(ctx, grad), None)
         ignore_index, label_smoothing, _, fp32_loss = ctx.args
         free = (INPLACE_BACKWARD and _FREE is not None and refs == _FREE and logits.grad_fn is not None
-                and not logits._is_view() and logits.is_contiguous())
+                and not logits._is_view() and logits.is_contiguous() and not _padded_rows(logits))
         out = logits if free else None
         dx = _backward_launch(grad, logits, target, lse, valid, ignore_index, label_smoothing, fp32_loss, ctx.plan,
                               out)
