@@ -631,7 +631,7 @@ def _bwd_strategy(shape, forced):
 
 @needs_cuda
 @pytest.mark.parametrize("shape,causal,forced,strategy", [r[1:] for r in ATTENTION_ROWS],
-                         ids=[r[0] for r in ATTENTION_ROWS])
+                         ids=["cuda-" + r[0] for r in ATTENTION_ROWS])
 def test_dispatch_table(shape, causal, forced, strategy, monkeypatch, poison):
     """Each row of the table: the plan names its strategy, and its output and gradients hold the error
     rule (check)."""

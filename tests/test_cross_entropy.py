@@ -117,7 +117,8 @@ def test_padded_rows_in_and_out(device, monkeypatch):
     """Logits in padded rows (row stride 56 for 53 classes) are read in place, not copied; 16-bit CUDA
     dlogits whose rows are not 16-byte multiples come back in padded rows (the LM head's backward
     GEMMs then read them aligned), others contiguous; loss and gradient equal the contiguous
-    logits' bit for bit."""
+    logits' (bit for bit on the CPU; on the GPU a row's sum order follows its 16-byte alignment, so to
+    rounding)."""
     copies = []
     real = torch.Tensor.contiguous
     monkeypatch.setattr(torch.Tensor, "contiguous",
@@ -131,7 +132,9 @@ def test_padded_rows_in_and_out(device, monkeypatch):
         xc = real(x.detach()).requires_grad_()
         want = fastkern.cross_entropy(xc, t, label_smoothing=0.1)
         (gc,) = torch.autograd.grad(want, xc)
-        assert torch.equal(got, want) and torch.equal(g, gc)
+        if device == "cpu":
+            assert torch.equal(got, want) and torch.equal(g, gc)
+        torch.testing.assert_close((got, g), (want, gc))
         padded = device == "cuda" and dtype == torch.bfloat16
         assert g.stride() == ((56 if padded else 53), 1) and gc.stride() == g.stride()
         if padded:
@@ -225,6 +228,13 @@ def test_retained_graph_second_backward_fails_after_an_in_place_one():
     loss.backward(retain_graph=True)
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         loss.backward()
+
+
+def test_inductor_passes_the_logits_in_any_layout():
+    """The ops are tagged flexible_layout: inductor's padded LM-head rows reach the kernels in place
+    (under the default, exact eager strides, it copied 16384 x 50257 logits in each direction)."""
+    for op in (torch.ops.fastkern.cross_entropy, torch.ops.fastkern.cross_entropy_backward):
+        assert torch.Tag.flexible_layout in op.default.tags
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# `make sanitize` (tools/sanitize.sh [all|cpu|gpu|memcheck|racecheck|synccheck], default all;
-# PY=the python to use; gpu = memcheck, racecheck, synccheck in turn).
+# `make sanitize` (tools/sanitize.sh [all|cpu|gpu|memcheck|racecheck|synccheck [REGEX]], default all;
+# PY=the python to use; gpu = memcheck, racecheck, synccheck in turn; REGEX keeps the selected tests
+# whose ids match it, e.g. "attention|cross_entropy").
 #
 # cpu: the C code (csrc/*.c, csrc/cpu/*.c) built with AddressSanitizer and UBSan, without CUDA,
 #      into build/sanitize/ (the normal build is untouched), then the CPU tests run on it. Python
@@ -11,8 +12,10 @@
 #      the normal build's CUDA kernels under compute-sanitizer, torch's caching allocator off so each
 #      tensor is its own allocation: memcheck on a subset of tests/test_softmax.py and
 #      tests/test_gelu.py that reaches every kernel (both directions, 32- and 16-bit, every row
-#      length of test_rows, the column, causal and misaligned paths), racecheck and synccheck on a
-#      smaller subset (the kernels with shared memory, clusters or barriers). Any error fails.
+#      length of test_rows, the column, causal and misaligned paths), and of the matmul, attention
+#      (each dispatch row, both paths, head dims, decoding, windows) and cross_entropy tests;
+#      racecheck and synccheck on a smaller subset (the kernels with shared memory, clusters or
+#      barriers). Any error fails. The whole memcheck subset takes ~12 min on an H100.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-python3}
@@ -55,14 +58,21 @@ gpu_tests() {
         "test_rows\[(3-[0-9]+-(softmax|log)|1000-[0-9]+-softmax)-$dt\]|test_dims\[.*-softmax-$dt\]|test_scale_and_causal\[0\.125-.*-softmax-$dt\]|test_special_values\[.*-softmax-$dt\]|test_views\[$dt\]|looped_columns|fp32_rows_over_one_wave|chained_calls|column_calls_repeat"
       select_tests tests/test_gelu.py \
         "test_matches_float64_reference\[.*-$dt\]|test_views\[.*-$dt\]|chained_calls|special_values"
-      select_tests tests/test_matmul.py "test_dispatch_table|test_operand_layouts\[.*-$dt\]|test_k_zero" ;;
+      select_tests tests/test_matmul.py "test_dispatch_table|test_operand_layouts\[.*-$dt\]|test_k_zero"
+      select_tests tests/test_attention.py \
+        "test_dispatch_table|test_cuda_values_and_gradients\[(default|force_general)-(1-4097|113-203|128-217|512-256)-(full|causal)-torch.bfloat16\]|test_cuda_head_dims|test_cuda_decoding\[.*-8192\]|test_cuda_windows|test_cuda_sdpa|test_cuda_deterministic"
+      select_tests tests/test_cross_entropy.py \
+        "(test_values_and_grads|test_ignore_index|test_special_values|test_views_and_misaligned)\[.*-cuda-(float32|bfloat16)\]|test_padded_rows_in_and_out\[cuda\]" ;;
     # racecheck / synccheck: a row length for each register, CTA, shared-memory and cluster strategy
     # (forward and backward), the column tile, its clusters and chunks, the looped columns, and the
     # row-tiled GELU bias gradient
     *) select_tests tests/test_softmax.py \
         "test_rows\[3-(1000|4097|8192|12001|16384|65543|300000|1000003)-softmax-$dt\]|test_dims\[\((3, 1000, 4|2000, 5, 8|6000, 2, 8|20000, 2, 4)\)-(0|1)-softmax-$dt\]|test_looped_columns_cuda\[softmax-torch.float32\]"
       select_tests tests/test_gelu.py "test_matches_float64_reference\[bias-\(33, 1000\)-tanh-$dt\]"
-      select_tests tests/test_matmul.py "test_dispatch_table" ;;
+      select_tests tests/test_matmul.py "test_dispatch_table"
+      select_tests tests/test_attention.py \
+        "test_cuda_head_dims\[(default-(64|128)|force_general-(64|96|256))\]|test_cuda_values_and_gradients\[(default|force_general)-113-203-causal-torch.bfloat16\]|test_cuda_decoding\[default-8192\]|test_cuda_windows_and_varlen\[default-\(100, 30\)\]"
+      select_tests tests/test_cross_entropy.py "test_values_and_grads\[(33-1000|7-4097|4-50257)-mean-cuda-bfloat16\]" ;;
   esac
 }
 
@@ -82,7 +92,7 @@ gpu() {
   "$PY" -c "import fastkern, sys; sys.exit(not fastkern.cuda_available())" \
     || { echo "sanitize gpu: this build of fastkern has no CUDA kernels (FASTKERN_CUDA)"; return 1; }
   local tests
-  mapfile -t tests < <(gpu_tests "$1")
+  mapfile -t tests < <(gpu_tests "$1" | grep -E "${2:-.}")
   echo "sanitize gpu: $cs --tool $1 on ${#tests[@]} tests"
   [ ${#tests[@]} -gt 0 ] || { echo "sanitize gpu: no tests selected"; return 1; }
   # memcheck without the caching allocator, so a read past a tensor's end is not inside a cached
@@ -96,7 +106,7 @@ gpu() {
 
 case $what in
   cpu) cpu ;;
-  memcheck|racecheck|synccheck) gpu "$what" ;;
+  memcheck|racecheck|synccheck) gpu "$what" "${2:-}" ;;  # [REGEX]: only the selected tests it matches
   list) gpu_tests "${2:-memcheck}" ;;  # list [TOOL]: the tests TOOL would run
   gpu) gpu memcheck && gpu racecheck && gpu synccheck ;;
   all) cpu && gpu memcheck && gpu racecheck && gpu synccheck ;;
