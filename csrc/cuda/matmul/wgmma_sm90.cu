@@ -20,7 +20,7 @@
 // the TMA rounds fp32 to tf32 on load (TFLOAT32 maps, round to nearest like cuBLAS). wgmma takes tf32
 // K-major only: ops/matmul.py copies other operands first (one pass over them). fp32 C needs 64 KB
 // of staging, so the ring has 5 stages. TF32 4096^3: 0.39 ms at cuBLAS's ~350 TFLOP/s (H200);
-// measured 0.88x of it in `linear` form on the H100 (D-87).
+// measured 0.88x of it in `linear` form on the H100 (D-95).
 #include "../hopper.cuh"
 #include "matmul.cuh"
 #include "wgmma_ops.cuh"
