@@ -179,6 +179,9 @@ struct softmax_job {
     int is_log;
     fk_dtype dtype;
     rows_fn row; /* the vector path's kernel (a row or a column block an item), NULL for fp64 */
+    int phase;   /* column backward: -1 a block an item; 0 / 1 a key chunk an item, sums / output */
+    int64_t chunk_keys, chunks; /* column backward: keys a chunk, chunks a column */
+    double *part;               /* column backward, phases 0 / 1: per block, chunk: z, a per column */
 };
 
 /* Block b's slab o, first column i0 and width (columns a block; fewer in the last). */
@@ -211,10 +214,26 @@ static void run_blocks(void *arg, int64_t begin, int64_t end) {
 
 static void split_blocks(softmax_job *j, int64_t outer, int threads) {
     /* fp64: FK_TILE columns a block; vector columns: up to FK_COLS_WIDTH, fewer where that leaves
-     * threads without a block (a column's result does not depend on its block) */
+     * threads without a block (a column's result does not depend on its block); column backwards
+     * with few blocks and long columns: their key chunks shared out instead, in two phases */
     j->width = j->inner < FK_TILE ? j->inner : FK_TILE;
+    j->phase = -1, j->part = NULL, j->chunk_keys = cols_chunk_keys(j->n);
     if (j->dtype != FK_FLOAT64) {
         j->row = pick_vec(j);
+        int64_t tiles = (j->inner + FK_COLS_WIDTH - 1) / FK_COLS_WIDTH, t = fk_parallel_threads(threads);
+        if (j->inner > 1 && j->dy && t > 1 && outer * tiles < FK_COLS_SPLIT_BLOCKS * t &&
+            j->n > j->chunk_keys) {
+            j->width = j->inner < FK_COLS_WIDTH ? j->inner : FK_COLS_WIDTH, j->tiles = tiles;
+            j->chunks = (j->n + j->chunk_keys - 1) / j->chunk_keys;
+            int64_t items = outer * tiles * j->chunks;
+            j->part = (double *)malloc((size_t)items * 2 * FK_COLS_WIDTH * sizeof(double));
+            if (j->part) { /* else one block an item, the same sums */
+                for (j->phase = 0; j->phase < 2; j->phase++)
+                    fk_parallel_for(threads, items, fk_min_items(j->chunk_keys * j->width), run_blocks, j);
+                free(j->part);
+                return;
+            }
+        }
         if (j->inner > 1) {
             int64_t parts = outer >= threads ? 1 : (threads + outer - 1) / outer;
             int64_t width = ((j->inner + parts - 1) / parts + 15) / 16 * 16;
@@ -230,7 +249,8 @@ fk_status fk_cpu_softmax_fwd(const void *x, void *y, void *row_max, int64_t oute
                              fk_dtype dtype, int threads) {
     fk_status status = check_args("softmax", outer, n, inner, causal_sq, dtype);
     if (status != FK_OK) return status;
-    softmax_job j = {NULL, x, y, row_max, n, inner, 1, 0, causal_sq, scale, is_log, dtype, NULL};
+    softmax_job j = {NULL, x, y, row_max, n, inner, 1, 0, causal_sq, scale, is_log, dtype, NULL, -1, 1, 1,
+                     NULL};
     split_blocks(&j, outer, threads);
     return FK_OK;
 }
@@ -240,7 +260,7 @@ fk_status fk_cpu_softmax_bwd_from_output(const void *dy, const void *y, void *dx
                                          fk_dtype dtype, int threads) {
     fk_status status = check_args("softmax_backward", outer, n, inner, causal_sq, dtype);
     if (status != FK_OK) return status;
-    softmax_job j = {dy, y, dx, NULL, n, inner, 1, 0, causal_sq, scale, is_log, dtype, NULL};
+    softmax_job j = {dy, y, dx, NULL, n, inner, 1, 0, causal_sq, scale, is_log, dtype, NULL, -1, 1, 1, NULL};
     split_blocks(&j, outer, threads);
     return FK_OK;
 }

@@ -15,7 +15,10 @@
  *            error, where dy - c cancels at a row's dominant key.
  * cols (inner > 1): a tile of FK_TILE adjacent columns of one slab, the same passes over its n keys
  *   with one accumulator lane per column (sums flushed to fp64 every FK_COLS_FLUSH keys); the tile
- *   (n x 32 floats: 1 MiB at n = 8192) stays in L2 between passes.
+ *   (n x 32 floats: 1 MiB at n = 8192) stays in L2 between passes. The backward sums in chunks of
+ *   keys fixed by n, added in order; with fewer blocks than FK_COLS_SPLIT_BLOCKS a thread, the
+ *   threads share out the chunks (sums, then outputs), each reading whole key rows: split by
+ *   columns, (8192, 256) dim 0 ran slower on 2 threads than on one (D-90).
  * Napkin math: fp32 (4096, 1024) forward reads 16 MiB and writes 16 MiB; one exp (~15 vector ops a
  * 16-lane vector with AVX-512) and ~8 other ops an element put it at ~1 cycle an element a core, so
  * the exps, not DRAM, set the time on this 2-core machine (~2 ms on one core, ~1 ms on two).
@@ -27,6 +30,16 @@
 #define FK_COLS_FLUSH 256 /* keys a column's fp32 sum takes before it joins the fp64 total */
 #define FK_COLS_WIDTH 256 /* columns a block at most: per-column state of a few KiB stays in L1 */
 #define FK_COLS_KEYS 16   /* keys of the forward's online max step: 16 x 1 KiB of fp32 keys in L1 */
+#define FK_COLS_CHUNK 512 /* keys a column backward's partial sums take (a multiple of FK_COLS_FLUSH) */
+#define FK_COLS_CHUNKS 64 /* chunks a column at most: longer columns take longer chunks */
+#define FK_COLS_SPLIT_BLOCKS 4 /* column backwards of fewer blocks than 4 a thread share out chunks */
+
+/* Keys a chunk of a column backward: fixed by n alone, so its sums do not depend on the threads. */
+static inline int64_t cols_chunk_keys(int64_t n) {
+    int64_t keys = FK_COLS_CHUNK;
+    while (keys * FK_COLS_CHUNKS < n) keys *= 2;
+    return keys;
+}
 
 /* Keys of the row `row` left unmasked by the causal mask (all n without one). */
 static inline int64_t row_valid(const softmax_job *j, int64_t row) {
@@ -37,6 +50,7 @@ static inline int64_t row_valid(const softmax_job *j, int64_t row) {
 
 /* dst[at + i] = value for i < len (the masked keys of a row). */
 static void fill_keys(fk_dtype dtype, void *dst, int64_t at, int64_t len, float value) {
+    if (len <= 0) return; /* most rows: filling buf cost ~4% of a (256, 1024) fp32 backward */
     float buf[FK_CHUNK];
     for (int i = 0; i < FK_CHUNK; i++) buf[i] = value;
     for (int64_t i = 0; i < len; i += FK_CHUNK)
@@ -280,59 +294,87 @@ static inline int needs_scratch(const softmax_job *j) {
     }                                                                                               \
     FK_SPECIALIZE(attrs, softmax_fwd_cols_##isa, fwd_cols_##isa)                                   \
                                                                                                     \
-    /* The backward of those columns from y, keys streamed in order: the rows kernel's sums and     \
-     * numerics one lane a column (16-bit: fp32 lanes flushed to fp64 every FK_COLS_FLUSH keys), exp \
-     * y taken again in pass 2 for log. */                                                          \
+    /* The backward of those columns from y, keys streamed in order, in chunks of j->chunk_keys keys: \
+     * pass 1 each chunk's sums (the rows kernel's numerics, one lane a column; 16-bit: fp32 lanes  \
+     * flushed to fp64 every FK_COLS_FLUSH keys) into part, the chunks' added in chunk order; pass 2 \
+     * the output (exp y again for log). Item `item` of phase j->phase: phase 0 (j->part set) the sums \
+     * of chunk item % chunks of block item / chunks; phase 1 that chunk's output; phase -1 (no part) \
+     * a whole block, both passes. The sums are the same whichever way a block's chunks are run. */ \
     static inline __attribute__((always_inline)) attrs void bwd_cols_##isa(                         \
-        const softmax_job *j, int64_t b, float *scratch, const fk_dtype dt, const int is_log) {     \
+        const softmax_job *j, int64_t item, float *scratch, const fk_dtype dt, const int is_log) {  \
         (void)scratch;                                                                              \
         enum { kVecs = FK_COLS_WIDTH / lanes };                                                     \
         const vf_##isa zero = {0};                                                                  \
         const vd_##isa zd = {0};                                                                    \
         const float fill = is_log ? -INFINITY : 0.0f;                                               \
+        const int64_t chunks = j->phase < 0 ? 1 : j->chunks, b = item / chunks, ck = j->chunk_keys; \
         const fk_rows blk = block_of(j, b);                                                         \
         int64_t n = blk.n, inner = blk.inner, i0 = blk.i0, o = blk.o, w = blk.width;                \
-        int64_t nv = (w + lanes - 1) / lanes;                                                       \
-        int64_t at0 = o * n * inner + i0;                                                           \
-        vf_##isa part[kVecs];                                                                       \
-        vd_##isa z_lo[kVecs], z_hi[kVecs], a_lo[kVecs], a_hi[kVecs];                                \
-        for (int v = 0; v < nv; v++) part[v] = zero, z_lo[v] = z_hi[v] = a_lo[v] = a_hi[v] = zd;    \
-        for (int64_t key = 0; key < n; key++) {                                                     \
-            for (int v = 0; v < nv; v++) {                                                          \
-                int64_t at = at0 + key * inner + v * lanes, left = w - v * lanes;                   \
-                vf_##isa e = xs_##isa(dt, j->in, at, left, 1.0f, fill);                             \
-                vf_##isa g = xs_##isa(dt, j->dy, at, left, 1.0f, 0.0f);                             \
-                if (is_log) e = exp_##isa(e);                                                       \
-                if (dt == FK_FLOAT32) {                                                             \
-                    vd_##isa e_lo = widen_lo_##isa(e), e_hi = widen_hi_##isa(e);                    \
-                    vd_##isa g_lo = widen_lo_##isa(g), g_hi = widen_hi_##isa(g);                    \
-                    z_lo[v] += e_lo, z_hi[v] += e_hi;                                               \
-                    a_lo[v] += is_log ? g_lo : g_lo * e_lo, a_hi[v] += is_log ? g_hi : g_hi * e_hi; \
-                } else part[v] += is_log ? g : g * e;                                               \
+        int64_t nv = (w + lanes - 1) / lanes, at0 = o * n * inner + i0;                             \
+        int64_t c0 = j->phase < 0 ? 0 : item % chunks, c1 = j->phase < 0 ? (n + ck - 1) / ck : c0 + 1; \
+        double zs[FK_COLS_WIDTH], as[FK_COLS_WIDTH]; /* per column: z (fp32) and a, all keys */     \
+        if (j->phase != 1)                                                                          \
+            for (int64_t c = 0; c < w; c++) zs[c] = 0.0, as[c] = 0.0;                               \
+        for (int64_t chunk = c0; j->phase != 1 && chunk < c1; chunk++) {                            \
+            int64_t k0 = chunk * ck, k1 = n - k0 < ck ? n : k0 + ck;                                \
+            vf_##isa part[kVecs];                                                                   \
+            vd_##isa z_lo[kVecs], z_hi[kVecs], a_lo[kVecs], a_hi[kVecs];                            \
+            for (int v = 0; v < nv; v++) part[v] = zero, z_lo[v] = z_hi[v] = a_lo[v] = a_hi[v] = zd; \
+            for (int64_t key = k0; key < k1; key++) {                                               \
+                for (int v = 0; v < nv; v++) {                                                      \
+                    int64_t at = at0 + key * inner + v * lanes, left = w - v * lanes;               \
+                    vf_##isa e = xs_##isa(dt, j->in, at, left, 1.0f, fill);                         \
+                    vf_##isa g = xs_##isa(dt, j->dy, at, left, 1.0f, 0.0f);                         \
+                    if (is_log) e = exp_##isa(e);                                                   \
+                    if (dt == FK_FLOAT32) {                                                         \
+                        vd_##isa e_lo = widen_lo_##isa(e), e_hi = widen_hi_##isa(e);                \
+                        vd_##isa g_lo = widen_lo_##isa(g), g_hi = widen_hi_##isa(g);                \
+                        z_lo[v] += e_lo, z_hi[v] += e_hi;                                           \
+                        a_lo[v] += is_log ? g_lo : g_lo * e_lo, a_hi[v] += is_log ? g_hi : g_hi * e_hi; \
+                    } else part[v] += is_log ? g : g * e;                                           \
+                }                                                                                   \
+                if (dt != FK_FLOAT32 && ((key + 1) % FK_COLS_FLUSH == 0 || key + 1 == k1))          \
+                    for (int v = 0; v < nv; v++)                                                    \
+                        a_lo[v] += widen_lo_##isa(part[v]), a_hi[v] += widen_hi_##isa(part[v]), part[v] = zero; \
             }                                                                                       \
-            if (dt != FK_FLOAT32 && ((key + 1) % FK_COLS_FLUSH == 0 || key + 1 == n))               \
-                for (int v = 0; v < nv; v++)                                                        \
-                    a_lo[v] += widen_lo_##isa(part[v]), a_hi[v] += widen_hi_##isa(part[v]), part[v] = zero; \
+            double *zp = j->phase == 0 ? j->part + (b * chunks + chunk) * 2 * FK_COLS_WIDTH : zs;   \
+            double *ap = zp == zs ? as : zp + FK_COLS_WIDTH;                                        \
+            for (int64_t c = 0; c < w; c++) { /* lane c % lanes of vector c / lanes */              \
+                int v = (int)(c / lanes), l = (int)(c % lanes);                                     \
+                double zc = l < lanes / 2 ? z_lo[v][l] : z_hi[v][l - lanes / 2];                    \
+                double ac = l < lanes / 2 ? a_lo[v][l] : a_hi[v][l - lanes / 2];                    \
+                if (zp == zs) zs[c] += zc, as[c] += ac; /* the chunks in order, as phase 1 adds them */ \
+                else zp[c] = zc, ap[c] = ac;                                                        \
+            }                                                                                       \
+        }                                                                                           \
+        if (j->phase == 0) return;                                                                  \
+        if (j->phase == 1) { /* the block's chunks' sums, in chunk order */                         \
+            for (int64_t c = 0; c < w; c++) zs[c] = 0.0, as[c] = 0.0;                               \
+            for (int64_t chunk = 0; chunk < chunks; chunk++) {                                      \
+                const double *zp = j->part + (b * chunks + chunk) * 2 * FK_COLS_WIDTH;             \
+                const double *ap = zp + FK_COLS_WIDTH;                                              \
+                for (int64_t c = 0; c < w; c++) zs[c] += zp[c], as[c] += ap[c];                     \
+            }                                                                                       \
         }                                                                                           \
         /* per column c = a / z held as c_hi + c_lo in fp32 lanes and k = scale / z (16-bit: z = 1; \
          * fp32 log: c = a / z, k = scale), the last step in fp32 as the rows' (D-88) */            \
         vf_##isa k[kVecs], q_hi[kVecs], q_lo[kVecs];                                                \
-        for (int v = 0; v < nv; v++) {                                                              \
-            vd_##isa lo = a_lo[v], hi = a_hi[v];                                                    \
-            if (dt == FK_FLOAT32) lo /= z_lo[v], hi /= z_hi[v];                                     \
-            q_hi[v] = narrow_##isa(lo, hi);                                                         \
-            q_lo[v] = narrow_##isa(lo - widen_lo_##isa(q_hi[v]), hi - widen_hi_##isa(q_hi[v]));    \
-            k[v] = dt == FK_FLOAT32 && !is_log                                                      \
-                       ? narrow_##isa(j->scale / z_lo[v], j->scale / z_hi[v]) : zero + (float)j->scale; \
-        }                                                                                           \
-        for (int64_t key = 0; key < n; key++)                                                       \
+        for (int v = 0; v < nv; v++)                                                                \
+            for (int l = 0; l < lanes; l++) {                                                       \
+                int64_t c = v * lanes + l < w ? v * lanes + l : w - 1;                              \
+                double q = dt == FK_FLOAT32 ? as[c] / zs[c] : as[c];                                \
+                q_hi[v][l] = (float)q, q_lo[v][l] = (float)(q - q_hi[v][l]);                        \
+                k[v][l] = dt == FK_FLOAT32 && !is_log ? (float)(j->scale / zs[c]) : (float)j->scale; \
+            }                                                                                       \
+        int64_t k0 = c0 * ck, k1 = n < c1 * ck ? n : c1 * ck;                                       \
+        for (int64_t key = k0; key < k1; key++)                                                     \
             for (int v = 0; v < nv; v++) {                                                          \
                 int64_t at = at0 + key * inner + v * lanes, left = w - v * lanes;                   \
                 vf_##isa e = xs_##isa(dt, j->in, at, left, 1.0f, fill);                             \
                 vf_##isa g = xs_##isa(dt, j->dy, at, left, 1.0f, 0.0f), d;                          \
                 if (is_log) e = exp_##isa(e);                                                       \
                 if (is_log) d = k[v] * (g - e * q_hi[v]);                                           \
-                else d = k[v] * e * ((g - q_hi[v]) - q_lo[v]);                                    \
+                else d = k[v] * e * ((g - q_hi[v]) - q_lo[v]);                                      \
                 put_##isa(dt, d, j->out, at, left);                                                 \
             }                                                                                       \
     }                                                                                               \
