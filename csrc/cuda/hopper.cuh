@@ -58,6 +58,16 @@ __device__ __forceinline__ void mbar_wait(uint64_t *bar, uint32_t phase) {
 #endif
 }
 
+// A position in a ring of kN mbarrier-guarded stages: the slot and the parity of its current pass
+// (what mbar_wait takes); next() moves on, flipping the parity at the wrap.
+template <int kN> struct RingStage {
+    int slot = 0;
+    uint32_t phase = 0;
+    __device__ __forceinline__ void next() {
+        if (++slot == kN) slot = 0, phase ^= 1;
+    }
+};
+
 // ---- TMA ---------------------------------------------------------------------------------------
 // Box at coordinates (c0 innermost, c1, c2) of `map` -> smem, completing `bytes` on `bar`.
 __device__ __forceinline__ void tma_load_3d(void *dst, const CUtensorMap *map, uint64_t *bar, int c0, int c1,

@@ -70,15 +70,6 @@ template <typename T, int D> struct Smem {
 template <int D> constexpr int kSmemBytes = sizeof(Smem<__half, D>) + 1024;  // + room to align to 1024
 static_assert(kSmemBytes<128> <= 227 * 1024 && kSmemBytes<64> <= 227 * 1024, "fits Hopper's shared memory");
 
-// A ring position: the slot and the parity of its current pass.
-template <int kN> struct Stage {
-    int slot = 0;
-    uint32_t phase = 0;
-    __device__ void next() {
-        if (++slot == kN) slot = 0, phase ^= 1;
-    }
-};
-
 // The workspace (fp32): lse log2 e and D, (batch, heads, m_tiles x 64) each, then dQ, a 64 x D tile
 // per (batch, head, query tile) in accumulator order.
 struct Work {
@@ -123,7 +114,7 @@ __device__ __forceinline__ void producer(Smem<T, D> &s, const CUtensorMap *map_q
         tma_load_4d(s.k + box * kBN * kBoxCols, map_k, &s.kv_full, box * kBoxCols, j.n0, j.g, j.b);
         tma_load_4d(s.v + box * kBN * kBoxCols, map_v, &s.kv_full, box * kBoxCols, j.n0, j.g, j.b);
     }
-    Stage<kStages> st;
+    RingStage<kStages> st;
     for (int it = 0; it < j.nq * j.group; it++) {
         const int h = j.g * j.group + it / j.nq, m0 = (j.t_lo + it % j.nq) * kBM;
         mbar_wait(&s.empty[st.slot], st.phase ^ 1);  // the first pass finds every slot free
@@ -301,7 +292,7 @@ __device__ __forceinline__ void consumer(Smem<T, D> &s, const Params &p, const W
     uint32_t pa[kBM / 16][4], da[kBM / 16][4];
 #pragma unroll
     for (int e = 0; e < D / 2; e++) dk[e] = 0.0f, dv[e] = 0.0f;
-    Stage<kStages> st;
+    RingStage<kStages> st;
     const int iters = j.nq * j.group;
     if (iters > 0) mbar_wait(&s.kv_full, 0);
     for (int it = 0; it < iters; it++) {

@@ -77,15 +77,6 @@ template <typename T, int D> struct Smem {
 template <int D> constexpr int kSmemBytes = sizeof(Smem<__half, D>) + 1024;  // + room to align to 1024
 static_assert(kSmemBytes<128> <= 227 * 1024 && kSmemBytes<64> <= 227 * 1024, "fits Hopper's shared memory");
 
-// A ring position: the slot and the parity of its current pass.
-template <int kStages> struct Stage {
-    int slot = 0;
-    uint32_t phase = 0;
-    __device__ void next() {
-        if (++slot == kStages) slot = 0, phase ^= 1;
-    }
-};
-
 // Query tile `tile` of the persistent walk (query tiles fastest, the ones with the most keys first
 // under a causal mask, so the heads sharing K / V in L2 run together) and the key tiles [t_lo, t_hi)
 // its rows see.
@@ -115,8 +106,8 @@ __device__ __forceinline__ void producer(Smem<T, D> &s, const CUtensorMap *map_q
                                          const CUtensorMap *map_v, const Params &p, int m_tiles, int64_t tiles) {
     using C = Cfg<D>;
     constexpr int kBN = C::kBN;
-    Stage<1> qs;
-    Stage<C::kStages> ks, vs;
+    RingStage<1> qs;
+    RingStage<C::kStages> ks, vs;
     auto load_k = [&](const Work &w, int t) {
         mbar_wait(&s.k_empty[ks.slot], ks.phase ^ 1);  // the first pass finds every slot free
         mbar_arrive_expect_tx(&s.k_full[ks.slot], C::kKVBytes);
@@ -274,8 +265,8 @@ __device__ __forceinline__ void epilogue(const Params &p, const Work &w, const f
 
 // One query tile for warpgroup c: the key loop, Q released after its last S, then the epilogue.
 template <typename T, int D>
-__device__ __forceinline__ void consume_tile(Smem<T, D> &s, const Params &p, const Work &w, Stage<1> &qs,
-                                             Stage<Cfg<D>::kStages> &ks, Stage<Cfg<D>::kStages> &vs) {
+__device__ __forceinline__ void consume_tile(Smem<T, D> &s, const Params &p, const Work &w, RingStage<1> &qs,
+                                             RingStage<Cfg<D>::kStages> &ks, RingStage<Cfg<D>::kStages> &vs) {
     using C = Cfg<D>;
     constexpr int kC = C::kConsumers, kBN = C::kBN;
     const int c = threadIdx.x / 128 - 1, t = threadIdx.x % 128;
@@ -348,8 +339,8 @@ __device__ __forceinline__ void consume_tile(Smem<T, D> &s, const Params &p, con
 
 template <typename T, int D>
 __device__ __forceinline__ void consumer(Smem<T, D> &s, const Params &p, int m_tiles, int64_t tiles) {
-    Stage<1> qs;
-    Stage<Cfg<D>::kStages> ks, vs;
+    RingStage<1> qs;
+    RingStage<Cfg<D>::kStages> ks, vs;
     for (int64_t tile = blockIdx.x; tile < tiles; tile += gridDim.x)
         consume_tile<T, D>(s, p, work_of<Cfg<D>::kBM, Cfg<D>::kBN>(p, tile, m_tiles), qs, ks, vs);
 }

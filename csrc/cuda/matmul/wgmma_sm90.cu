@@ -53,15 +53,6 @@ template <typename T> constexpr int kSmemBytes = sizeof(Smem<T>) + 1024;  // + r
 static_assert(kSmemBytes<__half> <= 227 * 1024 && kSmemBytes<float> <= 227 * 1024,
               "the operand ring and staging fit Hopper's shared memory");
 
-// A ring position: the slot and the parity of its current pass.
-template <typename T> struct Stage {
-    int slot = 0;
-    uint32_t phase = 0;
-    __device__ void next() {
-        if (++slot == kStages<T>) slot = 0, phase ^= 1;
-    }
-};
-
 // Tile `tile` of the persistent walk: its batch, then grouped (tm, tn).
 struct Work {
     int64_t batch, m0, n0;
@@ -75,7 +66,7 @@ __device__ __forceinline__ Work work_of(int64_t tile, int tiles_m, int tiles_n) 
 template <typename T, bool kAKMajor, bool kBKMajor>
 __device__ __forceinline__ void producer(Smem<T> &s, const CUtensorMap *map_a, const CUtensorMap *map_b,
                                          const Params &p, int tiles_m, int tiles_n, int k_tiles) {
-    Stage<T> st;
+    RingStage<kStages<T>> st;
     const int64_t total = (int64_t)tiles_m * tiles_n * p.batch;
     for (int64_t tile = blockIdx.x; tile < total; tile += gridDim.x) {
         const Work w = work_of(tile, tiles_m, tiles_n);
@@ -160,7 +151,7 @@ template <typename T, bool kAKMajor, bool kBKMajor>
 __device__ __forceinline__ void consumer(Smem<T> &s, const CUtensorMap *map_c, const CUtensorMap *map_pre,
                                          const Params &p, int tiles_m, int tiles_n, int k_tiles) {
     const int c = threadIdx.x / 128 - 1, t = threadIdx.x % 128;
-    Stage<T> st;
+    RingStage<kStages<T>> st;
     float acc[kBN / 2];
     const int64_t total = (int64_t)tiles_m * tiles_n * p.batch;
     for (int64_t tile = blockIdx.x; tile < total; tile += gridDim.x) {
