@@ -15,7 +15,8 @@
 #      length of test_rows, the column, causal and misaligned paths), and of the matmul, attention
 #      (each dispatch row, both paths, head dims, decoding, windows) and cross_entropy tests;
 #      racecheck and synccheck on a smaller subset (the kernels with shared memory, clusters or
-#      barriers). Any error fails. The whole memcheck subset takes ~12 min on an H100.
+#      barriers). Any error fails. The whole memcheck subset takes ~14 min on an H100
+#      (estimated from two partial runs): more than one 10-minute device call.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-python3}

@@ -63,13 +63,13 @@ static double row_grad(const ce_job *j, int64_t row) {
     return g;
 }
 
-#define FK_CE_ROWS(isa, attrs, lanes)                                                                \
-    static attrs void ce_fwd_row_##isa(const ce_job *j, int64_t row) {                             \
+#define FK_CE_ROWS(isa, attrs, lanes)                                                               \
+    static attrs void ce_fwd_row_##isa(const ce_job *j, int64_t row) {                              \
         float buf[FK_CHUNK] __attribute__((aligned(64)));                                           \
         const vf_##isa zero = {0};                                                                  \
         int64_t c = j->classes, t = j->target[row];                                                 \
         if (t == j->ignore_index) {                                                                 \
-            ((float *)j->lse)[2 * row] = ((float *)j->lse)[2 * row + 1] = 0.0f;                      \
+            ((float *)j->lse)[2 * row] = ((float *)j->lse)[2 * row + 1] = 0.0f;                     \
             put_loss(j, row, 0.0);                                                                  \
             return;                                                                                 \
         }                                                                                           \
@@ -78,7 +78,7 @@ static double row_grad(const ce_job *j, int64_t row) {
         for (int64_t j0 = 0; j0 < c; j0 += FK_CHUNK) {                                              \
             int64_t len = c - j0 < FK_CHUNK ? c - j0 : FK_CHUNK;                                    \
             int64_t padded = (len + lanes - 1) / lanes * lanes;                                     \
-            fk_load_f32(j->dtype, j->x, row * j->x_ld + j0, len, buf);                                    \
+            fk_load_f32(j->dtype, j->x, row * j->x_ld + j0, len, buf);                              \
             if (j->eps != 0.0) {                                                                    \
                 for (int64_t i = len; i < padded; i++) buf[i] = 0.0f;                               \
                 vf_##isa acc = zero;                                                                \
@@ -99,24 +99,24 @@ static double row_grad(const ce_job *j, int64_t row) {
             }                                                                                       \
             float r = (float)ref(m);                                                                \
             vf_##isa acc = zero;                                                                    \
-            for (int64_t i = 0; i < padded; i += lanes) acc += exp_##isa(*(const vf_##isa *)(buf + i) - r);\
+            for (int64_t i = 0; i < padded; i += lanes) acc += exp_##isa(*(const vf_##isa *)(buf + i) - r); \
             for (int l = 0; l < lanes; l++) s += acc[l];                                            \
         }                                                                                           \
         double lse = m + log(s);                                                                    \
         float xt;                                                                                   \
-        fk_load_f32(j->dtype, j->x, row * j->x_ld + t, 1, &xt);                                    \
+        fk_load_f32(j->dtype, j->x, row * j->x_ld + t, 1, &xt);                                     \
         ((float *)j->lse)[2 * row] = m, ((float *)j->lse)[2 * row + 1] = (float)log(s);             \
         double loss = lse - (1.0 - j->eps) * xt;                                                    \
         if (j->eps != 0.0) loss -= j->eps / (double)c * sx;                                         \
         put_loss(j, row, loss);                                                                     \
     }                                                                                               \
                                                                                                     \
-    static attrs void ce_bwd_row_##isa(const ce_job *j, int64_t row) {                             \
+    static attrs void ce_bwd_row_##isa(const ce_job *j, int64_t row) {                              \
         float buf[FK_CHUNK] __attribute__((aligned(64)));                                           \
         int64_t c = j->classes, t = j->target[row];                                                 \
         int size = fk_dtype_size(j->dtype);                                                         \
         if (t == j->ignore_index) {                                                                 \
-            memset((char *)j->out + row * j->out_ld * size, 0, (size_t)(c * size));                      \
+            memset((char *)j->out + row * j->out_ld * size, 0, (size_t)(c * size));                 \
             return;                                                                                 \
         }                                                                                           \
         double g = row_grad(j, row);                                                                \
@@ -126,7 +126,7 @@ static double row_grad(const ce_job *j, int64_t row) {
         for (int64_t j0 = 0; j0 < c; j0 += FK_CHUNK) {                                              \
             int64_t len = c - j0 < FK_CHUNK ? c - j0 : FK_CHUNK;                                    \
             int64_t padded = (len + lanes - 1) / lanes * lanes;                                     \
-            fk_load_f32(j->dtype, j->x, row * j->x_ld + j0, len, buf);                                    \
+            fk_load_f32(j->dtype, j->x, row * j->x_ld + j0, len, buf);                              \
             for (int64_t i = len; i < padded; i++) buf[i] = 0.0f;                                   \
             int has_t = t >= j0 && t < j0 + len;                                                    \
             float xt = has_t ? buf[t - j0] : 0.0f;                                                  \
@@ -135,8 +135,8 @@ static double row_grad(const ce_job *j, int64_t row) {
                 *(vf_##isa *)(buf + i) = gf * (p - off);                                            \
             }                                                                                       \
             if (has_t) /* p - 1 cancels near 1: the target's element in fp64 */                     \
-                buf[t - j0] = (float)(g * (exp((double)(xt - m) - log_s) - j->eps / (double)c - (1.0 - j->eps)));\
-            fk_store_f32(j->dtype, buf, row * j->out_ld + j0, len, j->out);                                 \
+                buf[t - j0] = (float)(g * (exp((double)(xt - m) - log_s) - j->eps / (double)c - (1.0 - j->eps))); \
+            fk_store_f32(j->dtype, buf, row * j->out_ld + j0, len, j->out);                         \
         }                                                                                           \
     }
 

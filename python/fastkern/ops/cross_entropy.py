@@ -91,7 +91,7 @@ def _padded_rows(logits):
     (GPT-2's 50257 classes). The LM head's backward GEMMs then read it aligned: in place in
     fastkern's matmul (which copied it into padded rows, twice), on cuBLAS's aligned kernels under
     torch.compile (its misaligned one took 8.3 ms of a GPT-2 step against 2.5, H100)."""
-    return logits.device.type == "cuda" and logits.element_size() == 2 and logits.shape[1] % 8 != 0
+    return logits.is_cuda and logits.element_size() == 2 and logits.shape[1] % 8 != 0
 
 
 def _dlogits(logits):
