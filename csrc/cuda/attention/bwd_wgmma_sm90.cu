@@ -33,6 +33,14 @@
 #ifndef FK_ATTN_BWD_STMATRIX  // A/B switch: dS to shared memory by stmatrix .trans (else 2-byte stores)
 #define FK_ATTN_BWD_STMATRIX 1
 #endif
+// Who releases a ring stage (its empty barrier): 1, lane 0 of each consumer warp after __syncwarp
+// (8 arrivals); 2, every consumer thread (256). Every consumer thread reads the stage's lse and D
+// with generic loads (softmax_grad), so the release must follow each thread's reads. One thread per
+// warpgroup behind a named barrier (the first form) is ordered too, but racecheck reported those
+// reads racing the producer's next bulk copy into the slot (20 errors, H100, session 35).
+#ifndef FK_ATTN_BWD_RELEASE
+#define FK_ATTN_BWD_RELEASE 1
+#endif
 
 namespace fk::attn {
 namespace {
@@ -46,6 +54,7 @@ constexpr int kBM = 64;        // queries a ring stage (one m64 wgmma of dQ)
 constexpr int kBN = 128;       // keys a CTA: two consumer warpgroups of 64
 constexpr int kConsumers = 2;
 constexpr int kThreads = 128 * (1 + kConsumers);
+constexpr int kReleasers = kConsumers * (FK_ATTN_BWD_RELEASE == 2 ? 128 : 4);  // arrivals a stage release
 constexpr int kStages = 2;
 constexpr int kRegsProducer = 24, kRegsConsumer = 240;  // 128 x (24 + 2 x 240) <= 64 K
 static_assert(128 * (kRegsProducer + kConsumers * kRegsConsumer) <= 65536, "register file");
@@ -322,7 +331,12 @@ __device__ __forceinline__ void consumer(Smem<T, D> &s, const Params &p, const W
         wgmma_fence_operands(dk);
         wgmma_fence_operands(dv);
         wgmma_fence_operands(dq);
-        if (t == 0) mbar_arrive(&s.empty[st.slot]);
+        if (FK_ATTN_BWD_RELEASE == 2) {
+            mbar_arrive(&s.empty[st.slot]);
+        } else {
+            __syncwarp();
+            if (t % 32 == 0) mbar_arrive(&s.empty[st.slot]);
+        }
         st.next();
         store_dq(s.dq, dq, c);
         fence_proxy_async_shared();  // s.dq: generic stores, read by the bulk reduction
@@ -352,7 +366,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     auto &s = *reinterpret_cast<Smem<T, D> *>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
     if (threadIdx.x == 0) {
         mbar_init(&s.kv_full, 1);
-        for (int i = 0; i < kStages; i++) mbar_init(&s.full[i], 1), mbar_init(&s.empty[i], kConsumers);
+        for (int i = 0; i < kStages; i++) mbar_init(&s.full[i], 1), mbar_init(&s.empty[i], kReleasers);
         fence_barrier_init();
         prefetch_tensormap(&map_q), prefetch_tensormap(&map_k), prefetch_tensormap(&map_v);
         prefetch_tensormap(&map_do);
