@@ -410,7 +410,7 @@ __global__ void __launch_bounds__(128) attention_bwd_prep_sm90(const Params p, c
 // which holds (row, col), (row, col + 1), (row + 8, col), (row + 8, col + 1) (accumulator order): the reads
 // are whole 512-byte warp spans and there is no per-element 64-bit division. (Before: a thread a
 // column pair, three 64-bit divisions each, float2 reads half of each 16-byte chunk: 72 us for
-// (16, 1024, 12, 64), a third of DRAM speed, H100 profile.)
+// (16, 1024, 12, 64), a quarter of DRAM speed, H200 profile.)
 template <typename T, int D>
 __global__ void __launch_bounds__(256) attention_bwd_dq_convert_sm90(const Params p, const Work ws) {
     grid_dependency_sync();
