@@ -33,6 +33,14 @@
 #ifndef FK_ATTN_BWD_STMATRIX  // A/B switch: dS to shared memory by stmatrix .trans (else 2-byte stores)
 #define FK_ATTN_BWD_STMATRIX 1
 #endif
+// Who releases a ring stage (its empty barrier): 1, lane 0 of each consumer warp after __syncwarp
+// (8 arrivals); 2, every consumer thread (256). Every consumer thread reads the stage's lse and D
+// with generic loads (softmax_grad), so the release must follow each thread's reads. One thread per
+// warpgroup behind a named barrier (the first form) is ordered too, but racecheck reported those
+// reads racing the producer's next bulk copy into the slot (20 errors, H100, session 35).
+#ifndef FK_ATTN_BWD_RELEASE
+#define FK_ATTN_BWD_RELEASE 1
+#endif
 
 namespace fk::attn {
 namespace {
@@ -46,6 +54,7 @@ constexpr int kBM = 64;        // queries a ring stage (one m64 wgmma of dQ)
 constexpr int kBN = 128;       // keys a CTA: two consumer warpgroups of 64
 constexpr int kConsumers = 2;
 constexpr int kThreads = 128 * (1 + kConsumers);
+constexpr int kReleasers = kConsumers * (FK_ATTN_BWD_RELEASE == 2 ? 128 : 4);  // arrivals a stage release
 constexpr int kStages = 2;
 constexpr int kRegsProducer = 24, kRegsConsumer = 240;  // 128 x (24 + 2 x 240) <= 64 K
 static_assert(128 * (kRegsProducer + kConsumers * kRegsConsumer) <= 65536, "register file");
@@ -62,7 +71,7 @@ template <typename T, int D> struct Smem {
     alignas(1024) T q[kStages][kBM * D];     // D / 64 boxes of kBM rows x 64 columns
     alignas(1024) T dout[kStages][kBM * D];
     alignas(1024) T ds[kBM * kBN];           // dS: kBN / 64 boxes of kBM queries x 64 keys, K-major
-    alignas(128) float dq[kConsumers * kDqRegionFloats];  // accumulator order (see dq_index)
+    alignas(128) float dq[kConsumers * kDqRegionFloats];  // accumulator order (see below)
     alignas(16) float lse2[kStages][kBM];   // lse log2 e
     alignas(16) float dvec[kStages][kBM];   // rowsum(dO O)
     uint64_t kv_full, full[kStages], empty[kStages];
@@ -77,13 +86,11 @@ struct Work {
     int m_tiles;
 };
 
-// Tile-local float index of dQ element (row, col) in accumulator order: region c = col / 64 (the
-// warpgroup's half of D 128; 0 at D 64), n8 block q, thread t, register 2 hr + (col & 1) of the
-// m64n64 layout (thread t holds rows 16 (t / 32) + (t % 32) / 4 + 8 hr, columns 8 q + 2 (t % 4) + e).
-__device__ __forceinline__ int dq_index(int row, int col) {
-    const int c = col / 64, cl = col % 64, t = (row / 16) * 32 + (row % 8) * 4 + (cl % 8) / 2;
-    return c * kDqRegionFloats + (cl / 8) * 512 + t * 4 + 2 * ((row / 8) & 1) + (col & 1);
-}
+// Accumulator order, the tile-local float index of dQ element (row, col) with cl = col % 64:
+// (col / 64) x 64 x 64 + (cl / 8) x 512 + 4 t + 2 ((row / 8) & 1) + (col & 1), t = 32 (row / 16)
+// + 4 (row % 8) + (cl % 8) / 2: region col / 64 (the warpgroup's half of D 128; 0 at D 64), n8
+// block, thread t, register 2 hr + e of the m64n64 layout (thread t holds rows 16 (t / 32) +
+// (t % 32) / 4 + 8 hr, columns 8 q + 2 (t % 4) + e). store_dq writes it, the dq conversion reads it.
 
 // The CTA's job: keys [n0, n0 + kBN) of kv head g of sequence b; query tiles [t_lo, t_lo + nq) of
 // each of the group's heads: iteration it is head g x group + it / nq, tile t_lo + it % nq.
@@ -322,7 +329,12 @@ __device__ __forceinline__ void consumer(Smem<T, D> &s, const Params &p, const W
         wgmma_fence_operands(dk);
         wgmma_fence_operands(dv);
         wgmma_fence_operands(dq);
-        if (t == 0) mbar_arrive(&s.empty[st.slot]);
+        if (FK_ATTN_BWD_RELEASE == 2) {
+            mbar_arrive(&s.empty[st.slot]);
+        } else {
+            __syncwarp();
+            if (t % 32 == 0) mbar_arrive(&s.empty[st.slot]);
+        }
         st.next();
         store_dq(s.dq, dq, c);
         fence_proxy_async_shared();  // s.dq: generic stores, read by the bulk reduction
@@ -352,7 +364,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     auto &s = *reinterpret_cast<Smem<T, D> *>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
     if (threadIdx.x == 0) {
         mbar_init(&s.kv_full, 1);
-        for (int i = 0; i < kStages; i++) mbar_init(&s.full[i], 1), mbar_init(&s.empty[i], kConsumers);
+        for (int i = 0; i < kStages; i++) mbar_init(&s.full[i], 1), mbar_init(&s.empty[i], kReleasers);
         fence_barrier_init();
         prefetch_tensormap(&map_q), prefetch_tensormap(&map_k), prefetch_tensormap(&map_v);
         prefetch_tensormap(&map_do);
@@ -393,18 +405,29 @@ __global__ void __launch_bounds__(128) attention_bwd_prep_sm90(const Params p, c
     }
 }
 
-// dq (dense (batch, sq, heads, d)) = scale x the fp32 workspace, two columns a thread.
+// dq (dense (batch, sq, heads, d)) = scale x the fp32 workspace: one CTA a 64 x D tile (block x =
+// (sequence x heads + head) x m_tiles + tile), each thread float4 f of the tile in accumulator order,
+// which holds (row, col), (row, col + 1), (row + 8, col), (row + 8, col + 1) (accumulator order): the reads
+// are whole 512-byte warp spans and there is no per-element 64-bit division. (Before: a thread a
+// column pair, three 64-bit divisions each, float2 reads half of each 16-byte chunk: 72 us for
+// (16, 1024, 12, 64), a quarter of DRAM speed, H200 profile.)
 template <typename T, int D>
 __global__ void __launch_bounds__(256) attention_bwd_dq_convert_sm90(const Params p, const Work ws) {
-    const int64_t idx = (int64_t)blockIdx.x * 256 + threadIdx.x;
     grid_dependency_sync();
-    if (idx >= p.batch * p.sq * p.heads * (D / 2)) return;
-    const int col = 2 * (int)(idx % (D / 2));
-    const int64_t rest = idx / (D / 2);
-    const int h = (int)(rest % p.heads), i = (int)(rest / p.heads % p.sq), b = (int)(rest / p.heads / p.sq);
-    const float *tile = ws.dq + (((int64_t)b * p.heads + h) * ws.m_tiles + i / kBM) * kBM * D;
-    const float2 v = *reinterpret_cast<const float2 *>(tile + dq_index(i % kBM, col));
-    store2<T>(static_cast<T *>(p.dq) + rest * D + col, v.x * p.scale, v.y * p.scale);
+    const int64_t job = blockIdx.x, bh = job / ws.m_tiles;
+    const int tile = (int)(job % ws.m_tiles), h = (int)(bh % p.heads);
+    const int64_t b = bh / p.heads, row_stride = p.heads * D;
+    const float4 *src = reinterpret_cast<const float4 *>(ws.dq + job * kBM * D);
+    T *dst = static_cast<T *>(p.dq) + (b * p.sq + (int64_t)tile * kBM) * row_stride + (int64_t)h * D;
+    const int rows = (int)min((int64_t)kBM, p.sq - (int64_t)tile * kBM);
+#pragma unroll
+    for (int f = threadIdx.x; f < kBM * D / 4; f += 256) {
+        const float4 v = src[f];
+        const int t = f % 128, row = 16 * (t / 32) + (t % 32) / 4;
+        const int col = 64 * (f / 1024) + 8 * (f / 128 % 8) + 2 * (t % 4);
+        if (row < rows) store2<T>(dst + row * row_stride + col, v.x * p.scale, v.y * p.scale);
+        if (row + 8 < rows) store2<T>(dst + (row + 8) * row_stride + col, v.z * p.scale, v.w * p.scale);
+    }
 }
 
 // ---- host: tensor maps and launch ---------------------------------------------------------------
@@ -432,8 +455,7 @@ template <typename T, int D> fk_status launch(const Params &p, fk_dtype dtype, i
     st = Launch(grid, dim3(kThreads), kSmemBytes<D>, stream, device)("attention_bwd", kernel, map_q, map_k, map_v,
                                                                      map_do, p, ws);
     if (st != FK_OK) return st;
-    const int64_t pairs = p.batch * p.sq * p.heads * (D / 2);
-    return Launch(dim3((unsigned)((pairs + 255) / 256)), dim3(256), 0, stream, device)(
+    return Launch(dim3((unsigned)(rows / kBM)), dim3(256), 0, stream, device)(
         "attention_bwd_dq_convert", attention_bwd_dq_convert_sm90<T, D>, p, ws);
 }
 
