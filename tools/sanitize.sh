@@ -66,13 +66,15 @@ gpu_tests() {
         "(test_values_and_grads|test_ignore_index|test_special_values|test_views_and_misaligned)\[.*-cuda-(float32|bfloat16)\]|test_padded_rows_in_and_out\[cuda\]" ;;
     # racecheck / synccheck: a row length for each register, CTA, shared-memory and cluster strategy
     # (forward and backward), the column tile, its clusters and chunks, the looped columns, and the
-    # row-tiled GELU bias gradient
+    # row-tiled GELU bias gradient; attention's split (decoding) forward through test_cuda_head_dims'
+    # (1, 1, 300) case (test_cuda_decoding's 8192 keys x 32 heads with gradients did not finish in
+    # 200 s under racecheck, H100)
     *) select_tests tests/test_softmax.py \
         "test_rows\[3-(1000|4097|8192|12001|16384|65543|300000|1000003)-softmax-$dt\]|test_dims\[\((3, 1000, 4|2000, 5, 8|6000, 2, 8|20000, 2, 4)\)-(0|1)-softmax-$dt\]|test_looped_columns_cuda\[softmax-torch.float32\]"
       select_tests tests/test_gelu.py "test_matches_float64_reference\[bias-\(33, 1000\)-tanh-$dt\]"
       select_tests tests/test_matmul.py "test_dispatch_table"
       select_tests tests/test_attention.py \
-        "test_cuda_head_dims\[(default-(64|128)|force_general-(64|96|256))\]|test_cuda_values_and_gradients\[(default|force_general)-113-203-causal-torch.bfloat16\]|test_cuda_decoding\[default-8192\]|test_cuda_windows_and_varlen\[default-\(100, 30\)\]"
+        "test_cuda_head_dims\[(default-(64|128)|force_general-(64|96|256))\]|test_cuda_values_and_gradients\[(default|force_general)-113-203-causal-torch.bfloat16\]|test_cuda_windows_and_varlen\[default-\(100, 30\)\]"
       select_tests tests/test_cross_entropy.py "test_values_and_grads\[(33-1000|7-4097|4-50257)-mean-cuda-bfloat16\]" ;;
   esac
 }
