@@ -9,7 +9,7 @@
  * than min_items items: small calls stay on the calling thread.
  * Ranges (shares) are contiguous and fixed by (items, thread count) alone, so each item is computed
  * the same way on any thread; the caller and the workers claim them from a counter, so a worker that
- * wakes late leaves its share to the caller. Workers are kept off the caller's CPU (D-98). One call
+ * wakes late leaves its share to the caller. Workers are kept off the caller's CPU (D-99). One call
  * at a time owns the pool; a call that finds it busy (another Python thread with the GIL released)
  * runs all its items itself rather than wait.
  * fork: the child has none of the workers, so pthread_atfork takes the pool's lock around fork
@@ -49,13 +49,15 @@ static struct {
 } pool = {PTHREAD_MUTEX_INITIALIZER, PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER,
           PTHREAD_COND_INITIALIZER, PTHREAD_ONCE_INIT, .avoided_cpu = -1};
 
+static void run_share(fk_range_fn fn, void *ctx, int64_t items, int share, int shares) {
+    int64_t begin = items * share / shares, end = items * (share + 1) / shares;
+    if (begin < end) fn(ctx, begin, end);
+}
+
 /* Claims the job's shares one at a time until none is left: a worker that wakes late (or never
  * gets a CPU) leaves its share to whoever is free, so a call is never slower than one thread. */
 static void run_shares(fk_range_fn fn, void *ctx, int64_t items, int shares) {
-    for (int s; (s = atomic_fetch_add(&pool.next_share, 1)) < shares;) {
-        int64_t begin = items * s / shares, end = items * (s + 1) / shares;
-        if (begin < end) fn(ctx, begin, end);
-    }
+    for (int s; (s = atomic_fetch_add(&pool.next_share, 1)) < shares;) run_share(fn, ctx, items, s, shares);
 }
 
 static void *worker_main(void *arg) {
@@ -121,7 +123,7 @@ static int start_workers(int want) {
 
 /* Keeps the workers off the caller's CPU (lock held). The kernel places a woken worker where it
  * likes, and this VM's scheduler queued it on the caller's own CPU, behind the caller: the two
- * shares then ran one after the other (D-98). Set again only when the caller has moved. */
+ * shares then ran one after the other (D-99). Set again only when the caller has moved. */
 static void avoid_callers_cpu(void) {
     int cpu = sched_getcpu();
     if (cpu < 0 || cpu == pool.avoided_cpu || CPU_COUNT(&pool.cpus) < 2 || !CPU_ISSET(cpu, &pool.cpus)) return;
@@ -142,7 +144,7 @@ void fk_parallel_for(int threads, int64_t items, int64_t min_items, fk_range_fn 
     int64_t most = min_items > 1 ? items / min_items : items;
     if (most < t) t = most < 1 ? 1 : (int)most;
     if (t <= 1 || pthread_mutex_trylock(&pool.call) != 0) {
-        fn(ctx, 0, items);
+        for (int s = 0; s < t; s++) run_share(fn, ctx, items, s, t);  /* the same ranges as with threads */
         return;
     }
     pthread_mutex_lock(&pool.lock);
