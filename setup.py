@@ -32,6 +32,7 @@ import re
 import shlex
 import shutil
 import subprocess
+import sys
 import sysconfig
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -202,6 +203,16 @@ class BuildFastkern(build_ext):
                 print(f"fastkern: compiled {src}", flush=True)
             return obj
 
+        def run_nvcc(cmd, src):
+            # ptxas says so when it serializes a kernel's wgmmas (a divergent branch, or accumulators
+            # read while a wgmma group is open): a silent loss of most of the tensor cores' rate
+            done = subprocess.run(cmd, stderr=subprocess.PIPE, text=True)
+            sys.stderr.write(done.stderr)
+            if "wgmma.mma_async instructions are serialized" in done.stderr:
+                print(f"fastkern: WARNING: ptxas serialized wgmma instructions in {src} (see its C75xx "
+                      f"lines above): that kernel runs far below the tensor cores' rate", flush=True)
+            done.check_returncode()
+
         def compile_cuda(src):
             obj = os.path.join(self.build_temp, src[: -len(".cu")] + ".cu.o")
             nvcc = os.path.join(cuda_home, "bin", "nvcc")
@@ -212,7 +223,7 @@ class BuildFastkern(build_ext):
             if threads > 1:  # not in the signature: it changes how long, not what
                 cmd[1:1] = ["--threads", str(threads)]
             t0 = time.time()
-            if compile_unit(obj, signature, lambda: subprocess.run(cmd, check=True)):
+            if compile_unit(obj, signature, lambda: run_nvcc(cmd, src)):
                 count = kernel_count(obj)
                 print(f"fastkern: compiled {src} in {time.time() - t0:.0f} s: "
                       f"{count if count is not None else '?'} kernel instances", flush=True)
