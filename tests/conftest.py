@@ -1,10 +1,18 @@
 """Shared test helpers: devices, float64 references and the "at most 2x torch's error" rule."""
 import math
 import os
+import tempfile
 import zlib
 
-import pytest
-import torch
+# torch.compile's on-disk caches (inductor's FX graphs, AOT autograd's forward / backward pairs) are
+# keyed by the traced graph, not by the Python of fastkern's ops: a cache written by another version
+# of fastkern served a backward that saved what that version saved (the CPU softmax backward then
+# refused (x, row max): it takes y since D-87). Each test session compiles into its own directory
+# unless TORCHINDUCTOR_CACHE_DIR is set.
+os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", tempfile.mkdtemp(prefix="fastkern-tests-inductor-"))
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 import fastkern
 
