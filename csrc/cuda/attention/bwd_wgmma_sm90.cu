@@ -400,7 +400,7 @@ __global__ void __launch_bounds__(128) attention_bwd_prep_sm90(const Params p, c
 
 // dq (dense (batch, sq, heads, d)) = scale x the fp32 workspace: one CTA a 64 x D tile (block x =
 // (sequence x heads + head) x m_tiles + tile), each thread float4 f of the tile in accumulator order,
-// which holds (row, col), (row, col + 1), (row + 8, col), (row + 8, col + 1) (accumulator order): the reads
+// which holds (row, col), (row, col + 1), (row + 8, col), (row + 8, col + 1): the reads
 // are whole 512-byte warp spans and there is no per-element 64-bit division. (Before: a thread a
 // column pair, three 64-bit divisions each, float2 reads half of each 16-byte chunk: 72 us for
 // (16, 1024, 12, 64), a quarter of DRAM speed, H200 profile.)
