@@ -360,7 +360,9 @@ template <typename T, int D> __device__ __forceinline__ void consumer(Smem<T, D>
     RingStage<Cfg<D>::kStages> ks, vs;
     for (RingStage<2> ts;; ts.next()) {
         mbar_wait(&s.tile_full[ts.slot], ts.phase);
-        const int64_t tile = s.tile[ts.slot];
+        // lane 0's copy, so ptxas sees a warp-uniform value: read from shared memory it is not
+        // (every branch on it then counted as divergent and the wgmmas were serialized: C7520)
+        const int64_t tile = __shfl_sync(0xffffffffu, s.tile[ts.slot], 0);
         mbar_arrive(&s.tile_empty[ts.slot]);
         if (tile < 0) break;
         consume_tile<T, D>(s, p, work_of<Cfg<D>::kBM, Cfg<D>::kBN>(p, tile, m_tiles), qs, ks, vs);
