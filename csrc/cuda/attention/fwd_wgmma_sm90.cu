@@ -54,17 +54,17 @@ constexpr int kBoxCols = 64;                         // a 128-byte swizzled TMA 
 // Two consumer warpgroups (O + S + P: 160 registers a thread at D 128, 128 at D 64, of 240); D 128
 // fills 160 KB with two stages, D 64 takes three (112 KB). Three consumers at D 64 (192 rows, 160
 // registers: spills) measured 486 vs 476 TFLOP/s at S 4096 as one CTA a tile, but 344 persistent
-// and 307 vs 320 causal (H100): two it is. Registers: 128 x (producer + consumers x consumer) <= 64 K;
-// the producer gets 32 (at 24 the tile walk's state spilled).
+// and 307 vs 320 causal (H100): two it is. Registers (registers_fit): two consumers at 232 and the
+// producer at 40 spill nothing; at 24 the producer spilled its tile walk (60 bytes).
 template <int D> struct Cfg {
     static constexpr int kConsumers = D == 64 ? FK_ATTN_D64_CONSUMERS : 2;
     static constexpr int kBM = 64 * kConsumers, kBN = D == 64 ? 128 : FK_ATTN_D128_BN;  // query rows, keys
     static constexpr int kThreads = 128 * (1 + kConsumers);
     static constexpr int kStages = D == 64 ? 3 : 2;
-    static constexpr int kRegsProducer = 32, kRegsConsumer = kConsumers == 2 ? 240 : 160;
+    static constexpr int kRegsProducer = kConsumers == 2 ? 40 : 32, kRegsConsumer = kConsumers == 2 ? 232 : 160;
     static constexpr int kBoxes = D / kBoxCols;
     static constexpr uint32_t kQBytes = kBM * D * 2, kKVBytes = kBN * D * 2;
-    static_assert(128 * (kRegsProducer + kConsumers * kRegsConsumer) <= 65536, "register file");
+    static_assert(registers_fit(kConsumers, kRegsProducer, kRegsConsumer), "register pool");
 };
 
 // Named barriers: 0 is __syncthreads; consumer warpgroup c waits on kTurn0 + c for its turn on the
