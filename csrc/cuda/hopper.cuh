@@ -196,6 +196,13 @@ __device__ __forceinline__ uint64_t smem_desc_sw128(const void *p, uint32_t lbo_
 }
 
 // ---- registers ---------------------------------------------------------------------------------
+// setmaxnreg moves registers within the CTA's pool, which holds what the launch gave it: its threads
+// x the per-thread count of a one-CTA-an-SM kernel (the register file split evenly, rounded down to
+// 8: 168 for 384 threads). More asked than that and setmaxnreg.inc waits forever: a producer at 32
+// with two consumers at 240 (512 > 3 x 168) hung every Hopper attention forward (H100).
+constexpr bool registers_fit(int consumers, int producer_regs, int consumer_regs) {
+    return producer_regs + consumers * consumer_regs <= (consumers + 1) * (65536 / (128 * (consumers + 1)) / 8 * 8);
+}
 template <int R> __device__ __forceinline__ void setmaxnreg_inc() {
 #if FK_SM90A
     asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(R));

@@ -39,10 +39,13 @@ struct Params {
     float *part_out, *part_lse;       // split forward: partial outputs (fp32) and their lse
     float *dvec;                      // backward: rowsum(dO * O), (batch, heads, sq) fp32 (bwd_wgmma_sm90:
                                       // its whole workspace, laid out there)
+    unsigned long long *next_tile;    // fwd_wgmma_sm90's dynamic walk: tiles claimed past the grid's
+                                      // first (its workspace, zeroed by the launch); NULL: static walk
 };
 
 // A/B switches (FASTKERN_NVCC_FLAGS=-D...): the key tile of the forward and of the dQ kernel at
-// D <= 128, and how many resident CTA slots an SM a split forward fills (2 a wave).
+// D <= 128, how many resident CTA slots an SM a split forward fills (2 a wave), and whether the
+// Hopper forward's persistent CTAs claim their tiles from a counter (else a static walk).
 #ifndef FK_ATTN_FWD_BN
 #define FK_ATTN_FWD_BN 64
 #endif
@@ -54,6 +57,9 @@ struct Params {
 #endif
 #ifndef FK_ATTN_SPLIT_SLOTS
 #define FK_ATTN_SPLIT_SLOTS 2
+#endif
+#ifndef FK_ATTN_FWD_DYNAMIC  // the Hopper forward's persistent CTAs claim tiles from a counter
+#define FK_ATTN_FWD_DYNAMIC 1
 #endif
 
 // ---- host side ----------------------------------------------------------------------------------
@@ -68,6 +74,7 @@ struct Plan {
     int splits = 1;     // split-KV forward: key ranges per query tile
     bool pack_gqa = false;  // forward: the heads sharing a kv head packed into one CTA's rows
     bool persistent = false;  // fwd_wgmma_sm90: one CTA an SM walking the query tiles (else one a tile)
+    bool dynamic = false;     // fwd_wgmma_sm90 persistent: CTAs claim tiles from a counter (workspace)
     int64_t workspace_bytes = 0;
 };
 

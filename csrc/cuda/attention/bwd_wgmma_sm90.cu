@@ -54,8 +54,8 @@ constexpr int kThreads = 128 * (1 + kConsumers);
 // arriving it reports none. Its speed against those forms is not measured yet (D-98).
 constexpr int kReleasers = kConsumers * 128;
 constexpr int kStages = 2;
-constexpr int kRegsProducer = 24, kRegsConsumer = 240;  // 128 x (24 + 2 x 240) <= 64 K
-static_assert(128 * (kRegsProducer + kConsumers * kRegsConsumer) <= 65536, "register file");
+constexpr int kRegsProducer = 24, kRegsConsumer = 240;
+static_assert(registers_fit(kConsumers, kRegsProducer, kRegsConsumer), "register pool");
 constexpr int kDqRegionFloats = 64 * 64;  // one warpgroup's m64n64 dQ accumulator
 
 // Named barriers: 0 is __syncthreads. Both consumer warpgroups meet on kDsReady (dS in shared

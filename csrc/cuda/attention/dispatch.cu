@@ -9,7 +9,9 @@
 // fwd  16-bit  sm_90   d 64 or 128, sk > 0, not varlen, no GQA pack, fwd_wgmma_sm90    TMA + wgmma,
 //                      q / k / v bases and strides 16-byte aligned,                      2.3x sm_80
 //                      built for sm_90a, not FK_ATTN_FORCE_GENERAL;                      (H200)
-//                      persistent grid when no mask band
+//                      persistent grid; CTAs claim tiles from a counter
+//                      (FK_ATTN_FWD_DYNAMIC; 0: a static walk, only
+//                      without a mask band)
 // fwd  16-bit  sm_80+  otherwise                                      fwd_mma_sm80      the general kernel
 // fwd (sm_80 rows): GQA with sq x group <= 128 (64 at D 256) packs the group's heads into one CTA's
 //      rows (pack_gqa): K / V read once per group, CTAs counted per kv head.
@@ -128,10 +130,13 @@ Plan plan_attention(const fk_attention_args &x, int backward, int sms, int major
         tma_ok(x.v, x.v_row, x.v_head, x.v_batch, x, x.kv_heads)) {
         plan.strategy = Strategy::kFwdWgmmaSm90;
         plan.d_bucket = (int)x.d;
-        // Persistent only without a mask band: its static walk cannot balance causal tiles of
-        // unequal length as the hardware's CTA scheduler does (S 1024: 568 vs 522 TFLOP/s full,
-        // 327 vs 363 causal, H100).
-        plan.persistent = x.window_left < 0 && x.window_right < 0;
+        // Persistent: one CTA an SM, the producer loading the next tile under the last one's
+        // epilogue (S 1024 full: 568 vs 522 TFLOP/s as one CTA a tile, H100). A static walk cannot
+        // balance causal tiles of unequal length (327 vs 363 causal); CTAs that claim tiles from a
+        // counter (FK_ATTN_FWD_DYNAMIC, 8 bytes of workspace) can, longest first within a head.
+        plan.persistent = FK_ATTN_FWD_DYNAMIC || (x.window_left < 0 && x.window_right < 0);
+        plan.dynamic = FK_ATTN_FWD_DYNAMIC;
+        if (plan.dynamic) plan.workspace_bytes = sizeof(unsigned long long);
     }
     return plan;
 }
@@ -208,6 +213,8 @@ Params params_of(const fk_attention_args &x, const Plan &plan) {
         p.part_out = ws + split_lse_floats(plan.splits, x);
     } else if (plan.strategy == Strategy::kBwdMmaSm80 || plan.strategy == Strategy::kBwdWgmmaSm90) {
         p.dvec = ws;
+    } else if (plan.strategy == Strategy::kFwdWgmmaSm90 && plan.dynamic) {
+        p.next_tile = static_cast<unsigned long long *>(x.workspace);
     }
     return p;
 }

@@ -13,7 +13,10 @@
 // S 2048 445. Short and causal S lose to per-tile set-up.
 //
 // Algorithm: CTAs walk (128-row query tile, head, sequence) tiles, longest causal tiles first;
-// persistent (one CTA an SM) without a mask band, one CTA a tile with one (plan.persistent).
+// persistent (one CTA an SM). The producer claims each next tile from a counter in global memory
+// (plan.dynamic: a CTA that drew short causal tiles takes more) and hands its index to the
+// consumers through a two-slot ring in shared memory; with FK_ATTN_FWD_DYNAMIC 0, a static walk
+// without a mask band and one CTA a tile with one.
 // Warpgroup 0, the producer: one thread loads per tile K_(t_lo), Q, then K_t and V_(t-1) through
 // mbarrier rings (128-byte swizzle; rows past the sequence end zero-filled). Warpgroups 1, 2 own
 // 64 query rows each. Per key tile t, S_t = Q K_tᵀ (wgmma SS) and O += P_(t-1) V_(t-1) (wgmma, P
@@ -51,16 +54,17 @@ constexpr int kBoxCols = 64;                         // a 128-byte swizzled TMA 
 // Two consumer warpgroups (O + S + P: 160 registers a thread at D 128, 128 at D 64, of 240); D 128
 // fills 160 KB with two stages, D 64 takes three (112 KB). Three consumers at D 64 (192 rows, 160
 // registers: spills) measured 486 vs 476 TFLOP/s at S 4096 as one CTA a tile, but 344 persistent
-// and 307 vs 320 causal (H100): two it is. Registers: 128 x (producer + consumers x consumer) <= 64 K.
+// and 307 vs 320 causal (H100): two it is. Registers (registers_fit): two consumers at 232 and the
+// producer at 40 spill nothing; at 24 the producer spilled its tile walk (60 bytes).
 template <int D> struct Cfg {
     static constexpr int kConsumers = D == 64 ? FK_ATTN_D64_CONSUMERS : 2;
     static constexpr int kBM = 64 * kConsumers, kBN = D == 64 ? 128 : FK_ATTN_D128_BN;  // query rows, keys
     static constexpr int kThreads = 128 * (1 + kConsumers);
     static constexpr int kStages = D == 64 ? 3 : 2;
-    static constexpr int kRegsProducer = kConsumers == 2 ? 24 : 32, kRegsConsumer = kConsumers == 2 ? 240 : 160;
+    static constexpr int kRegsProducer = kConsumers == 2 ? 40 : 32, kRegsConsumer = kConsumers == 2 ? 232 : 160;
     static constexpr int kBoxes = D / kBoxCols;
     static constexpr uint32_t kQBytes = kBM * D * 2, kKVBytes = kBN * D * 2;
-    static_assert(128 * (kRegsProducer + kConsumers * kRegsConsumer) <= 65536, "register file");
+    static_assert(registers_fit(kConsumers, kRegsProducer, kRegsConsumer), "register pool");
 };
 
 // Named barriers: 0 is __syncthreads; consumer warpgroup c waits on kTurn0 + c for its turn on the
@@ -72,7 +76,9 @@ template <typename T, int D> struct Smem {
     alignas(1024) T q[Cfg<D>::kBM * D];     // D / 64 boxes of kBM rows x 64 columns
     alignas(1024) T k[kStages][Cfg<D>::kBN * D];  // the same, kBN keys
     alignas(1024) T v[kStages][Cfg<D>::kBN * D];
+    int64_t tile[2];  // the walk's next tiles, producer to consumers; -1: the walk is over
     uint64_t q_full, q_empty, k_full[kStages], k_empty[kStages], v_full[kStages], v_empty[kStages];
+    uint64_t tile_full[2], tile_empty[2];
 };
 template <int D> constexpr int kSmemBytes = sizeof(Smem<__half, D>) + 1024;  // + room to align to 1024
 static_assert(kSmemBytes<128> <= 227 * 1024 && kSmemBytes<64> <= 227 * 1024, "fits Hopper's shared memory");
@@ -117,7 +123,17 @@ __device__ __forceinline__ void producer(Smem<T, D> &s, const CUtensorMap *map_q
                         w.b);
         ks.next();
     };
-    for (int64_t tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
+    RingStage<2> ts;
+    for (int64_t tile = blockIdx.x;; ) {
+        // The next tile is claimed now: the atomic's round trip hides under this tile's loads.
+        const int64_t next = tile >= tiles ? tiles
+                             : p.next_tile ? gridDim.x + (int64_t)atomicAdd(p.next_tile, 1ull)
+                                           : tile + gridDim.x;
+        mbar_wait(&s.tile_empty[ts.slot], ts.phase ^ 1);
+        s.tile[ts.slot] = tile < tiles ? tile : -1;
+        mbar_arrive(&s.tile_full[ts.slot]);  // releases the store to the consumers
+        ts.next();
+        if (tile >= tiles) break;
         const Work w = work_of<C::kBM, kBN>(p, tile, m_tiles);
         if (w.t_lo < w.t_hi) load_k(w, w.t_lo);
         mbar_wait(&s.q_empty, qs.phase ^ 1);
@@ -136,6 +152,7 @@ __device__ __forceinline__ void producer(Smem<T, D> &s, const CUtensorMap *map_q
                             (t - 1) * kBN, w.g, w.b);
             vs.next();
         }
+        tile = next;
     }
 }
 
@@ -337,16 +354,24 @@ __device__ __forceinline__ void consume_tile(Smem<T, D> &s, const Params &p, con
     epilogue<T, D>(p, w, o, row_max, row_sum, r0, mul);
 }
 
-template <typename T, int D>
-__device__ __forceinline__ void consumer(Smem<T, D> &s, const Params &p, int m_tiles, int64_t tiles) {
+// Every consumer thread reads the tile index, then releases its slot (racecheck sees that order).
+template <typename T, int D> __device__ __forceinline__ void consumer(Smem<T, D> &s, const Params &p, int m_tiles) {
     RingStage<1> qs;
     RingStage<Cfg<D>::kStages> ks, vs;
-    for (int64_t tile = blockIdx.x; tile < tiles; tile += gridDim.x)
+    for (RingStage<2> ts;; ts.next()) {
+        mbar_wait(&s.tile_full[ts.slot], ts.phase);
+        // lane 0's copy, so ptxas sees a warp-uniform value: read from shared memory it is not
+        // (every branch on it then counted as divergent and the wgmmas were serialized: C7520)
+        const int64_t tile = __shfl_sync(0xffffffffu, s.tile[ts.slot], 0);
+        mbar_arrive(&s.tile_empty[ts.slot]);
+        if (tile < 0) break;
         consume_tile<T, D>(s, p, work_of<Cfg<D>::kBM, Cfg<D>::kBN>(p, tile, m_tiles), qs, ks, vs);
+    }
 }
 
 // The grid walks the query tiles: one CTA an SM when plan.persistent (the producer loads the next
-// tile's K and Q while the consumers finish the last one's epilogue), else one CTA a tile.
+// tile's K and Q while the consumers finish the last one's epilogue), else one CTA a tile. The
+// producer thread stays in its loop to the end: it arrives on the tile ring once more (-1).
 template <typename T, int D>
 __global__ void __launch_bounds__(Cfg<D>::kThreads, 1)
     attention_fwd_wgmma_sm90(const __grid_constant__ CUtensorMap map_q, const __grid_constant__ CUtensorMap map_k,
@@ -360,6 +385,7 @@ __global__ void __launch_bounds__(Cfg<D>::kThreads, 1)
             mbar_init(&s.k_full[i], 1), mbar_init(&s.k_empty[i], Cfg<D>::kConsumers);
             mbar_init(&s.v_full[i], 1), mbar_init(&s.v_empty[i], Cfg<D>::kConsumers);
         }
+        for (int i = 0; i < 2; i++) mbar_init(&s.tile_full[i], 1), mbar_init(&s.tile_empty[i], Cfg<D>::kConsumers * 128);
         fence_barrier_init();
         prefetch_tensormap(&map_q), prefetch_tensormap(&map_k), prefetch_tensormap(&map_v);
     }
@@ -372,7 +398,7 @@ __global__ void __launch_bounds__(Cfg<D>::kThreads, 1)
         if (threadIdx.x == 0) producer<T, D>(s, &map_q, &map_k, &map_v, p, m_tiles, tiles);
     } else {
         setmaxnreg_inc<Cfg<D>::kRegsConsumer>();
-        consumer<T, D>(s, p, m_tiles, tiles);
+        consumer<T, D>(s, p, m_tiles);
     }
 #endif
 }
@@ -394,6 +420,10 @@ fk_status launch(const Params &p, bool persistent, fk_dtype dtype, int device, c
     // (grid.x holds 2^31 - 1 CTAs: a larger walk goes persistent whatever the plan says.)
     const bool walk = persistent || tiles > INT32_MAX;
     const unsigned grid = (unsigned)(walk ? std::min<int64_t>(tiles, sm_count(device)) : tiles);
+    if (p.next_tile) {  // the dynamic walk's counter starts at 0 each launch (a graph node when captured)
+        e = cudaMemsetAsync(p.next_tile, 0, sizeof *p.next_tile, stream);
+        if (e != cudaSuccess) return cuda_status(e, "attention_fwd");
+    }
     return Launch(dim3(grid), dim3(C::kThreads), kSmemBytes<D>, stream, device)("attention_fwd", kernel, map_q, map_k,
                                                                                  map_v, p);
 }

@@ -31,6 +31,8 @@ namespace {
 
 constexpr int kBM = 128, kBN = 128;
 constexpr int kConsumers = 2, kThreads = 128 * (1 + kConsumers);
+constexpr int kRegsProducer = 40, kRegsConsumer = 232;
+static_assert(registers_fit(kConsumers, kRegsProducer, kRegsConsumer), "register pool");
 constexpr int kBoxBytes = 64 * 64 * 2;                // one 64 x 64 TMA box of 16-bit elements (8 KB)
 // Per element type T: a 128-byte swizzled row holds kBK elements (the k-tile: 64 halves, 32 fp32),
 // a wgmma k-step covers 32 bytes of it (k16, or k8 for tf32), a 16-byte chunk kChunk elements.
@@ -226,10 +228,10 @@ __global__ void __launch_bounds__(kThreads, 1)
     const int tiles_m = (int)((p.m + kBM - 1) / kBM), tiles_n = (int)((p.n + kBN - 1) / kBN);
     const int k_tiles = (int)((p.k + kBK<T> - 1) / kBK<T>);
     if (threadIdx.x < 128) {
-        setmaxnreg_dec<40>();
+        setmaxnreg_dec<kRegsProducer>();
         if (threadIdx.x == 0) producer<T, kAKMajor, kBKMajor>(s, &map_a, &map_b, p, tiles_m, tiles_n, k_tiles);
     } else {
-        setmaxnreg_inc<232>();
+        setmaxnreg_inc<kRegsConsumer>();
         consumer<T, kAKMajor, kBKMajor>(s, &map_c, &map_pre, p, tiles_m, tiles_n, k_tiles);
     }
 #endif
