@@ -1,7 +1,7 @@
 // attention_bwd_wgmma_sm90: the Hopper flash-attention backward (sm_90a: TMA, wgmma, warp
 // specialization), FlashAttention-3's scheme. dispatch.cu row "bwd, sm_90, d 64 / 128, not
 // deterministic". Tested on the H100 (tests/test_attention.py, session 34). H100, bf16 fwd+bwd:
-// 0.75-0.99x cuDNN, 1.02-1.64x FlashAttention-2 (benchmarks/results/attention-h100-2026-11-26-quick.json).
+// 0.76-0.98x cuDNN, 1.02-1.63x FlashAttention-2 (benchmarks/results/attention-h100-2026-11-27-quick.json).
 //
 // Napkin math: 5 products of 2 Sq Sk D FLOPs (S, dP, dV, dK, dQ), counted as 2.5x the forward;
 // B 4, H 16, S 4096, D 128: 344 GFLOP, 0.69 ms at cuDNN's ~500 TFLOP/s backward (H200, PERF.md).
@@ -14,7 +14,7 @@
 // = 178 KB (D 64: 114 KB); one CTA an SM.
 //
 // Algorithm: attention_bwd_prep_sm90 writes lse log2 e and D = rowsum(dO O) per row, padded to
-// 64-row tiles (padding: +inf, 0), and the fp32 dQ workspace is zeroed. One CTA per (128 keys, kv
+// 64-row tiles (padding: +inf, 0), and zeroes the fp32 dQ workspace. One CTA per (128 keys, kv
 // head, sequence); warpgroup 0, the producer, loads K and V once, then for each head of the kv
 // head's group (GQA summed in the CTA) and each 64-query tile the mask lets see the keys: Q, dO
 // (TMA) and lse, D (1-d bulk copies) through a two-stage mbarrier ring. Consumer warpgroup c owns
@@ -375,24 +375,32 @@ __global__ void __launch_bounds__(kThreads, 1)
 #endif
 }
 
-// lse log2 e and D = rowsum(dO O) per (sequence, head, row of m_tiles x 64): one warp a row; the
-// padding rows get +inf and 0 (P = 0 there).
+// lse log2 e and D = rowsum(dO O) per (sequence, head, row of m_tiles x 64), and the row's D
+// floats of the dQ workspace zeroed (the main kernel's reductions add into it; the padded rows
+// cover its tiles once). D / 8 lanes a row, 16-byte loads of O and dO; the padding rows get +inf
+// and 0 (P = 0 there). (Before: a warp a row, 2-byte loads, and a separate memset of the workspace.)
 template <typename T, int D>
-__global__ void __launch_bounds__(128) attention_bwd_prep_sm90(const Params p, const Work ws) {
-    const int lane = threadIdx.x % 32;
-    const int64_t pad = (int64_t)ws.m_tiles * kBM, row = (int64_t)blockIdx.x * 4 + threadIdx.x / 32;
+__global__ void __launch_bounds__(256) attention_bwd_prep_sm90(const Params p, const Work ws) {
+    constexpr int kLanes = D / 8, kRowsPerCta = 256 / kLanes;
+    const int part = threadIdx.x % kLanes;
+    const int64_t pad = (int64_t)ws.m_tiles * kBM, row = (int64_t)blockIdx.x * kRowsPerCta + threadIdx.x / kLanes;
     grid_dependency_sync();
-    if (row >= p.batch * p.heads * pad) return;
+    if (row >= p.batch * p.heads * pad) return;  // whole warps: rows come in 64s
     const int i = (int)(row % pad), h = (int)(row / pad % p.heads), b = (int)(row / pad / p.heads);
     float sum = 0.0f;
     if (i < p.sq) {
-        const T *o = static_cast<const T *>(p.out) + b * p.o_batch + i * p.o_row + h * p.o_head;
-        const T *dout = static_cast<const T *>(p.dout) + b * p.do_batch + i * p.do_row + h * p.do_head;
+        const Pack<T> o = load_pack(static_cast<const T *>(p.out) + b * p.o_batch + i * p.o_row + h * p.o_head + 8 * part);
+        const Pack<T> g =
+            load_pack(static_cast<const T *>(p.dout) + b * p.do_batch + i * p.do_row + h * p.do_head + 8 * part);
 #pragma unroll
-        for (int c = lane; c < D; c += 32) sum += to_f32(o[c]) * to_f32(dout[c]);
-        sum = warp_sum(sum);
+        for (int k = 0; k < 8; k++) sum += pack_f32(o, k) * pack_f32(g, k);
     }
-    if (lane == 0) {
+#pragma unroll
+    for (int offset = kLanes / 2; offset > 0; offset >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, offset);
+    float4 *dq = reinterpret_cast<float4 *>(ws.dq + row * D);
+#pragma unroll
+    for (int f = part; f < D / 4; f += kLanes) dq[f] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    if (part == 0) {
         ws.dvec[row] = sum;
         ws.lse2[row] = i < p.sq ? p.lse[((int64_t)b * p.heads + h) * p.sq + i] * kLog2e : INFINITY;
     }
@@ -436,13 +444,12 @@ template <typename T, int D> fk_status launch(const Params &p, fk_dtype dtype, i
         !encode_map_4d(&map_k, dtype, p.k, D, p.sk, p.kv_heads, p.batch, p.k_row, p.k_head, p.k_batch, kBN) ||
         !encode_map_4d(&map_v, dtype, p.v, D, p.sk, p.kv_heads, p.batch, p.v_row, p.v_head, p.v_batch, kBN))
         return fk_fail(FK_ERR_RUNTIME, "attention_bwd: cuTensorMapEncodeTiled failed");
-    cudaError_t e = cudaMemsetAsync(ws.dq, 0, rows * D * sizeof(float), stream);
-    if (e != cudaSuccess) return cuda_status(e, "attention_bwd");
-    fk_status st = Launch(dim3((unsigned)((rows + 3) / 4)), dim3(128), 0, stream, device)(
+    constexpr int kPrepRows = 256 / (D / 8);
+    fk_status st = Launch(dim3((unsigned)((rows + kPrepRows - 1) / kPrepRows)), dim3(256), 0, stream, device)(
         "attention_bwd_prep", attention_bwd_prep_sm90<T, D>, p, ws);
     if (st != FK_OK) return st;
     constexpr auto kernel = attention_bwd_wgmma_sm90<T, D>;
-    e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes<D>);
+    cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes<D>);
     if (e != cudaSuccess) return cuda_status(e, "attention_bwd");
     const dim3 grid((unsigned)((p.sk + kBN - 1) / kBN), (unsigned)p.kv_heads, (unsigned)p.batch);
     st = Launch(grid, dim3(kThreads), kSmemBytes<D>, stream, device)("attention_bwd", kernel, map_q, map_k, map_v,

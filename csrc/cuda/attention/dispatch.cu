@@ -18,7 +18,7 @@
 // bwd  16-bit  sm_80+  FK_ATTN_DETERMINISTIC (bitwise: no atomics,    bwd_mma_sm80      deterministic
 //                      a dQ kernel)
 // bwd  16-bit  sm_90   d 64 or 128, sq, sk > 0, not varlen, q / k / v / bwd_wgmma_sm90    TMA + wgmma, 5
-//                      dout TMA-describable (as fwd_wgmma_sm90), built                   products not 7
+//                      dout / out TMA-describable (as fwd_wgmma_sm90), built             products not 7
 //                      for sm_90a, not FK_ATTN_FORCE_GENERAL
 // bwd  16-bit  sm_80+  otherwise                                      bwd_mma_sm80      the general kernel
 // any  fp32 / fp64     -                                              (TypeError)
@@ -96,7 +96,8 @@ Plan plan_attention(const fk_attention_args &x, int backward, int sms, int major
             tma_ok(x.q, x.q_row, x.q_head, x.q_batch, x, x.heads) &&
             tma_ok(x.k, x.k_row, x.k_head, x.k_batch, x, x.kv_heads) &&
             tma_ok(x.v, x.v_row, x.v_head, x.v_batch, x, x.kv_heads) &&
-            tma_ok(x.dout, x.do_row, x.do_head, x.do_batch, x, x.heads)) {
+            tma_ok(x.dout, x.do_row, x.do_head, x.do_batch, x, x.heads) &&
+            tma_ok(x.out, x.o_row, x.o_head, x.o_batch, x, x.heads)) {  // out: the prep's 16-byte loads
             plan.strategy = Strategy::kBwdWgmmaSm90;
             plan.d_bucket = (int)x.d;
             plan.workspace_bytes = x.batch * x.heads * ((x.sq + 63) / 64 * 64) * (2 + x.d) * (int64_t)sizeof(float);
