@@ -1,7 +1,7 @@
 // attention_bwd_wgmma_sm90: the Hopper flash-attention backward (sm_90a: TMA, wgmma, warp
 // specialization), FlashAttention-3's scheme. dispatch.cu row "bwd, sm_90, d 64 / 128, not
 // deterministic". Tested on the H100 (tests/test_attention.py, session 34). H100, bf16 fwd+bwd:
-// 0.76-0.98x cuDNN, 1.02-1.63x FlashAttention-2 (benchmarks/results/attention-h100-2026-11-27-quick.json).
+// 0.85-1.00x cuDNN, 1.18-1.67x FlashAttention-2 (benchmarks/results/attention-h100-2026-11-27-quick.json).
 //
 // Napkin math: 5 products of 2 Sq Sk D FLOPs (S, dP, dV, dK, dQ), counted as 2.5x the forward;
 // B 4, H 16, S 4096, D 128: 344 GFLOP, 0.69 ms at cuDNN's ~500 TFLOP/s backward (H200, PERF.md).
@@ -389,9 +389,9 @@ __global__ void __launch_bounds__(256) attention_bwd_prep_sm90(const Params p, c
     const int i = (int)(row % pad), h = (int)(row / pad % p.heads), b = (int)(row / pad / p.heads);
     float sum = 0.0f;
     if (i < p.sq) {
-        const Pack<T> o = load_pack(static_cast<const T *>(p.out) + b * p.o_batch + i * p.o_row + h * p.o_head + 8 * part);
-        const Pack<T> g =
-            load_pack(static_cast<const T *>(p.dout) + b * p.do_batch + i * p.do_row + h * p.do_head + 8 * part);
+        const T *o_row = static_cast<const T *>(p.out) + b * p.o_batch + i * p.o_row + h * p.o_head;
+        const T *do_row = static_cast<const T *>(p.dout) + b * p.do_batch + i * p.do_row + h * p.do_head;
+        const Pack<T> o = load_pack(o_row + 8 * part), g = load_pack(do_row + 8 * part);
 #pragma unroll
         for (int k = 0; k < 8; k++) sum += pack_f32(o, k) * pack_f32(g, k);
     }
@@ -406,28 +406,38 @@ __global__ void __launch_bounds__(256) attention_bwd_prep_sm90(const Params p, c
     }
 }
 
-// dq (dense (batch, sq, heads, d)) = scale x the fp32 workspace: one CTA a 64 x D tile (block x =
-// (sequence x heads + head) x m_tiles + tile), each thread float4 f of the tile in accumulator order,
-// which holds (row, col), (row, col + 1), (row + 8, col), (row + 8, col + 1): the reads
-// are whole 512-byte warp spans and there is no per-element 64-bit division. (Before: a thread a
-// column pair, three 64-bit divisions each, float2 reads half of each 16-byte chunk: 72 us for
-// (16, 1024, 12, 64), a quarter of DRAM speed, H200 profile.)
+// dq (dense (batch, sq, heads, d), a fresh tensor) = scale x the fp32 workspace: one CTA a 64 x D
+// tile (block x = (sequence x heads + head) x m_tiles + tile). Each thread reads float4 f of the
+// tile in accumulator order, which holds (row, col), (row, col + 1), (row + 8, col), (row + 8,
+// col + 1), and puts the converted pairs into a row-major shared tile (rows padded by 16 bytes:
+// both phases are bank-conflict-free); the tile then leaves in 16-byte row-major stores. (Direct
+// 4-byte stores of the pairs: 163 us for (16, 1024, 32, 64), 41% of copy speed, H100 profile.)
 template <typename T, int D>
 __global__ void __launch_bounds__(256) attention_bwd_dq_convert_sm90(const Params p, const Work ws) {
+    constexpr int kRow = D + 8;  // elements a shared row
+    __shared__ alignas(16) T out[kBM * kRow];
     grid_dependency_sync();
     const int64_t job = blockIdx.x, bh = job / ws.m_tiles;
     const int tile = (int)(job % ws.m_tiles), h = (int)(bh % p.heads);
     const int64_t b = bh / p.heads, row_stride = p.heads * D;
     const float4 *src = reinterpret_cast<const float4 *>(ws.dq + job * kBM * D);
-    T *dst = static_cast<T *>(p.dq) + (b * p.sq + (int64_t)tile * kBM) * row_stride + (int64_t)h * D;
-    const int rows = (int)min((int64_t)kBM, p.sq - (int64_t)tile * kBM);
 #pragma unroll
     for (int f = threadIdx.x; f < kBM * D / 4; f += 256) {
         const float4 v = src[f];
         const int t = f % 128, row = 16 * (t / 32) + (t % 32) / 4;
         const int col = 64 * (f / 1024) + 8 * (f / 128 % 8) + 2 * (t % 4);
-        if (row < rows) store2<T>(dst + row * row_stride + col, v.x * p.scale, v.y * p.scale);
-        if (row + 8 < rows) store2<T>(dst + (row + 8) * row_stride + col, v.z * p.scale, v.w * p.scale);
+        *reinterpret_cast<uint32_t *>(out + row * kRow + col) = pack2<T>(v.x * p.scale, v.y * p.scale);
+        *reinterpret_cast<uint32_t *>(out + (row + 8) * kRow + col) = pack2<T>(v.z * p.scale, v.w * p.scale);
+    }
+    __syncthreads();
+    T *dst = static_cast<T *>(p.dq) + (b * p.sq + (int64_t)tile * kBM) * row_stride + (int64_t)h * D;
+    const int rows = (int)min((int64_t)kBM, p.sq - (int64_t)tile * kBM);
+#pragma unroll
+    for (int c = threadIdx.x; c < kBM * D / 8; c += 256) {
+        const int row = c / (D / 8), col = 8 * (c % (D / 8));
+        if (row < rows)
+            *reinterpret_cast<uint4 *>(dst + row * row_stride + col) =
+                *reinterpret_cast<const uint4 *>(out + row * kRow + col);
     }
 }
 
