@@ -7,7 +7,7 @@
 //                      CTA: splits = min(floor(2 SMs / CTAs), key                        fills the GPU
 //                      tiles / 2, 64) >= 2                                               (flash-decoding)
 // fwd  16-bit  sm_90   d 64 or 128, sk > 0, not varlen, no GQA pack, fwd_wgmma_sm90    TMA + wgmma,
-//                      q / k / v bases and strides 16-byte aligned,                      2.3x sm_80
+//                      q / k / v / out bases, strides 16-byte aligned,                   2.3x sm_80
 //                      built for sm_90a, not FK_ATTN_FORCE_GENERAL;                      (H200)
 //                      persistent grid; CTAs claim tiles from a counter
 //                      (FK_ATTN_FWD_DYNAMIC; 0: a static walk, only
@@ -128,7 +128,8 @@ Plan plan_attention(const fk_attention_args &x, int backward, int sms, int major
         x.sk > 0 && x.cu_seqlens_q == nullptr && !plan.pack_gqa &&
         tma_ok(x.q, x.q_row, x.q_head, x.q_batch, x, x.heads) &&
         tma_ok(x.k, x.k_row, x.k_head, x.k_batch, x, x.kv_heads) &&
-        tma_ok(x.v, x.v_row, x.v_head, x.v_batch, x, x.kv_heads)) {
+        tma_ok(x.v, x.v_row, x.v_head, x.v_batch, x, x.kv_heads) &&
+        tma_ok(x.out, x.o_row, x.o_head, x.o_batch, x, x.heads)) {  // out: 16-byte row stores
         plan.strategy = Strategy::kFwdWgmmaSm90;
         plan.d_bucket = (int)x.d;
         // Persistent: one CTA an SM, the producer loading the next tile under the last one's

@@ -6,8 +6,9 @@
 // at 4.5 TFLOP/s an SM) for 64 KB of L2-resident TMA traffic, and 16 K exponentials (MUFU, 16 a
 // clock: ~0.6 us, a third of the matmul time at D 128, two thirds at D 64): the softmax of one tile
 // must run under the matmuls of the next; the mma.sync kernel cannot, and stops at 285.
-// Registers (consumer, D 128): O 64 + S 64 fp32 + P 32 16-bit pairs = 160 of 240. Shared memory:
-// Q + kStages x (K + V): D 128 32 + 2 x 64 = 160 KB, D 64 16 + 3 x 32 = 112 KB; one CTA an SM.
+// Registers (consumer, D 128): O 64 + S 64 fp32 + P 32 16-bit pairs = 160 of 232. Shared memory:
+// Q + kStages x (K + V) + the output stages: D 128 32 + 2 x 64 + 34 = 194 KB, D 64 16 + 3 x 32 +
+// 18 = 130 KB; one CTA an SM.
 // Measured (self-test, bf16, H100; the H200 within 2%): D 128, 16k tokens, S 512 / 1k / 4k / 16k:
 // 464 / 568 / 674 / 689 TFLOP/s, causal 237 / 362 / 568 / 693; D 64 387 / - / 469 / 499, B 8 H 32
 // S 2048 445. Short and causal S lose to per-tile set-up.
@@ -68,14 +69,15 @@ template <int D> struct Cfg {
 };
 
 // Named barriers: 0 is __syncthreads; consumer warpgroup c waits on kTurn0 + c for its turn on the
-// tensor cores (ids 1 .. kConsumers).
-enum NamedBarrier { kTurn0 = 1 };
+// tensor cores (ids 1 .. kConsumers) and meets its own threads on kStage0 + c around the output stage.
+enum NamedBarrier { kTurn0 = 1, kStage0 = 5 };
 
 template <typename T, int D> struct Smem {
     static constexpr int kStages = Cfg<D>::kStages;
     alignas(1024) T q[Cfg<D>::kBM * D];     // D / 64 boxes of kBM rows x 64 columns
     alignas(1024) T k[kStages][Cfg<D>::kBN * D];  // the same, kBN keys
     alignas(1024) T v[kStages][Cfg<D>::kBN * D];
+    alignas(16) T out[Cfg<D>::kConsumers][64 * (D + 8)];  // a warpgroup's O rows, padded 16 bytes
     int64_t tile[2];  // the walk's next tiles, producer to consumers; -1: the walk is over
     uint64_t q_full, q_empty, k_full[kStages], k_empty[kStages], v_full[kStages], v_empty[kStages];
     uint64_t tile_full[2], tile_empty[2];
@@ -260,23 +262,39 @@ template <int kConsumers> __device__ __forceinline__ void turn_end(int c, bool l
         named_barrier_arrive(kTurn0 + (c + 1 == kConsumers ? 0 : c + 1), 2 * 128);
 }
 
+// O / sum through warpgroup c's row-major stage in shared memory (rows padded by 16 bytes: the
+// pair writes and the 16-byte reads are bank-conflict-free), then 16-byte row stores. Direct
+// stores of the accumulator's 4-byte pairs (8 rows of 16 bytes a warp store): S 1024 fwd 2.9-7.8%
+// slower, S 4096 level (D-103).
 template <typename T, int D>
-__device__ __forceinline__ void epilogue(const Params &p, const Work &w, const float (&o)[D / 2],
+__device__ __forceinline__ void epilogue(Smem<T, D> &s, const Params &p, const Work &w, const float (&o)[D / 2],
                                          const float (&row_max)[2], const float (&row_sum)[2], int r0, float mul) {
     constexpr float kLn2 = 0.693147180559945309f;
-    const int lane = threadIdx.x % 32;
+    constexpr int kRow = D + 8;
+    const int c = threadIdx.x / 128 - 1, t = threadIdx.x % 128, lane = t % 32;
+    T *stage = s.out[c];
+    named_barrier_sync(kStage0 + c, 128);  // the last tile's reads of the stage are done
 #pragma unroll
     for (int hr = 0; hr < 2; hr++) {
-        const int i = r0 + 8 * hr;
+        const int i = r0 + 8 * hr, lr = 16 * (t / 32) + lane / 4 + 8 * hr;
         const float sum = quad_sum(row_sum[hr]);
-        if (i >= w.s.sq) continue;
         const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
-        T *out = static_cast<T *>(p.out) + (int64_t)w.b * p.o_batch + (int64_t)i * p.o_row + (int64_t)w.h * p.o_head;
 #pragma unroll
         for (int j = 0; j < D / 8; j++)
-            store2<T>(out + 8 * j + 2 * (lane & 3), o[4 * j + 2 * hr] * inv, o[4 * j + 2 * hr + 1] * inv);
-        if ((lane & 3) == 0)
+            *reinterpret_cast<uint32_t *>(stage + lr * kRow + 8 * j + 2 * (lane & 3)) =
+                pack2<T>(o[4 * j + 2 * hr] * inv, o[4 * j + 2 * hr + 1] * inv);
+        if ((lane & 3) == 0 && i < w.s.sq)
             p.lse[lse_index(p, w.s, w.b, w.h, i)] = sum > 0.0f ? (row_max[hr] * mul + log2f(sum)) * kLn2 : INFINITY;
+    }
+    named_barrier_sync(kStage0 + c, 128);
+    const int m0 = w.m0 + 64 * c, rows = min(64, w.s.sq - m0);
+    T *out = static_cast<T *>(p.out) + (int64_t)w.b * p.o_batch + (int64_t)m0 * p.o_row + (int64_t)w.h * p.o_head;
+#pragma unroll
+    for (int k = t; k < 64 * D / 8; k += 128) {
+        const int row = k / (D / 8), col = 8 * (k % (D / 8));
+        if (row < rows)
+            *reinterpret_cast<uint4 *>(out + row * p.o_row + col) =
+                *reinterpret_cast<const uint4 *>(stage + row * kRow + col);
     }
 }
 
@@ -351,7 +369,7 @@ __device__ __forceinline__ void consume_tile(Smem<T, D> &s, const Params &p, con
     } else {
         release_q();  // no key to see: out 0, lse +inf
     }
-    epilogue<T, D>(p, w, o, row_max, row_sum, r0, mul);
+    epilogue<T, D>(s, p, w, o, row_max, row_sum, r0, mul);
 }
 
 // Every consumer thread reads the tile index, then releases its slot (racecheck sees that order).
