@@ -329,6 +329,6 @@ if __name__ == "__main__":
     if result["world"] > 1:
         # Under torchrun, leave without the interpreter's teardown: after destroy_process_group, a
         # rank still aborted there now and then ("terminate called without an active exception",
-        # SIGABRT; gloo on the CPU, 1 CI run in ~10), a torch shutdown race, not the training.
+        # SIGABRT; gloo on the CPU, once in ~12 runs of the test), a torch shutdown race, not the training.
         sys.stdout.flush(), sys.stderr.flush()
         os._exit(0)

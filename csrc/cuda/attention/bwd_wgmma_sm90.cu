@@ -51,7 +51,7 @@ constexpr int kThreads = 128 * (1 + kConsumers);
 // producer's next bulk copy overwrites them. One arrival a warpgroup behind a named barrier, or a
 // warp's lane 0 after __syncwarp, is ordered too, but compute-sanitizer's racecheck does not see
 // those orders and reported the reads racing the copy (32 errors, H100); with every thread
-// arriving it reports none. Its speed against those forms is not measured yet (D-98).
+// arriving it reports none, at no cost: fwd+bwd within 0.4% of lane-0-a-warp arrivals (D-98).
 constexpr int kReleasers = kConsumers * 128;
 constexpr int kStages = 2;
 constexpr int kRegsProducer = 24, kRegsConsumer = 240;

@@ -52,7 +52,7 @@ using mm::wgmma_m64n64k16_rs;
 
 constexpr int kBoxCols = 64;                         // a 128-byte swizzled TMA box is 64 columns wide
 
-// Two consumer warpgroups (O + S + P: 160 registers a thread at D 128, 128 at D 64, of 240); D 128
+// Two consumer warpgroups (O + S + P: 160 registers a thread at D 128, 128 at D 64, of 232); D 128
 // fills 160 KB with two stages, D 64 takes three (112 KB). Three consumers at D 64 (192 rows, 160
 // registers: spills) measured 486 vs 476 TFLOP/s at S 4096 as one CTA a tile, but 344 persistent
 // and 307 vs 320 causal (H100): two it is. Registers (registers_fit): two consumers at 232 and the
