@@ -528,6 +528,15 @@ def test_cuda_head_dims(d, cuda_path, poison):
 
 
 @needs_cuda
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("sq,sk", [(65, 127), (127, 129), (129, 300), (257, 256)], ids=str)
+def test_cuda_backward_tile_edges(sq, sk, d, poison):
+    """Hopper's backward query tile (128 queries at d 64, 64 at d 128) and key tile (128) edges."""
+    check(*qkv(2, sq, sk, 4, 2, d, torch.bfloat16, "cuda"), causal=True)
+    check(*qkv(1, sq, sk, 4, 4, d, torch.float16, "cuda"), window=(40, 7))
+
+
+@needs_cuda
 @pytest.mark.parametrize("sk", [8192, 32768])
 def test_cuda_decoding(sk, cuda_path, poison):
     check(*qkv(8, 1, sk, 32, 8, 128, torch.bfloat16, "cuda"), grad=sk == 8192)

@@ -78,6 +78,9 @@ struct Plan {
     int64_t workspace_bytes = 0;
 };
 
+// bwd_wgmma_sm90's queries a step (its workspace rounds sq up to them).
+constexpr int bwd_wgmma_block_m(int d) { return d == 64 ? 128 : 64; }
+
 fk_status launch_fwd_mma_sm80(const Plan &plan, const Params &p, fk_dtype dtype, int device, cudaStream_t stream);
 fk_status launch_fwd_wgmma_sm90(const Plan &plan, const Params &p, fk_dtype dtype, int device, cudaStream_t stream);
 fk_status launch_bwd_mma_sm80(const Plan &plan, const Params &p, fk_dtype dtype, int device, cudaStream_t stream);

@@ -1,6 +1,6 @@
 // attention_bwd_wgmma_sm90: the Hopper flash-attention backward (sm_90a: TMA, wgmma, warp
 // specialization), FlashAttention-3's scheme. dispatch.cu row "bwd, sm_90, d 64 / 128, not
-// deterministic". Tested on the H100 (tests/test_attention.py, session 34). H100, bf16 fwd+bwd:
+// deterministic". Tested on the H100 and H200 (tests/test_attention.py). H100, bf16 fwd+bwd:
 // 0.85-1.00x cuDNN, 1.18-1.67x FlashAttention-2 (benchmarks/results/attention-h100-2026-11-27-quick.json).
 //
 // Napkin math: 5 products of 2 Sq Sk D FLOPs (S, dP, dV, dK, dQ), counted as 2.5x the forward;
@@ -9,19 +9,22 @@
 // 33 KB of TMA loads (Q, dO, lse, D) and a 32 KB fp32 dQ bulk reduction into L2: 14 KB / us an SM,
 // ~1.9 TB/s of L2 traffic on 132 SMs, within L2's reach; 8 K exponentials (~0.2 us). The dS and dQ
 // round trips through shared memory (16 + 32 KB a step) are the overhead FlashAttention-3 pays too.
-// Registers (consumer, D 128): dK 64 + dV 64 + S 32 + dP 32 fp32 = 192 at the peak, of 240.
-// Shared memory: K + V (D 128: 64 KB) + 2 stages x (Q + dO + lse + D: 33 KB) + dS 16 KB + dQ 32 KB
-// = 178 KB (D 64: 114 KB); one CTA an SM.
+// D 64 steps take 128 queries (the same 5 x 2 MFLOP, 64-column wgmmas twice as wide, half the dQ
+// reductions a query: fwd+bwd +6-10% over 64-query steps, H200, D-105).
+// Registers (consumer): dK + dV + S + dP fp32 = 64 + 64 + 32 + 32 (D 128) or 32 + 32 + 64 + 64
+// (D 64) = 192 at the peak, of 240 (D 64: 28 bytes spilled).
+// Shared memory: K + V + 2 stages x (Q + dO + lse + D) + dS + dQ = 64 + 2 x 33 + 16 + 32 = 178 KB
+// (D 128), 32 + 2 x 33 + 32 + 32 = 162 KB (D 64); one CTA an SM.
 //
 // Algorithm: attention_bwd_prep_sm90 writes lse log2 e and D = rowsum(dO O) per row, padded to
-// 64-row tiles (padding: +inf, 0), and zeroes the fp32 dQ workspace. One CTA per (128 keys, kv
+// query tiles (padding: +inf, 0), and zeroes the fp32 dQ workspace. One CTA per (128 keys, kv
 // head, sequence); warpgroup 0, the producer, loads K and V once, then for each head of the kv
-// head's group (GQA summed in the CTA) and each 64-query tile the mask lets see the keys: Q, dO
+// head's group (GQA summed in the CTA) and each query tile (kBM) the mask lets see the keys: Q, dO
 // (TMA) and lse, D (1-d bulk copies) through a two-stage mbarrier ring. Consumer warpgroup c owns
 // keys 64 c .. 64 c + 63: Sᵀ = K Qᵀ and dPᵀ = V dOᵀ (wgmma SS), Pᵀ = 2^(Sᵀ scale log2 e - lse
 // log2 e) (masked), dSᵀ = Pᵀ (dPᵀ - D); dV += Pᵀ dO and dK += dSᵀ Q (wgmma, Pᵀ / dSᵀ from registers:
 // the accumulator layout is the A layout); dS goes to shared memory (stmatrix .trans: K-major,
-// 128-byte swizzle) and dQ = dS K (wgmma SS) splits the head dim (D 128) or the keys (D 64)
+// 128-byte swizzle) and dQ = dS K (wgmma SS) splits the head dim (D 128) or the queries (D 64)
 // between the warpgroups; dQ goes to shared memory in accumulator order and one thread adds it to
 // the fp32 workspace by a bulk reduction (cp.reduce.async.bulk .add.f32);
 // attention_bwd_dq_convert_sm90 writes dq = scale dQ.
@@ -30,19 +33,19 @@
 #include "../matmul/wgmma_ops.cuh"
 #include "attention.cuh"
 
-#ifndef FK_ATTN_BWD_STMATRIX  // A/B switch: dS to shared memory by stmatrix .trans (else 2-byte stores)
-#define FK_ATTN_BWD_STMATRIX 1
-#endif
-
 namespace fk::attn {
 namespace {
 
+using mm::wgmma_m64n128k16;
 using mm::wgmma_m64n128k16_rs;
 using mm::wgmma_m64n64k16;
 using mm::wgmma_m64n64k16_rs;
 
 constexpr int kBoxCols = 64;   // a 128-byte swizzled TMA box is 64 columns wide
-constexpr int kBM = 64;        // queries a ring stage (one m64 wgmma of dQ)
+// Queries a ring stage: 128 at D 64 (each warpgroup's dQ takes 64 of them), 64 at D 128 (one m64
+// wgmma of dQ, the warpgroups splitting the head dim).
+template <int D> constexpr int kBM = bwd_wgmma_block_m(D);
+constexpr int kRowTile = 64;   // rows of a workspace dQ tile (one m64 accumulator), the prep and the conversion
 constexpr int kBN = 128;       // keys a CTA: two consumer warpgroups of 64
 constexpr int kConsumers = 2;
 constexpr int kThreads = 128 * (1 + kConsumers);
@@ -66,22 +69,23 @@ enum NamedBarrier { kDsReady = 1, kDqReady = 2 };
 template <typename T, int D> struct Smem {
     alignas(1024) T k[kBN * D];              // D / 64 boxes of kBN rows x 64 columns
     alignas(1024) T v[kBN * D];
-    alignas(1024) T q[kStages][kBM * D];     // D / 64 boxes of kBM rows x 64 columns
-    alignas(1024) T dout[kStages][kBM * D];
-    alignas(1024) T ds[kBM * kBN];           // dS: kBN / 64 boxes of kBM queries x 64 keys, K-major
+    alignas(1024) T q[kStages][kBM<D> * D];     // D / 64 boxes of kBM rows x 64 columns
+    alignas(1024) T dout[kStages][kBM<D> * D];
+    alignas(1024) T ds[kBM<D> * kBN];           // dS: kBN / 64 boxes of kBM queries x 64 keys, K-major
     alignas(128) float dq[kConsumers * kDqRegionFloats];  // accumulator order (see below)
-    alignas(16) float lse2[kStages][kBM];   // lse log2 e
-    alignas(16) float dvec[kStages][kBM];   // rowsum(dO O)
+    alignas(16) float lse2[kStages][kBM<D>];   // lse log2 e
+    alignas(16) float dvec[kStages][kBM<D>];   // rowsum(dO O)
     uint64_t kv_full, full[kStages], empty[kStages];
 };
 template <int D> constexpr int kSmemBytes = sizeof(Smem<__half, D>) + 1024;  // + room to align to 1024
 static_assert(kSmemBytes<128> <= 227 * 1024 && kSmemBytes<64> <= 227 * 1024, "fits Hopper's shared memory");
 
 // The workspace (fp32): lse log2 e and D, (batch, heads, m_tiles x 64) each, then dQ, a 64 x D tile
-// per (batch, head, query tile) in accumulator order.
+// per (batch, head, 64 query rows) in accumulator order; sq rounded up to kBM (a D 64 ring stage's
+// 128 queries are two consecutive tiles).
 struct Work {
     float *lse2, *dvec, *dq;
-    int m_tiles;
+    int m_tiles;  // 64-row tiles a head
 };
 
 // Accumulator order, the tile-local float index of dQ element (row, col) with cl = col % 64:
@@ -97,13 +101,13 @@ struct Job {
     Seq s;
     int b, g, group, n0, t_lo, nq;
 };
-[[maybe_unused]] __device__ __forceinline__ Job job_of(const Params &p) {
+template <int D> [[maybe_unused]] __device__ __forceinline__ Job job_of(const Params &p) {
     Job j;
     j.b = blockIdx.z, j.g = blockIdx.y, j.group = (int)(p.heads / p.kv_heads), j.n0 = blockIdx.x * kBN;
     j.s = seq_of(p, j.b);
     const Range rows = query_range(p, j.s, j.n0, min(j.n0 + kBN, j.s.sk));
-    j.t_lo = rows.lo / kBM;
-    j.nq = rows.hi > rows.lo ? (rows.hi + kBM - 1) / kBM - j.t_lo : 0;
+    j.t_lo = rows.lo / kBM<D>;
+    j.nq = rows.hi > rows.lo ? (rows.hi + kBM<D> - 1) / kBM<D> - j.t_lo : 0;
     return j;
 }
 
@@ -112,7 +116,8 @@ template <typename T, int D>
 __device__ __forceinline__ void producer(Smem<T, D> &s, const CUtensorMap *map_q, const CUtensorMap *map_k,
                                          const CUtensorMap *map_v, const CUtensorMap *map_do, const Params &p,
                                          const Work &ws, const Job &j) {
-    constexpr uint32_t kKVBytes = kBN * D * 2, kStageBytes = 2 * kBM * D * 2 + 2 * kBM * 4;
+    constexpr int kM = kBM<D>;
+    constexpr uint32_t kKVBytes = kBN * D * 2, kStageBytes = 2 * kM * D * 2 + 2 * kM * 4;
     mbar_arrive_expect_tx(&s.kv_full, 2 * kKVBytes);
 #pragma unroll
     for (int box = 0; box < D / kBoxCols; box++) {
@@ -121,18 +126,18 @@ __device__ __forceinline__ void producer(Smem<T, D> &s, const CUtensorMap *map_q
     }
     RingStage<kStages> st;
     for (int it = 0; it < j.nq * j.group; it++) {
-        const int h = j.g * j.group + it / j.nq, m0 = (j.t_lo + it % j.nq) * kBM;
+        const int h = j.g * j.group + it / j.nq, m0 = (j.t_lo + it % j.nq) * kM;
         mbar_wait(&s.empty[st.slot], st.phase ^ 1);  // the first pass finds every slot free
         mbar_arrive_expect_tx(&s.full[st.slot], kStageBytes);
 #pragma unroll
         for (int box = 0; box < D / kBoxCols; box++) {
-            tma_load_4d(s.q[st.slot] + box * kBM * kBoxCols, map_q, &s.full[st.slot], box * kBoxCols, m0, h, j.b);
-            tma_load_4d(s.dout[st.slot] + box * kBM * kBoxCols, map_do, &s.full[st.slot], box * kBoxCols, m0, h,
+            tma_load_4d(s.q[st.slot] + box * kM * kBoxCols, map_q, &s.full[st.slot], box * kBoxCols, m0, h, j.b);
+            tma_load_4d(s.dout[st.slot] + box * kM * kBoxCols, map_do, &s.full[st.slot], box * kBoxCols, m0, h,
                         j.b);
         }
-        const int64_t row = ((int64_t)j.b * p.heads + h) * ws.m_tiles * kBM + m0;
-        bulk_load(s.lse2[st.slot], ws.lse2 + row, kBM * 4, &s.full[st.slot]);
-        bulk_load(s.dvec[st.slot], ws.dvec + row, kBM * 4, &s.full[st.slot]);
+        const int64_t row = ((int64_t)j.b * p.heads + h) * ws.m_tiles * kRowTile + m0;
+        bulk_load(s.lse2[st.slot], ws.lse2 + row, kM * 4, &s.full[st.slot]);
+        bulk_load(s.dvec[st.slot], ws.dvec + row, kM * 4, &s.full[st.slot]);
         st.next();
     }
 }
@@ -140,69 +145,73 @@ __device__ __forceinline__ void producer(Smem<T, D> &s, const CUtensorMap *map_q
 // Sᵀ = K Qᵀ and dPᵀ = V dOᵀ for warpgroup c's 64 keys: K-major operands, 128-byte rows of a box,
 // 8-row groups 1024 bytes apart; a k16 step is 32 bytes along a row, every fourth the next box.
 template <typename T, int D>
-__device__ __forceinline__ void issue_s_dp(float (&sc)[32], float (&dp)[32], const Smem<T, D> &s, int slot,
-                                           int c) {
+__device__ __forceinline__ void issue_s_dp(float (&sc)[kBM<D> / 2], float (&dp)[kBM<D> / 2], const Smem<T, D> &s,
+                                           int slot, int c) {
 #pragma unroll
     for (int kk = 0; kk < D / 16; kk++) {
         const int kv = (kk / 4) * kBN * kBoxCols + c * 64 * kBoxCols + (kk % 4) * 16;
-        const int qo = (kk / 4) * kBM * kBoxCols + (kk % 4) * 16;
-        wgmma_m64n64k16<T, 0, 0>(sc, smem_desc_sw128(s.k + kv, 16, 1024), smem_desc_sw128(s.q[slot] + qo, 16, 1024),
-                                 kk > 0);
-        wgmma_m64n64k16<T, 0, 0>(dp, smem_desc_sw128(s.v + kv, 16, 1024),
-                                 smem_desc_sw128(s.dout[slot] + qo, 16, 1024), kk > 0);
+        const int qo = (kk / 4) * kBM<D> * kBoxCols + (kk % 4) * 16;
+        const uint64_t k = smem_desc_sw128(s.k + kv, 16, 1024), q = smem_desc_sw128(s.q[slot] + qo, 16, 1024);
+        const uint64_t v = smem_desc_sw128(s.v + kv, 16, 1024), g = smem_desc_sw128(s.dout[slot] + qo, 16, 1024);
+        if constexpr (kBM<D> == 128) {
+            wgmma_m64n128k16<T, 0, 0>(sc, k, q, kk > 0);
+            wgmma_m64n128k16<T, 0, 0>(dp, v, g, kk > 0);
+        } else {
+            wgmma_m64n64k16<T, 0, 0>(sc, k, q, kk > 0);
+            wgmma_m64n64k16<T, 0, 0>(dp, v, g, kk > 0);
+        }
     }
 }
 
 // acc += Aᵀ-from-registers x B (kBM query rows, D columns, N-major: 64-column boxes kBM x 128 bytes
 // apart, the leading byte offset; a k16 step is 16 query rows = 2048 bytes): dV += Pᵀ dO, dK += dSᵀ Q.
 template <typename T, int D>
-__device__ __forceinline__ void issue_rs(float (&acc)[D / 2], const uint32_t (&a)[kBM / 16][4], const T *b) {
+__device__ __forceinline__ void issue_rs(float (&acc)[D / 2], const uint32_t (&a)[kBM<D> / 16][4], const T *b) {
 #pragma unroll
-    for (int kk = 0; kk < kBM / 16; kk++) {
-        const uint64_t desc = smem_desc_sw128(b + kk * 16 * kBoxCols, kBM * kBoxCols * 2, 1024);
+    for (int kk = 0; kk < kBM<D> / 16; kk++) {
+        const uint64_t desc = smem_desc_sw128(b + kk * 16 * kBoxCols, kBM<D> * kBoxCols * 2, 1024);
         if constexpr (D == 64) wgmma_m64n64k16_rs<T, 1>(acc, a[kk], desc, 1);
         else wgmma_m64n128k16_rs<T, 1>(acc, a[kk], desc, 1);
     }
 }
 
-// dQ = dS K for warpgroup c: D 128, columns 64 c .. 64 c + 63 over all kBN keys; D 64, all columns
-// over keys 64 c .. 64 c + 63 (the two halves add up in the workspace). A = dS (K-major, as Q
-// above); B = K rows (keys, N-major as dO above).
+// dQ = dS K for warpgroup c over all kBN keys: D 128, the 64 queries x columns 64 c .. 64 c + 63;
+// D 64, queries 64 c .. 64 c + 63 x all 64 columns. A = dS (K-major, as Q above); B = K rows
+// (keys, N-major as dO above).
 template <typename T, int D>
 __device__ __forceinline__ void issue_dq(float (&dq)[32], const Smem<T, D> &s, int c) {
-    constexpr int kSteps = D == 128 ? kBN / 16 : 4;
 #pragma unroll
-    for (int kk = 0; kk < kSteps; kk++) {
-        const int key16 = D == 128 ? kk : 4 * c + kk;  // the k16 step's first key / 16
-        const T *a = s.ds + (key16 / 4) * kBM * kBoxCols + (key16 % 4) * 16;
+    for (int key16 = 0; key16 < kBN / 16; key16++) {  // the k16 step's first key / 16
+        const T *a = s.ds + (key16 / 4) * kBM<D> * kBoxCols + (D == 64 ? c * 64 * kBoxCols : 0) + (key16 % 4) * 16;
         const T *b = s.k + (D == 128 ? c * kBN * kBoxCols : 0) + key16 * 16 * kBoxCols;
         wgmma_m64n64k16<T, 0, 1>(dq, smem_desc_sw128(a, 16, 1024), smem_desc_sw128(b, kBN * kBoxCols * 2, 1024),
-                                 kk > 0);
+                                 key16 > 0);
     }
 }
 
-// Accumulator layout of m64n64 (Sᵀ rows = keys, columns = queries): warp w of the warpgroup holds
+// Accumulator layout of m64nN (Sᵀ rows = keys, columns = queries): warp w of the warpgroup holds
 // key rows 16 w + lane / 4 (hr 0) and + 8 (hr 1); n8 block jj, query columns 8 jj + 2 (lane % 4)
 // (+ 1): acc[4 jj + 2 hr] and acc[4 jj + 2 hr + 1]. Pᵀ into sc, dSᵀ into dp; masked where the
 // tile crosses the band or a sequence end (keys past sk read zeros; queries past sq have lse +inf).
 template <typename T, int D>
-__device__ __forceinline__ void softmax_grad(float (&sc)[32], float (&dp)[32], const Smem<T, D> &s, int slot,
-                                             const Params &p, const Seq &sq, int m0, int kc0, int key0) {
+__device__ __forceinline__ void softmax_grad(float (&sc)[kBM<D> / 2], float (&dp)[kBM<D> / 2], const Smem<T, D> &s,
+                                             int slot, const Params &p, const Seq &sq, int m0, int kc0, int key0) {
+    constexpr int kM = kBM<D>;
     const int lane = threadIdx.x % 32;
-    int lo[2] = {0, 0}, hi[2] = {kBM, kBM};  // visible query columns of key rows hr 0, 1
-    if (!tile_visible(p, sq, m0, kBM, kc0, 64)) {
+    int lo[2] = {0, 0}, hi[2] = {kM, kM};  // visible query columns of key rows hr 0, 1
+    if (!tile_visible(p, sq, m0, kM, kc0, 64)) {
 #pragma unroll
         for (int hr = 0; hr < 2; hr++) {
             const int64_t jk = key0 + 8 * hr;
             int64_t a = 0, z = jk < sq.sk ? sq.sq : 0;
             if (p.window_right >= 0) a = max(a, jk - sq.shift - p.window_right);
             if (p.window_left >= 0) z = min(z, jk - sq.shift + p.window_left + 1);
-            lo[hr] = (int)min(max(a - m0, (int64_t)0), (int64_t)kBM);
-            hi[hr] = (int)min(max(z - m0, (int64_t)0), (int64_t)kBM);
+            lo[hr] = (int)min(max(a - m0, (int64_t)0), (int64_t)kM);
+            hi[hr] = (int)min(max(z - m0, (int64_t)0), (int64_t)kM);
         }
     }
 #pragma unroll
-    for (int jj = 0; jj < 8; jj++)
+    for (int jj = 0; jj < kM / 8; jj++)
 #pragma unroll
         for (int e = 0; e < 2; e++) {
             const int col = 8 * jj + 2 * (lane & 3) + e;
@@ -218,10 +227,11 @@ __device__ __forceinline__ void softmax_grad(float (&sc)[32], float (&dp)[32], c
         }
 }
 
-// The m64n64 accumulator layout is the register-A layout of the next wgmma: 16-bit pairs.
-template <typename T> __device__ __forceinline__ void pack_a(uint32_t (&a)[kBM / 16][4], const float (&x)[32]) {
+// The m64nN accumulator layout is the register-A layout of the next wgmma (k = N): 16-bit pairs.
+template <typename T, int N>
+__device__ __forceinline__ void pack_a(uint32_t (&a)[N / 16][4], const float (&x)[N / 2]) {
 #pragma unroll
-    for (int kk = 0; kk < kBM / 16; kk++)
+    for (int kk = 0; kk < N / 16; kk++)
 #pragma unroll
         for (int r = 0; r < 4; r++) a[kk][r] = pack2<T>(x[8 * kk + 2 * r], x[8 * kk + 2 * r + 1]);
 }
@@ -231,30 +241,13 @@ template <typename T> __device__ __forceinline__ void pack_a(uint32_t (&a)[kBM /
 // 16 w + 8 (m % 2) + 0..7, queries 8 (2 kk + m / 2) + 0..7); stored transposed, its row r (query)
 // is the 16-byte chunk of keys 2 w + m % 2 of dS row 8 (2 kk + m / 2) + r.
 template <typename T, int D>
-__device__ __forceinline__ void store_ds(Smem<T, D> &s, const float (&dp)[32], const uint32_t (&da)[kBM / 16][4],
-                                         int c) {
-    const int t = threadIdx.x % 128, w = t / 32, lane = t % 32;
-    T *box = s.ds + c * kBM * kBoxCols;
-    if constexpr (FK_ATTN_BWD_STMATRIX) {
-        const int m = lane / 8, r = lane % 8;
+__device__ __forceinline__ void store_ds(Smem<T, D> &s, const uint32_t (&da)[kBM<D> / 16][4], int c) {
+    const int t = threadIdx.x % 128, w = t / 32, lane = t % 32, m = lane / 8, r = lane % 8;
+    T *box = s.ds + c * kBM<D> * kBoxCols;
 #pragma unroll
-        for (int kk = 0; kk < kBM / 16; kk++) {
-            const int row = 8 * (2 * kk + m / 2) + r;
-            stmatrix_x4_trans(box + row * kBoxCols + (((2 * w + m % 2) ^ r) * 8), da[kk]);
-        }
-    } else {
-#pragma unroll
-        for (int hr = 0; hr < 2; hr++) {
-            const int key = 16 * w + lane / 4 + 8 * hr;
-#pragma unroll
-            for (int jj = 0; jj < 8; jj++)
-#pragma unroll
-                for (int e = 0; e < 2; e++) {
-                    const int row = 8 * jj + 2 * (lane & 3) + e;
-                    box[row * kBoxCols + (((key / 8) ^ (row % 8)) * 8) + key % 8] =
-                        from_f32<T>(dp[4 * jj + 2 * hr + e]);
-                }
-        }
+    for (int kk = 0; kk < kBM<D> / 16; kk++) {
+        const int row = 8 * (2 * kk + m / 2) + r;
+        stmatrix_x4_trans(box + row * kBoxCols + (((2 * w + m % 2) ^ r) * 8), da[kk]);
     }
 }
 
@@ -293,15 +286,16 @@ __device__ __forceinline__ void consumer(Smem<T, D> &s, const Params &p, const W
     const int c = threadIdx.x / 128 - 1, t = threadIdx.x % 128;
     const bool reducer = threadIdx.x == 128;
     const int key0 = j.n0 + 64 * c + 16 * (t / 32) + (t % 32) / 4;  // this thread's key rows: key0, key0 + 8
-    float dk[D / 2], dv[D / 2], sc[32], dp[32], dq[32];
-    uint32_t pa[kBM / 16][4], da[kBM / 16][4];
+    constexpr int kM = kBM<D>;
+    float dk[D / 2], dv[D / 2], sc[kM / 2], dp[kM / 2], dq[32];
+    uint32_t pa[kM / 16][4], da[kM / 16][4];
 #pragma unroll
     for (int e = 0; e < D / 2; e++) dk[e] = 0.0f, dv[e] = 0.0f;
     RingStage<kStages> st;
     const int iters = j.nq * j.group;
     if (iters > 0) mbar_wait(&s.kv_full, 0);
     for (int it = 0; it < iters; it++) {
-        const int h = j.g * j.group + it / j.nq, m0 = (j.t_lo + it % j.nq) * kBM;
+        const int h = j.g * j.group + it / j.nq, m0 = (j.t_lo + it % j.nq) * kM;
         mbar_wait(&s.full[st.slot], st.phase);
         wgmma_fence();
         issue_s_dp<T, D>(sc, dp, s, st.slot, c);
@@ -310,9 +304,9 @@ __device__ __forceinline__ void consumer(Smem<T, D> &s, const Params &p, const W
         wgmma_fence_operands(sc);
         wgmma_fence_operands(dp);
         softmax_grad<T, D>(sc, dp, s, st.slot, p, j.s, m0, j.n0 + 64 * c, key0);
-        pack_a<T>(pa, sc);
-        pack_a<T>(da, dp);
-        store_ds<T, D>(s, dp, da, c);  // the previous dS was last read before kDqReady
+        pack_a<T, kM>(pa, sc);
+        pack_a<T, kM>(da, dp);
+        store_ds<T, D>(s, da, c);  // the previous dS was last read before kDqReady
         wgmma_fence();
         issue_rs<T, D>(dv, pa, s.dout[st.slot]);
         issue_rs<T, D>(dk, da, s.q[st.slot]);
@@ -333,13 +327,9 @@ __device__ __forceinline__ void consumer(Smem<T, D> &s, const Params &p, const W
         fence_proxy_async_shared();  // s.dq: generic stores, read by the bulk reduction
         named_barrier_sync(kDqReady, kConsumers * 128);
         if (reducer) {
-            float *tile = ws.dq + (((int64_t)j.b * p.heads + h) * ws.m_tiles + m0 / kBM) * kBM * D;
-            if constexpr (D == 128) {
-                bulk_reduce_add_f32(tile, s.dq, kBM * D * 4);
-            } else {  // each warpgroup's keys gave a whole 64 x 64 partial dQ
-                bulk_reduce_add_f32(tile, s.dq, kBM * D * 4);
-                bulk_reduce_add_f32(tile, s.dq + kDqRegionFloats, kBM * D * 4);
-            }
+            // D 128: the warpgroups' column halves of one tile; D 64: their 64-query tiles, adjacent
+            float *tile = ws.dq + (((int64_t)j.b * p.heads + h) * ws.m_tiles + m0 / kRowTile) * kRowTile * D;
+            bulk_reduce_add_f32(tile, s.dq, kM * D * 4);
             bulk_commit_group();
         }
     }
@@ -364,7 +354,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     }
     __syncthreads();
     grid_dependency_sync();
-    const Job j = job_of(p);
+    const Job j = job_of<D>(p);
     if (threadIdx.x < 128) {
         setmaxnreg_dec<kRegsProducer>();
         if (threadIdx.x == 0 && j.nq > 0) producer<T, D>(s, &map_q, &map_k, &map_v, &map_do, p, ws, j);
@@ -383,7 +373,7 @@ template <typename T, int D>
 __global__ void __launch_bounds__(256) attention_bwd_prep_sm90(const Params p, const Work ws) {
     constexpr int kLanes = D / 8, kRowsPerCta = 256 / kLanes;
     const int part = threadIdx.x % kLanes;
-    const int64_t pad = (int64_t)ws.m_tiles * kBM, row = (int64_t)blockIdx.x * kRowsPerCta + threadIdx.x / kLanes;
+    const int64_t pad = (int64_t)ws.m_tiles * kRowTile, row = (int64_t)blockIdx.x * kRowsPerCta + threadIdx.x / kLanes;
     grid_dependency_sync();
     if (row >= p.batch * p.heads * pad) return;  // whole warps: rows come in 64s
     const int i = (int)(row % pad), h = (int)(row / pad % p.heads), b = (int)(row / pad / p.heads);
@@ -415,14 +405,16 @@ __global__ void __launch_bounds__(256) attention_bwd_prep_sm90(const Params p, c
 template <typename T, int D>
 __global__ void __launch_bounds__(256) attention_bwd_dq_convert_sm90(const Params p, const Work ws) {
     constexpr int kRow = D + 8;  // elements a shared row
-    __shared__ alignas(16) T out[kBM * kRow];
+    __shared__ alignas(16) T out[kRowTile * kRow];
     grid_dependency_sync();
     const int64_t job = blockIdx.x, bh = job / ws.m_tiles;
     const int tile = (int)(job % ws.m_tiles), h = (int)(bh % p.heads);
     const int64_t b = bh / p.heads, row_stride = p.heads * D;
-    const float4 *src = reinterpret_cast<const float4 *>(ws.dq + job * kBM * D);
+    const int rows = (int)min((int64_t)kRowTile, p.sq - (int64_t)tile * kRowTile);
+    if (rows <= 0) return;  // a padding tile (sq rounded up to a D 64 ring stage's 128 queries)
+    const float4 *src = reinterpret_cast<const float4 *>(ws.dq + job * kRowTile * D);
 #pragma unroll
-    for (int f = threadIdx.x; f < kBM * D / 4; f += 256) {
+    for (int f = threadIdx.x; f < kRowTile * D / 4; f += 256) {
         const float4 v = src[f];
         const int t = f % 128, row = 16 * (t / 32) + (t % 32) / 4;
         const int col = 64 * (f / 1024) + 8 * (f / 128 % 8) + 2 * (t % 4);
@@ -430,10 +422,9 @@ __global__ void __launch_bounds__(256) attention_bwd_dq_convert_sm90(const Param
         *reinterpret_cast<uint32_t *>(out + (row + 8) * kRow + col) = pack2<T>(v.z * p.scale, v.w * p.scale);
     }
     __syncthreads();
-    T *dst = static_cast<T *>(p.dq) + (b * p.sq + (int64_t)tile * kBM) * row_stride + (int64_t)h * D;
-    const int rows = (int)min((int64_t)kBM, p.sq - (int64_t)tile * kBM);
+    T *dst = static_cast<T *>(p.dq) + (b * p.sq + (int64_t)tile * kRowTile) * row_stride + (int64_t)h * D;
 #pragma unroll
-    for (int c = threadIdx.x; c < kBM * D / 8; c += 256) {
+    for (int c = threadIdx.x; c < kRowTile * D / 8; c += 256) {
         const int row = c / (D / 8), col = 8 * (c % (D / 8));
         if (row < rows)
             *reinterpret_cast<uint4 *>(dst + row * row_stride + col) =
@@ -445,12 +436,12 @@ __global__ void __launch_bounds__(256) attention_bwd_dq_convert_sm90(const Param
 
 template <typename T, int D> fk_status launch(const Params &p, fk_dtype dtype, int device, cudaStream_t stream) {
     Work ws;
-    ws.m_tiles = (int)((p.sq + kBM - 1) / kBM);
-    const int64_t rows = p.batch * p.heads * ws.m_tiles * kBM;
+    ws.m_tiles = (int)((p.sq + kBM<D> - 1) / kBM<D> * (kBM<D> / kRowTile));
+    const int64_t rows = p.batch * p.heads * ws.m_tiles * kRowTile;
     ws.lse2 = p.dvec, ws.dvec = p.dvec + rows, ws.dq = p.dvec + 2 * rows;  // p.dvec: the workspace
     CUtensorMap map_q, map_k, map_v, map_do;
-    if (!encode_map_4d(&map_q, dtype, p.q, D, p.sq, p.heads, p.batch, p.q_row, p.q_head, p.q_batch, kBM) ||
-        !encode_map_4d(&map_do, dtype, p.dout, D, p.sq, p.heads, p.batch, p.do_row, p.do_head, p.do_batch, kBM) ||
+    if (!encode_map_4d(&map_q, dtype, p.q, D, p.sq, p.heads, p.batch, p.q_row, p.q_head, p.q_batch, kBM<D>) ||
+        !encode_map_4d(&map_do, dtype, p.dout, D, p.sq, p.heads, p.batch, p.do_row, p.do_head, p.do_batch, kBM<D>) ||
         !encode_map_4d(&map_k, dtype, p.k, D, p.sk, p.kv_heads, p.batch, p.k_row, p.k_head, p.k_batch, kBN) ||
         !encode_map_4d(&map_v, dtype, p.v, D, p.sk, p.kv_heads, p.batch, p.v_row, p.v_head, p.v_batch, kBN))
         return fk_fail(FK_ERR_RUNTIME, "attention_bwd: cuTensorMapEncodeTiled failed");
@@ -465,7 +456,7 @@ template <typename T, int D> fk_status launch(const Params &p, fk_dtype dtype, i
     st = Launch(grid, dim3(kThreads), kSmemBytes<D>, stream, device)("attention_bwd", kernel, map_q, map_k, map_v,
                                                                      map_do, p, ws);
     if (st != FK_OK) return st;
-    return Launch(dim3((unsigned)(rows / kBM)), dim3(256), 0, stream, device)(
+    return Launch(dim3((unsigned)(rows / kRowTile)), dim3(256), 0, stream, device)(
         "attention_bwd_dq_convert", attention_bwd_dq_convert_sm90<T, D>, p, ws);
 }
 

@@ -32,7 +32,7 @@
 //
 // Workspace: forward split: splits x batch x heads x sq x (1 + d) fp32 (partial lse, then outputs);
 // backward: batch x heads x sq fp32 (rowsum(dO * O)); bwd_wgmma_sm90: batch x heads x sq rounded up
-// to 64 x (2 + d) fp32 (lse log2 e, rowsum(dO * O), the dQ accumulators). varlen sizes use the
+// to its query tile (bwd_wgmma_block_m) x (2 + d) fp32 (lse log2 e, rowsum(dO * O), the dQ accumulators). varlen sizes use the
 // maximum lengths.
 #include <algorithm>
 #include <cmath>
@@ -100,7 +100,8 @@ Plan plan_attention(const fk_attention_args &x, int backward, int sms, int major
             tma_ok(x.out, x.o_row, x.o_head, x.o_batch, x, x.heads)) {  // out: the prep's 16-byte loads
             plan.strategy = Strategy::kBwdWgmmaSm90;
             plan.d_bucket = (int)x.d;
-            plan.workspace_bytes = x.batch * x.heads * ((x.sq + 63) / 64 * 64) * (2 + x.d) * (int64_t)sizeof(float);
+            const int64_t bm = bwd_wgmma_block_m((int)x.d);
+            plan.workspace_bytes = x.batch * x.heads * ((x.sq + bm - 1) / bm * bm) * (2 + x.d) * (int64_t)sizeof(float);
             return plan;
         }
         plan.strategy = Strategy::kBwdMmaSm80;
