@@ -452,7 +452,8 @@ def cross_entropy_cases(device, quick=False):
 
 SUITES = {"gelu": gelu_cases, "softmax": softmax_cases, "attention": bench_attention.attention_cases,
           "cross_entropy": cross_entropy_cases}
-# suites whose cases also report each implementation's peak memory above its inputs
+# suites whose cases also report each implementation's peak memory above its inputs (other cases:
+# those whose extra says "peak")
 MEMORY_SUITES = {"cross_entropy"}
 
 
@@ -489,8 +490,10 @@ def host_overheads(device):
 
 # ---- running -------------------------------------------------------------------------------------
 
-def run(suites, device=None, quick=False, only=None):
-    """Times every case of `suites` on `device`; returns the JSON-ready report."""
+def run(suites, device=None, quick=False, only=None, progress=None):
+    """Times every case of `suites` on `device`; returns the JSON-ready report. With `progress` (a
+    path), each case done is printed to stderr and the report so far written there."""
+    started = time.perf_counter()
     device = torch.device(device or ("cuda" if fastkern.cuda_available() and torch.cuda.is_available() else "cpu"))
     copy_gbs = copy_bandwidth_gbs(device)
     report = {
@@ -510,12 +513,12 @@ def run(suites, device=None, quick=False, only=None):
         for case in SUITES[suite](device, quick):
             name, nbytes, make_inputs, impls = case[:4]
             extra = case[4] if len(case) > 4 else {}  # matrix-bound suites: "flops", "strategy"
-            if only and only not in name:
+            if only and not any(text in name for text in ([only] if isinstance(only, str) else only)):
                 continue
             sets = input_sets(make_inputs, device, nbytes)
             timed = time_impls(impls, sets, device, extra.get("repeats", 15), extra.get("calls", 10))
             peaks = ({impl: peak_memory_mb(fn, sets[0], device) for impl, fn in impls.items()}  # warmed up
-                     if suite in MEMORY_SUITES else None)
+                     if suite in MEMORY_SUITES or extra.get("peak") else None)
             del sets
             times = {impl: ms for impl, (ms, _, _) in timed.items()}
             ours = times["fastkern"]
@@ -535,7 +538,12 @@ def run(suites, device=None, quick=False, only=None):
             })
             if "flops" in extra:
                 report["cases"][-1]["tflops"] = {k: round(extra["flops"] / v / 1e9, 4) for k, v in times.items()}
-            report["cases"][-1].update({k: v for k, v in extra.items() if k not in ("flops", "repeats", "calls")})
+            report["cases"][-1].update({k: v for k, v in extra.items() if k not in ("flops", "repeats", "calls", "peak")})
+            if progress:  # a run cut short still leaves the cases done
+                print(f"{time.perf_counter() - started:6.0f} s  {name}: {ours:.4f} ms, "
+                      f"{report['cases'][-1]['speedup_vs'][best_peer]:.3f}x {best_peer}", file=sys.stderr, flush=True)
+                with open(progress, "w") as f:
+                    json.dump(report, f, indent=1)
     return report
 
 
@@ -568,7 +576,7 @@ def main(argv=None):
     parser.add_argument("--out", help="write the JSON report here")
     parser.add_argument("--device", help="cuda or cpu (default: cuda when available)")
     parser.add_argument("--quick", action="store_true", help="smaller sizes, for a smoke run")
-    parser.add_argument("--only", help="run only the cases whose name contains this text")
+    parser.add_argument("--only", nargs="+", help="run only the cases whose name contains one of these texts")
     parser.add_argument("--markdown", nargs="?", const="", metavar="FILE.json",
                         help="print the README's headline table (Markdown): of FILE.json if given, "
                              "else of this run")
@@ -583,7 +591,7 @@ def main(argv=None):
         print(bench_report.markdown(report, os.path.basename(args.markdown)))
         return report
     suites = list(SUITES) if args.suite == "all" else [args.suite]
-    report = run(suites, args.device, args.quick, args.only)
+    report = run(suites, args.device, args.quick, args.only, progress=args.out)
     if args.out:
         with open(args.out, "w") as f:
             json.dump(report, f, indent=1)

@@ -64,14 +64,17 @@ def _direction(fn, causal, backward):
     return fwd
 
 
-def _case(device, b, sq, sk, h, hkv, d, causal, backward, dtype):
-    """One case as bench.run takes it; implementations that fail on it are dropped."""
+def _case(device, b, sq, sk, h, hkv, d, causal, backward, dtype, math=False):
+    """One case as bench.run takes it; implementations that fail on it are dropped. math: also torch's
+    MATH backend (on a GPU), and every implementation's peak memory."""
     def make_inputs():
         q = torch.randn(b, sq, h, d, device=device, dtype=dtype, requires_grad=backward)
         k = torch.randn(b, sk, hkv, d, device=device, dtype=dtype, requires_grad=backward)
         v = torch.randn(b, sk, hkv, d, device=device, dtype=dtype, requires_grad=backward)
         return q, k, v, torch.randn_like(q)
     fns = {"fastkern": _fastkern, **_peers(device, hkv != h)}
+    if math and device.type == "cuda":
+        fns["math"] = _torch_sdpa(SDPBackend.MATH, hkv != h)
     impls = {name: _direction(fn, causal, backward) for name, fn in fns.items()}
     probe = make_inputs()
     for name in list(impls):
@@ -82,9 +85,11 @@ def _case(device, b, sq, sk, h, hkv, d, causal, backward, dtype):
                 raise
             del impls[name]
     flops = 4 * b * h * sq * sk * d * (0.5 if causal and sq > 1 else 1.0) * (3.5 if backward else 1.0)
-    extra = {"flops": flops}
+    extra = {"flops": flops, "peak": math}
     if device.type == "cpu":  # calls of 10-500 ms: a few eager samples of one call each
         extra.update(repeats=3, calls=1)
+    else:  # graph replays of 10 calls of 0.1-10 ms: 7 samples (the sweep's 60 cases x 7 peers in ~15 min)
+        extra.update(repeats=7)
     if device.type == "cuda":
         extra["strategy"] = attention_ops._plan(*probe[:3], causal=causal, backward=backward)
     nbytes = (2 * b * sq * h + 2 * b * sk * hkv) * d * probe[0].element_size() * (2 if backward else 1)
@@ -96,8 +101,8 @@ def _case(device, b, sq, sk, h, hkv, d, causal, backward, dtype):
 
 def attention_cases(device, quick=False):
     """Yields the attention cases: on a GPU the issue's sweep (bf16, 16k tokens, hidden 2048, D 64 /
-    128, causal and not, fwd and fwd+bwd; --quick: S 1k and 4k), (4, 16, 4096, 128), GQA (H 32,
-    Hkv 8, D 128) and decoding (B 8, Sq 1, Sk 8k / 32k, H 32, Hkv 8, D 128); on the CPU the issue's
+    128, causal and not, fwd and fwd+bwd, with MATH and peak memory at S 8k fwd+bwd; --quick: S 1k
+    and 4k), GQA (B 4, S 4k, H 32, Hkv 8, D 128) and decoding (B 8, Sq 1, Sk 8k / 32k, H 32, Hkv 8, D 128); on the CPU the issue's
     (1, 1024, 8, 64) fp32 target, bf16 and a decoding step."""
     if device.type == "cpu":
         for dtype in (torch.float32, torch.bfloat16):
@@ -114,10 +119,10 @@ def attention_cases(device, quick=False):
         for s in seqlens:
             for causal in (False, True):
                 for backward in (False, True):
-                    yield _case(device, 16384 // s, s, s, 2048 // d, 2048 // d, d, causal, backward, bf16)
-    for causal in (False, True):
+                    yield _case(device, 16384 // s, s, s, 2048 // d, 2048 // d, d, causal, backward, bf16,
+                                math=s == 8192 and backward)  # the issue's peak memory against MATH
+    for causal in (False, True):  # (4, 4096, 16, 128) is the sweep's S 4k, D 128
         for backward in (False, True):
-            yield _case(device, 4, 4096, 4096, 16, 16, 128, causal, backward, bf16)
             yield _case(device, 4, 4096, 4096, 32, 8, 128, causal, backward, bf16)  # GQA
     for sk in (8192, 32768):
         yield _case(device, 8, 1, sk, 32, 8, 128, False, False, bf16)

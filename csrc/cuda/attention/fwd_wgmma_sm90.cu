@@ -39,6 +39,9 @@
 #ifndef FK_ATTN_D64_CONSUMERS  // A/B switch: consumer warpgroups (64 query rows each) at D 64
 #define FK_ATTN_D64_CONSUMERS 2
 #endif
+#ifndef FK_ATTN_D64_BN  // A/B switch: keys a K / V tile at D 64 (128 or 192)
+#define FK_ATTN_D64_BN 128
+#endif
 #ifndef FK_ATTN_D128_BN  // A/B switch: keys a K / V tile at D 128 (128, or 176 as FlashAttention-3)
 #define FK_ATTN_D128_BN 128
 #endif
@@ -55,11 +58,12 @@ constexpr int kBoxCols = 64;                         // a 128-byte swizzled TMA 
 // Two consumer warpgroups (O + S + P: 160 registers a thread at D 128, 128 at D 64, of 232); D 128
 // fills 160 KB with two stages, D 64 takes three (112 KB). Three consumers at D 64 (192 rows, 160
 // registers: spills) measured 486 vs 476 TFLOP/s at S 4096 as one CTA a tile, but 344 persistent
-// and 307 vs 320 causal (H100): two it is. Registers (registers_fit): two consumers at 232 and the
+// and 307 vs 320 causal (H100); with the dynamic walk +4% at S 4096 full, -5 to -23% at causal and
+// short S (H200, D-106): two it is. Registers (registers_fit): two consumers at 232 and the
 // producer at 40 spill nothing; at 24 the producer spilled its tile walk (60 bytes).
 template <int D> struct Cfg {
     static constexpr int kConsumers = D == 64 ? FK_ATTN_D64_CONSUMERS : 2;
-    static constexpr int kBM = 64 * kConsumers, kBN = D == 64 ? 128 : FK_ATTN_D128_BN;  // query rows, keys
+    static constexpr int kBM = 64 * kConsumers, kBN = D == 64 ? FK_ATTN_D64_BN : FK_ATTN_D128_BN;  // query rows, keys
     static constexpr int kThreads = 128 * (1 + kConsumers);
     static constexpr int kStages = D == 64 ? 3 : 2;
     static constexpr int kRegsProducer = kConsumers == 2 ? 40 : 32, kRegsConsumer = kConsumers == 2 ? 232 : 160;
@@ -168,7 +172,8 @@ __device__ __forceinline__ void issue_qk(float (&sc)[kBN / 2], const T *q, const
         const uint64_t dq = smem_desc_sw128(qk, 16, 1024);
         const uint64_t dk = smem_desc_sw128(k + (kk / 4) * kBN * kBoxCols + (kk % 4) * 16, 16, 1024);
         if constexpr (kBN == 128) wgmma_m64n128k16<T, 0, 0>(sc, dq, dk, kk > 0);
-        else mm::wgmma_m64n176k16<T, 0, 0>(sc, dq, dk, kk > 0);
+        else if constexpr (kBN == 176) mm::wgmma_m64n176k16<T, 0, 0>(sc, dq, dk, kk > 0);
+        else mm::wgmma_m64n192k16<T, 0, 0>(sc, dq, dk, kk > 0);
     }
 }
 
