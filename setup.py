@@ -24,7 +24,7 @@ is newer than it. After each CUDA unit it compiles, the build prints that unit's
 __global__ template instances, STYLE.md section 5), read from the object's host stubs with `nm`.
 
 The CUDA runtime is linked statically, so the module imports on machines with no driver, and the
-module is abi3 (Py_LIMITED_API), so one build serves every CPython >= 3.9.
+module is abi3 (Py_LIMITED_API), so one build serves every CPython >= 3.10 (3.10: METH_FASTCALL in the stable ABI, D-104).
 """
 import glob
 import os
@@ -41,7 +41,7 @@ from setuptools import Extension, setup
 from setuptools.command.build_ext import build_ext
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
-LIMITED_API = "0x03090000"
+LIMITED_API = "0x030A0000"
 DEFAULT_ARCHS = "sm_80,sm_90a,compute_90"
 C_FLAGS = ["-std=c11", "-O3", "-Wall", "-Wextra", "-fPIC"]
 
@@ -271,5 +271,5 @@ setup(
                            define_macros=[("Py_LIMITED_API", LIMITED_API)])],
     cmdclass={"build_ext": BuildFastkern},
     package_dir={"": "python"},
-    options={"bdist_wheel": {"py_limited_api": "cp39"}},
+    options={"bdist_wheel": {"py_limited_api": "cp310"}},
 )

@@ -3,7 +3,6 @@
 Nothing above this module touches pointers; nothing below ops/ touches torch.
 """
 import torch
-from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from . import _C
 
@@ -27,6 +26,7 @@ _is_compiling = torch.compiler.is_compiling
 _functorch_level = torch._C._functorch.peek_interpreter_stack
 _is_wrapped = torch._C._functorch.is_functorch_wrapped_tensor
 _grad_enabled = torch.is_grad_enabled
+_dispatch_modes = torch._C._len_torch_dispatch_stack  # _get_current_dispatch_mode reads it (infra modes too)
 
 
 OP, GRAD, DIRECT = 0, 1, 2
@@ -45,7 +45,7 @@ def route(*tensors):
             if (type(t) is not _Tensor and type(t) is not _Parameter) or _is_wrapped(t):
                 return OP
             grad = grad or t.requires_grad
-    if _get_current_dispatch_mode() is not None or _functorch_level() is not None:
+    if _dispatch_modes() or _functorch_level() is not None:
         return OP
     return GRAD if grad and _grad_enabled() else DIRECT
 
@@ -91,16 +91,21 @@ def check_same(t, ref, op, name, ref_name):
 
 
 def launch_args(t):
-    """(device index, stream handle) for a kernel on t's device: on the CPU -1 and the number of
-    threads the kernel may use (torch's own setting, torch.get_num_threads()), else the index and
-    the raw handle of the stream torch is using there now."""
+    """(device index, stream argument) for a kernel on t's device (see `stream`)."""
     index = t.get_device()
+    return index, stream(index)
+
+
+def stream(index):
+    """The last argument of a kernel launch on device `index`: on the CPU (-1) the number of threads
+    the kernel may use (torch's own setting, torch.get_num_threads()), else the raw handle of the
+    stream torch is using on that GPU now."""
     if index < 0:
-        return -1, torch.get_num_threads()
+        return torch.get_num_threads()
     if not CUDA_COMPILED:
         raise RuntimeError("fastkern: this build has no CUDA support (rebuild with nvcc on the PATH "
                            "or FASTKERN_CUDA=1); CPU tensors still work")
-    return index, _raw_stream(index)
+    return _raw_stream(index)
 
 
 def ptr(t):

@@ -27,7 +27,8 @@ def _name(log):
 
 
 def _check(x, dim, scale, causal, log):
-    """Validates arguments; returns (outer, n, inner, causal_sq, dtype code)."""
+    """Validates arguments; returns the plan (outer, n, inner, causal_sq, dtype code, device index),
+    the device index -1 on the CPU."""
     op = _name(log)
     B.check_tensor(x, op, "x")
     code = B.dtype_code(x, op, "x")
@@ -46,32 +47,33 @@ def _check(x, dim, scale, causal, log):
             raise ValueError(f"fastkern.{op}: causal=True needs dim=-1 (keys on the last dim), got "
                              f"dim={dim}")
         causal_sq = shape[-2]
-    return math.prod(shape[:dim]), shape[dim], math.prod(shape[dim + 1:]), causal_sq, code
+    device = -1 if x.is_cpu else x.device.index
+    return math.prod(shape[:dim]), shape[dim], math.prod(shape[dim + 1:]), causal_sq, code, device
 
 
 def _stat_dtype(x):
     return torch.float64 if x.dtype == torch.float64 else torch.float32
 
 
-def _launch(x, scale, log, outer, n, inner, causal_sq, code, stat=True):
-    """(y, row max) for validated arguments (a plan from _check); without `stat` (no backward will
+def _launch(x, scale, log, plan, stat):
+    """(y, row max) for validated arguments (`plan` from _check); without `stat` (no backward will
     follow) the row max is neither allocated nor written, and None stands in for it."""
+    outer, n, inner, causal_sq, code, device = plan
     x = B.dense(x)
     y = torch.empty_like(x)
     row_max = torch.empty(outer * inner, dtype=_stat_dtype(x), device=x.device) if stat else None
     if outer and n and inner:
-        device, stream = B.launch_args(x)
-        _C.softmax_fwd(x.data_ptr(), y.data_ptr(), B.ptr(row_max), outer, n, inner, float(scale),
-                       causal_sq, int(log), code, device, stream)
+        _C.softmax_fwd(x.data_ptr(), y.data_ptr(), B.ptr(row_max), outer, n, inner, scale, causal_sq, log,
+                       code, device, B.stream(device))
     return y, row_max
 
 
 def _softmax(x, dim, scale, causal, log):
-    return _launch(x, scale, log, *_check(x, dim, scale, causal, log))
+    return _launch(x, scale, log, _check(x, dim, scale, causal, log), True)
 
 
 def _softmax_fake(x, dim, scale, causal, log):
-    outer, _, inner, _, _ = _check(x, dim, scale, causal, log)
+    outer, _, inner, _, _, _ = _check(x, dim, scale, causal, log)
     return (torch.empty_like(x, memory_format=torch.contiguous_format),
             x.new_empty(outer * inner, dtype=_stat_dtype(x)))
 
@@ -82,9 +84,26 @@ def _saved(x, output):
     return (x, output[1]) if x.is_cuda else (output[0], None)
 
 
+def _launch_backward(grad, saved, row_max, scale, log, plan):
+    """dx for validated arguments (`plan` from _check on saved)."""
+    outer, n, inner, causal_sq, code, device = plan
+    grad, saved = B.dense(grad), B.dense(saved)
+    dx = torch.empty_like(saved)
+    if not (outer and n and inner):
+        return dx
+    if device >= 0:
+        _C.softmax_bwd(grad.data_ptr(), saved.data_ptr(), row_max.data_ptr(), dx.data_ptr(), outer, n,
+                       inner, scale, causal_sq, log, code, device, B.stream(device))
+    else:
+        _C.softmax_bwd_from_output(grad.data_ptr(), saved.data_ptr(), dx.data_ptr(), outer, n, inner,
+                                   scale, causal_sq, log, code, torch.get_num_threads())
+    return dx
+
+
 def _softmax_backward(grad, saved, row_max, dim, scale, causal, log):
     """dx from `saved`: x with its row max (CUDA), or the forward's output y with row_max None (CPU)."""
-    outer, n, inner, causal_sq, code = _check(saved, dim, scale, causal, log)
+    plan = _check(saved, dim, scale, causal, log)
+    outer, inner = plan[0], plan[2]
     op = _name(log) + "_backward"
     B.check_tensor(grad, op, "grad")
     B.check_same(grad, saved, op, "grad", "saved")
@@ -96,18 +115,7 @@ def _softmax_backward(grad, saved, row_max, dim, scale, causal, log):
                          f"{_stat_dtype(saved)} row statistic the forward returned")
     if not saved.is_cuda and row_max is not None:
         raise ValueError(f"fastkern.{op}: on the CPU saved is the forward's output y and row_max None")
-    grad, saved = B.dense(grad), B.dense(saved)
-    dx = torch.empty_like(saved)
-    if not dx.numel():
-        return dx
-    if saved.is_cuda:
-        device, stream = B.launch_args(saved)
-        _C.softmax_bwd(grad.data_ptr(), saved.data_ptr(), row_max.data_ptr(), dx.data_ptr(), outer, n,
-                       inner, float(scale), causal_sq, int(log), code, device, stream)
-    else:
-        _C.softmax_bwd_from_output(grad.data_ptr(), saved.data_ptr(), dx.data_ptr(), outer, n, inner,
-                                   float(scale), causal_sq, int(log), code, torch.get_num_threads())
-    return dx
+    return _launch_backward(grad, saved, row_max, scale, log, plan)
 
 
 def _softmax_backward_fake(grad, saved, row_max, dim, scale, causal, log):
@@ -128,20 +136,24 @@ def _backward(ctx, grad, grad_row_max):
 
 
 class _SoftmaxFunction(torch.autograd.Function):
-    """The eager autograd path: same context and backward as the registered op, on arguments the
-    caller validated (`plan`)."""
+    """The eager autograd path: what the registered op saves, on arguments the caller validated
+    (`args` = (dim, scale, causal, log) and their `plan`). Its one output is y: the row max is saved,
+    not returned (a second output cost ~0.3 us a call). Backward reuses the plan: autograd hands it a
+    grad of y's shape, dtype and device (D-104)."""
 
     @staticmethod
-    def forward(ctx, x, dim, scale, causal, log, plan):
-        output = _launch(x, scale, log, *plan, stat=x.is_cuda)  # the CPU saves y, not the row max
-        _setup_context(ctx, (x, dim, scale, causal, log), output)
-        if output[1] is not None:
-            ctx.mark_non_differentiable(output[1])
-        return output
+    def forward(ctx, x, args, plan):
+        output = _launch(x, args[1], args[3], plan, plan[5] >= 0)  # the CPU saves y, not the row max
+        ctx.save_for_backward(*_saved(x, output))
+        ctx.args, ctx.plan = args, plan
+        return output[0]
 
     @staticmethod
-    def backward(ctx, grad, grad_row_max):
-        return (*_backward(ctx, grad, grad_row_max), None)
+    def backward(ctx, grad):
+        saved, row_max = ctx.saved_tensors
+        if B.plain_eager(grad, saved):
+            return _launch_backward(grad, saved, row_max, ctx.args[1], ctx.args[3], ctx.plan), None, None
+        return _softmax_backward_op(grad, saved, row_max, *ctx.args), None, None
 
 
 _softmax_apply = B.function_apply(_SoftmaxFunction)
@@ -150,7 +162,7 @@ _softmax_op, _softmax_backward_op = B.register_op(
     _setup_context)
 
 
-_PLANS = {}  # (shape, dtype, is_cpu, is_cuda, dim, causal, log) -> _check's plan, for arguments it accepted
+_PLANS = {}  # (shape, dtype, device, dim, causal, log) -> _check's plan, for arguments it accepted
 
 
 def _call(x, dim, scale, causal, log):
@@ -162,10 +174,9 @@ def _call(x, dim, scale, causal, log):
     if type(causal) is not bool:
         causal = bool(causal)
     # bad input is refused by _check, by name, on every path; a plan it gave is kept per signature
-    # (a tiny CPU call spent 1.2 of its 4.7 us there)
-    # (is_cpu, is_cuda: a third of x.device.type's cost; _check refuses any other device, so no plan
-    # is kept for one)
-    key = (x.shape, x.dtype, x.is_cpu, x.is_cuda, dim, causal, log) if type(x) is B._Tensor else None
+    # (a tiny CPU call spent 1.2 of its 4.7 us there); _check refuses devices other than cpu and
+    # cuda, so no plan is kept for one
+    key = (x.shape, x.dtype, x.device, dim, causal, log) if type(x) is B._Tensor else None
     plan = _PLANS.get(key)
     if plan is None:
         plan = _check(x, dim, scale, causal, log)
@@ -173,9 +184,9 @@ def _call(x, dim, scale, causal, log):
             _PLANS[key] = plan
     route = B.route(x)
     if route == B.DIRECT:
-        return _launch(x, scale, log, *plan, stat=False)[0]
+        return _launch(x, scale, log, plan, False)[0]
     if route == B.GRAD:
-        return _softmax_apply(x, dim, scale, causal, log, plan)[0]
+        return _softmax_apply(x, (dim, scale, causal, log), plan)
     return _softmax_op(x, dim, scale, causal, log)[0]
 
 
@@ -184,7 +195,7 @@ def _plan(x, dim=-1, *, causal=False, log=False, backward=False, aligned=None):
     its backward with `backward`) runs for x along `dim`: e.g. ("rows_warp", "grid=... block=(128,1)
     ..."). `aligned` overrides whether every tensor counts as 16-byte aligned (default: x's own
     alignment). For tests and benchmark tables; csrc/cuda/softmax/dispatch.cu holds the table."""
-    outer, n, inner, causal_sq, code = _check(x, dim, 1.0, bool(causal), log)
+    outer, n, inner, causal_sq, code, _ = _check(x, dim, 1.0, bool(causal), log)
     if x.device.type != "cuda":
         raise ValueError(f"fastkern.{_name(log)}: _plan needs a CUDA tensor, got {x.device}")
     if aligned is None:
