@@ -1,7 +1,8 @@
 // attention_bwd_wgmma_sm90: the Hopper flash-attention backward (sm_90a: TMA, wgmma, warp
 // specialization), FlashAttention-3's scheme. dispatch.cu row "bwd, sm_90, d 64 / 128, not
-// deterministic". Tested on the H100 and H200 (tests/test_attention.py). H100, bf16 fwd+bwd:
-// 0.85-1.00x cuDNN, 1.18-1.67x FlashAttention-2 (benchmarks/results/attention-h100-2026-11-27-quick.json).
+// deterministic". Tested on the H100 and H200 (tests/test_attention.py). H200, bf16, backward alone
+// (fwd+bwd less fwd): 0.89-0.98x cuDNN, 1.18-1.59x FlashAttention-2, S 512-16k
+// (benchmarks/results/attention-h200-2026-11-27.json; docs/attention.md).
 //
 // Napkin math: 5 products of 2 Sq Sk D FLOPs (S, dP, dV, dK, dQ), counted as 2.5x the forward;
 // B 4, H 16, S 4096, D 128: 344 GFLOP, 0.69 ms at cuDNN's ~500 TFLOP/s backward (H200, PERF.md).
