@@ -44,8 +44,8 @@ struct Params {
 };
 
 // A/B switches (FASTKERN_NVCC_FLAGS=-D...): the key tile of the forward and of the dQ kernel at
-// D <= 128, how many resident CTA slots an SM a split forward fills (2 a wave), and whether the
-// Hopper forward's persistent CTAs claim their tiles from a counter (else a static walk).
+// D <= 128, and whether the Hopper forward's persistent CTAs claim their tiles from a counter (else
+// a static walk).
 #ifndef FK_ATTN_FWD_BN
 #define FK_ATTN_FWD_BN 64
 #endif
@@ -54,9 +54,6 @@ struct Params {
 #endif
 #ifndef FK_ATTN_DKV_BM  // query rows a ring slot of the dK / dV kernel at D 128
 #define FK_ATTN_DKV_BM 32
-#endif
-#ifndef FK_ATTN_SPLIT_SLOTS
-#define FK_ATTN_SPLIT_SLOTS 2
 #endif
 #ifndef FK_ATTN_FWD_DYNAMIC  // the Hopper forward's persistent CTAs claim tiles from a counter
 #define FK_ATTN_FWD_DYNAMIC 1
@@ -77,6 +74,12 @@ struct Plan {
     bool dynamic = false;     // fwd_wgmma_sm90 persistent: CTAs claim tiles from a counter (workspace)
     int64_t workspace_bytes = 0;
 };
+
+// The split (flash-decoding) forward's tile, every D bucket: 64 query rows x 32 keys; its K / V ring
+// has 3 stages at D <= 128 (64 KB of shared memory: 3 CTAs an SM), 2 at D 256 (96 KB: 2).
+constexpr int kSplitBM = 64, kSplitBN = 32;
+constexpr int split_stages(int bucket) { return bucket <= 128 ? 3 : 2; }
+constexpr int split_slots(int bucket) { return bucket <= 128 ? 3 : 2; }
 
 // bwd_wgmma_sm90's queries a step (its workspace rounds sq up to them).
 constexpr int bwd_wgmma_block_m(int d) { return d == 64 ? 128 : 64; }

@@ -4,8 +4,9 @@
 // any  16-bit  any     batch or heads == 0, or sq == 0 (bwd: sq ==    empty             nothing to do
 //                      sk == 0; other empty sides get zero grads)
 // fwd  16-bit  sm_80+  query-tile CTAs < SMs and >= 4 key tiles a      fwd_split_mma_sm80 one query still
-//                      CTA: splits = min(floor(2 SMs / CTAs), key                        fills the GPU
-//                      tiles / 2, 64) >= 2                                               (flash-decoding)
+//                      CTA: splits = min(floor(slots SMs / split         (64 x 32 tiles) fills the GPU
+//                      CTAs), 32-key tiles / 2, 64) >= 2 (slots:                         (flash-decoding)
+//                      split_slots, 3 at d <= 128)
 // fwd  16-bit  sm_90   d 64 or 128, sk > 0, not varlen, no GQA pack, fwd_wgmma_sm90    TMA + wgmma,
 //                      q / k / v / out bases, strides 16-byte aligned,                   2.3x sm_80
 //                      built for sm_90a, not FK_ATTN_FORCE_GENERAL;                      (H200)
@@ -114,9 +115,12 @@ Plan plan_attention(const fk_attention_args &x, int backward, int sms, int major
     const int64_t ctas = plan.pack_gqa ? x.kv_heads * x.batch : (x.sq + bm - 1) / bm * x.heads * x.batch;
     const int64_t key_tiles = (x.sk + fwd_block_n(plan.d_bucket) - 1) / fwd_block_n(plan.d_bucket);
     if (ctas < sms && key_tiles >= 4) {
-        // One wave at two resident CTAs an SM (the D <= 128 instances' 96 KB on Hopper): a second,
-        // partial wave would cost as much as the first.
-        int64_t splits = std::min<int64_t>({FK_ATTN_SPLIT_SLOTS * sms / ctas, key_tiles / 2, kMaxSplits});
+        // One wave of the split kernel's resident CTAs (split_slots an SM): a second, partial wave
+        // would cost as much as the first. Each split gets 2 key tiles or more.
+        const int64_t split_ctas = (plan.pack_gqa ? (x.sq * group + kSplitBM - 1) / kSplitBM * x.kv_heads
+                                                  : (x.sq + kSplitBM - 1) / kSplitBM * x.heads) * x.batch;
+        const int64_t split_tiles = (x.sk + kSplitBN - 1) / kSplitBN;
+        int64_t splits = std::min<int64_t>({split_slots(plan.d_bucket) * sms / split_ctas, split_tiles / 2, kMaxSplits});
         splits = std::min<int64_t>(splits, 65535 / std::max<int64_t>(x.batch, 1));
         if (splits > 1) {
             plan.strategy = Strategy::kFwdSplitMmaSm80;

@@ -35,31 +35,38 @@
 namespace fk::attn {
 namespace {
 
-// Tile shape per D bucket: kWarps warps of kMT x 16 query rows (BM in all), BN keys a K / V tile.
-// Two row tiles a warp use each K / V fragment read from shared memory twice (ldmatrix traffic per
-// MMA 0.31 instead of 0.5); D 256 has no registers for a second 16 x 256 fp32 output tile.
-template <int D> struct FwdCfg {
+// Tile shape per D bucket: kWarps warps of kMT x 16 query rows (BM in all), BN keys a K / V tile,
+// kStages K / V slots. Two row tiles a warp use each K / V fragment read from shared memory twice
+// (ldmatrix traffic per MMA 0.31 instead of 0.5); D 256 has no registers for a second 16 x 256 fp32
+// output tile. The split (decoding) form streams K / V with little math per byte: 64 x 32 tiles
+// (the D 256 shape: no spills, D 128 had 255 registers and spilled) in a deeper ring, and small
+// enough that 3 CTAs share an SM (attention.cuh split_slots): more bytes in flight.
+template <int D, bool kSplit = false> struct FwdCfg {
     static constexpr int kD = D, kWarps = 4;
-    static constexpr int kMT = D <= 128 ? 2 : 1;
-    static constexpr int BM = 16 * kMT * kWarps, BN = D <= 128 ? FK_ATTN_FWD_BN : 32;
-    static constexpr int kThreads = 32 * kWarps;
+    static constexpr int kMT = D <= 128 && !kSplit ? 2 : 1;
+    static constexpr int BM = 16 * kMT * kWarps, BN = kSplit ? kSplitBN : D <= 128 ? FK_ATTN_FWD_BN : 32;
+    static constexpr int kStages = kSplit ? split_stages(D) : 2;
+    static_assert(!kSplit || BM == kSplitBM, "the plan counts the split kernel's CTAs by kSplitBM");
+    static constexpr int kThreads = 32 * kWarps, kMinBlocks = kSplit && D <= 128 ? split_slots(D) : 1;
     using QTile = SwizzledTile<BM, D>;
     using KVTile = SwizzledTile<BN, D>;
-    // Q, then two slots of (K, V): 128 x 128 + 4 x 64 x 128 16-bit = 96 KB at D 128.
-    static constexpr int kSmemBytes = 2 * (QTile::kElems + 4 * KVTile::kElems);
+    // Q, then kStages slots of (K, V): 128 x 128 + 4 x 64 x 128 16-bit = 96 KB at D 128; split
+    // 64 x 128 + 6 x 32 x 128 = 64 KB.
+    static constexpr int kSmemBytes = 2 * (QTile::kElems + 2 * kStages * KVTile::kElems);
 };
 
 constexpr float kLn2 = 0.693147180559945309f;
 
 template <typename T, typename Cfg>
-__global__ void __launch_bounds__(Cfg::kThreads) attention_fwd_mma_sm80(Params p) {
+__global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks) attention_fwd_mma_sm80(Params p) {
     constexpr int D = Cfg::kD, BM = Cfg::BM, BN = Cfg::BN, kMT = Cfg::kMT, kNT = BN / 8, kDT = D / 8;
+    constexpr int kStages = Cfg::kStages;
     using QTile = typename Cfg::QTile;
     using KVTile = typename Cfg::KVTile;
     extern __shared__ __align__(128) unsigned char smem_raw[];
     T *sq_tile = reinterpret_cast<T *>(smem_raw);
     T *sk_tile = sq_tile + QTile::kElems;           // slot s: sk_tile + s * KVTile::kElems
-    T *sv_tile = sk_tile + 2 * KVTile::kElems;
+    T *sv_tile = sk_tile + kStages * KVTile::kElems;
 
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     // Rows of a (sequence, blockIdx.y): queries of head blockIdx.y, or with p.pack_gqa the queries
@@ -103,8 +110,11 @@ __global__ void __launch_bounds__(Cfg::kThreads) attention_fwd_mma_sm80(Params p
         load_tile<T, BN, D, Cfg::kThreads>(sv_tile + slot * KVTile::kElems, v + (int64_t)n0 * p.v_row, p.v_row,
                                            s.sk - n0, d, p.async);
     };
-    if (t_lo < t_hi) load_kv(0, t_lo);
-    cp_async_commit();
+#pragma unroll
+    for (int st = 0; st < kStages - 1; st++) {  // one commit group a stage, loaded or not
+        if (t_lo + st < t_hi) load_kv(st, t_lo + st);
+        cp_async_commit();
+    }
 
     // Columns past d are zeros in shared memory: the MMAs run over the whole bucket, unpredicated.
     const int wm0 = warp * 16 * kMT;                // this warp's rows in the tile
@@ -123,10 +133,10 @@ __global__ void __launch_bounds__(Cfg::kThreads) attention_fwd_mma_sm80(Params p
     for (int mt = 0; mt < kMT; mt++) row_max[mt][0] = row_max[mt][1] = -INFINITY;
 
     for (int t = t_lo; t < t_hi; t++) {
-        const int slot = (t - t_lo) & 1;
-        cp_async_wait<0>();
-        __syncthreads();  // tile t (and Q) landed; the other slot is free again
-        if (t + 1 < t_hi) load_kv(slot ^ 1, t + 1);
+        const int slot = (int)((unsigned)(t - t_lo) % kStages);
+        cp_async_wait<kStages - 2>();
+        __syncthreads();  // tile t (and Q) landed; the slot of tile t - 1 is free again
+        if (t + kStages - 1 < t_hi) load_kv((int)((unsigned)(t - t_lo + kStages - 1) % kStages), t + kStages - 1);
         cp_async_commit();
         if (!active) continue;
         const T *ks = sk_tile + slot * KVTile::kElems, *vs = sv_tile + slot * KVTile::kElems;
@@ -307,17 +317,18 @@ fk_status launch(const Plan &plan, const Params &p, int device, cudaStream_t str
 }
 
 template <typename T> fk_status launch_bucket(const Plan &plan, const Params &p, int device, cudaStream_t stream) {
+    const bool split = plan.splits > 1;
     switch (plan.d_bucket) {
-    case 64: return launch<T, FwdCfg<64>>(plan, p, device, stream);
-    case 128: return launch<T, FwdCfg<128>>(plan, p, device, stream);
-    default: return launch<T, FwdCfg<256>>(plan, p, device, stream);
+    case 64: return split ? launch<T, FwdCfg<64, true>>(plan, p, device, stream) : launch<T, FwdCfg<64>>(plan, p, device, stream);
+    case 128: return split ? launch<T, FwdCfg<128, true>>(plan, p, device, stream) : launch<T, FwdCfg<128>>(plan, p, device, stream);
+    default: return launch<T, FwdCfg<256, true>>(plan, p, device, stream);  // the D 256 shape either way
     }
 }
 
 }  // namespace
 
-// Instances: attention_fwd_mma_sm80 x {__half, __nv_bfloat16} x D {64, 128, 256} = 6,
-// attention_fwd_combine x {__half, __nv_bfloat16} = 2; 8 in all.
+// Instances: attention_fwd_mma_sm80 x {__half, __nv_bfloat16} x (D {64, 128} x {whole, split} +
+// D 256) = 10, attention_fwd_combine x {__half, __nv_bfloat16} = 2; 12 in all.
 fk_status launch_fwd_mma_sm80(const Plan &plan, const Params &p, fk_dtype dtype, int device, cudaStream_t stream) {
     if (dtype == FK_BFLOAT16) return launch_bucket<__nv_bfloat16>(plan, p, device, stream);
     return launch_bucket<__half>(plan, p, device, stream);
