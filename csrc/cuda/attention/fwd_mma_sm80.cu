@@ -9,8 +9,8 @@
 // above what L2 must feed. The exponentials (Sq Sk MUFU ops, 1/(4 D) of the MMA FLOPs at D 128) and
 // the softmax bookkeeping are the real cost beside the MMAs.
 // Measured (H200, bf16, self-test harness): B 4 H 16 S 4096 D 128 283 TFLOP/s (causal 240), B 8 H 32
-// S 2048 D 64 256, GQA 32/8 S 8192 causal 270; decoding B 8 H 32/8 Sq 1 Sk 8192 97 us a call (the
-// K / V read alone: 64 us at copy bandwidth). Folding the scale into the exponent's FFMA instead of
+// S 2048 D 64 256, GQA 32/8 S 8192 causal 270; decoding B 8 H 32/8 Sq 1 Sk 8192 ~75 us a call (the
+// K / V read alone: 64 us at copy bandwidth; 97 before D-107). Folding the scale into the exponent's FFMA instead of
 // a multiply pass moved D 128 from 198 to 283.
 //
 // Algorithm: one CTA per (query tile of BM rows, head, sequence[, key range]); 4 warps each own
