@@ -9,6 +9,8 @@ kernels' native layout). A backend that refuses a case (e.g. GQA, head dims) is 
 Cases yield (name, bytes, make_inputs, impls, extra) for bench.run; extra holds "flops", on a GPU
 the fastkern strategy that ran, and on the CPU fewer timing samples (calls take 10-500 ms).
 """
+import os
+
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -64,6 +66,22 @@ def _direction(fn, causal, backward):
     return fwd
 
 
+def _forced_sm80(call):
+    """`call` (forward, or forward + backward) with FASTKERN_ATTENTION_FORCE_GENERAL=1: fastkern's
+    sm_80 kernels on a Hopper GPU (the issue's "sm_80 kernel forced on Hopper" row)."""
+    def run(*args):
+        saved = os.environ.get("FASTKERN_ATTENTION_FORCE_GENERAL")
+        os.environ["FASTKERN_ATTENTION_FORCE_GENERAL"] = "1"
+        try:
+            return call(*args)
+        finally:
+            if saved is None:
+                del os.environ["FASTKERN_ATTENTION_FORCE_GENERAL"]
+            else:
+                os.environ["FASTKERN_ATTENTION_FORCE_GENERAL"] = saved
+    return run
+
+
 def _case(device, b, sq, sk, h, hkv, d, causal, backward, dtype, math=False):
     """One case as bench.run takes it; implementations that fail on it are dropped. math: also torch's
     MATH backend (on a GPU), and every implementation's peak memory."""
@@ -77,6 +95,8 @@ def _case(device, b, sq, sk, h, hkv, d, causal, backward, dtype, math=False):
         fns["math"] = _torch_sdpa(SDPBackend.MATH, hkv != h)
     impls = {name: _direction(fn, causal, backward) for name, fn in fns.items()}
     probe = make_inputs()
+    if device.type == "cuda" and "sm90" in attention_ops._plan(*probe[:3], causal=causal, backward=backward):
+        impls["fastkern_sm80"] = _forced_sm80(impls["fastkern"])
     for name in list(impls):
         try:
             impls[name](*probe)
