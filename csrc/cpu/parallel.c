@@ -1,17 +1,22 @@
 /* fk_parallel_for: the CPU kernels' one way to use several cores, through a persistent pool.
  *
- * The pool's workers start once, lazily, on the first call that wants more than one thread, and
- * sleep on a condition variable between calls (waking one costs a few us; starting a POSIX thread
- * per call cost ~10-50 us and a page-faulted stack). Pool size: FASTKERN_CPU_THREADS when set, else
- * the cores this process may run on (sched_getaffinity), at most FK_MAX_THREADS. A call uses
- * min(threads, pool size) threads (threads = torch.get_num_threads() from Python;
- * FASTKERN_CPU_THREADS, when set, replaces it), the caller being one of them, and none gets fewer
- * than min_items items: small calls stay on the calling thread.
+ * The pool's workers start once, lazily, on the first call that wants more than one thread (a
+ * POSIX thread started per call cost ~10-50 us and a page-faulted stack). After a job a worker polls
+ * for the next one for FK_POLL_NS, then sleeps on a condition variable; the caller polls for the
+ * job's end as long. An idle vCPU here takes ~20 us to wake: once for the worker, once more for the
+ * caller at the end, ~45 us of each 2-thread call before (D-107).
+ * Pool size: FASTKERN_CPU_THREADS when set, else the cores this process may run on
+ * (sched_getaffinity), at most FK_MAX_THREADS. A call uses min(threads, pool size) threads
+ * (threads = torch.get_num_threads() from Python; FASTKERN_CPU_THREADS, when set, replaces it), the
+ * caller being one of them, and none gets fewer than min_items items: small calls stay on the
+ * calling thread.
  * Ranges (shares) are contiguous and fixed by (items, thread count) alone, so each item is computed
- * the same way on any thread; the caller and the workers claim them from a counter, so a worker that
- * wakes late leaves its share to the caller. Workers are kept off the caller's CPU (D-99). One call
- * at a time owns the pool; a call that finds it busy (another Python thread with the GIL released)
- * runs all its items itself rather than wait.
+ * the same way on any thread. The caller and the workers claim shares from a counter tagged with
+ * the job, and the caller waits for the shares, not for the workers: a worker that wakes late, or
+ * is kept off its CPU (torch's OpenMP threads poll for ms after each op), leaves its share to the
+ * caller and holds nothing up. Workers are kept off the caller's CPU (D-99). One call at a time
+ * owns the pool; a call that finds it busy (another Python thread with the GIL released) runs all
+ * its items itself rather than wait.
  * fork: the child has none of the workers, so pthread_atfork takes the pool's lock around fork
  * (no call is then in flight) and the child forgets the pool; it starts a new one when needed.
  * A worker that cannot be started leaves its share to the caller: C never fails a kernel for want
@@ -22,27 +27,32 @@
 #include <sched.h>
 #include <stdatomic.h>
 #include <stdlib.h>
+#include <time.h>
 
 #include "common.h"
 
-#define FK_MAX_THREADS 256
+#define FK_MAX_THREADS 256 /* below 2^kShareBits */
+#define FK_POLL_NS 200000  /* how long a worker polls for the next job, the caller for the end (D-107) */
+
+enum { kShareBits = 16 }; /* a claim: job << kShareBits | the next unclaimed share */
 
 static struct {
     pthread_mutex_t call;          /* held by the call that owns the pool */
-    pthread_mutex_t lock;          /* guards the fields below */
+    pthread_mutex_t lock;          /* guards the fields below, but for the atomics' polling */
     pthread_cond_t work, done;
     pthread_once_t once;
     int size;                      /* threads a call may use, the caller's included */
     int forced;                    /* FASTKERN_CPU_THREADS was set */
     int workers;                   /* workers started */
-    int64_t generation;            /* bumped per job */
-    int64_t spawned_at;            /* the generation before the job that started the newest workers */
-    int pending;                   /* workers still running the current job */
+    atomic_llong job;              /* bumped per job */
+    long long spawned_at;          /* the job before the one that started the newest workers */
     int job_threads;               /* threads of the current job (workers 1 .. job_threads - 1) */
     int64_t items;
     fk_range_fn fn;
     void *ctx;
-    atomic_int next_share;         /* the current job's next unclaimed share */
+    atomic_llong claim;            /* the current job's claims */
+    atomic_llong shares_done;      /* shares run to the end, all jobs */
+    long long shares_target;       /* shares_done once the current job is done */
     cpu_set_t cpus;                /* the CPUs the process could run on at the pool's start */
     int avoided_cpu;               /* the CPU the workers' affinity leaves out, -1: none */
     pthread_t ids[FK_MAX_THREADS]; /* worker w's thread: ids[w - 1] */
@@ -54,28 +64,62 @@ static void run_share(fk_range_fn fn, void *ctx, int64_t items, int share, int s
     if (begin < end) fn(ctx, begin, end);
 }
 
-/* Claims the job's shares one at a time until none is left: a worker that wakes late (or never
- * gets a CPU) leaves its share to whoever is free, so a call is never slower than one thread. */
-static void run_shares(fk_range_fn fn, void *ctx, int64_t items, int shares) {
-    for (int s; (s = atomic_fetch_add(&pool.next_share, 1)) < shares;) run_share(fn, ctx, items, s, shares);
+/* Runs shares of job `job` as long as some are unclaimed (none once a later job has begun); the one
+ * who ends the job's last share wakes the caller, should it sleep. Returns the shares it ran. */
+static int run_shares(long long job, fk_range_fn fn, void *ctx, int64_t items, int shares, long long target) {
+    int ran = 0;
+    long long c = atomic_load(&pool.claim);
+    while (c >> kShareBits == job && (c & ((1 << kShareBits) - 1)) < shares) {
+        if (!atomic_compare_exchange_weak(&pool.claim, &c, c + 1)) continue; /* c reloaded */
+        run_share(fn, ctx, items, (int)(c & ((1 << kShareBits) - 1)), shares);
+        ran++;
+        if (atomic_fetch_add(&pool.shares_done, 1) + 1 == target) {
+            pthread_mutex_lock(&pool.lock);
+            pthread_cond_signal(&pool.done);
+            pthread_mutex_unlock(&pool.lock);
+        }
+        c = atomic_load(&pool.claim);
+    }
+    return ran;
+}
+
+static int64_t now_ns(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (int64_t)t.tv_sec * 1000000000 + t.tv_nsec;
+}
+
+/* Polls up to FK_POLL_NS until *count >= target; returns whether it got there. */
+static int poll_until(atomic_llong *count, long long target) {
+    for (int64_t start = now_ns();;) {
+        for (int i = 0; i < 256; i++) {
+            if (atomic_load_explicit(count, memory_order_acquire) >= target) return 1;
+#if defined(__x86_64__) || defined(__i386__)
+            __builtin_ia32_pause();
+#endif
+        }
+        if (now_ns() - start > FK_POLL_NS) return 0;
+    }
 }
 
 static void *worker_main(void *arg) {
     int me = (int)(intptr_t)arg;
     pthread_mutex_lock(&pool.lock);
-    int64_t seen = pool.spawned_at; /* the job that started us may already be posted: run it */
+    long long seen = pool.spawned_at; /* the job that started us may already be posted: run it */
     for (;;) {
-        while (pool.generation == seen) pthread_cond_wait(&pool.work, &pool.lock);
-        seen = pool.generation;
+        while (atomic_load(&pool.job) == seen) pthread_cond_wait(&pool.work, &pool.lock);
+        seen = atomic_load(&pool.job);
         if (me >= pool.job_threads) continue;
         fk_range_fn fn = pool.fn;
         void *ctx = pool.ctx;
         int64_t items = pool.items;
         int shares = pool.job_threads;
+        long long target = pool.shares_target;
         pthread_mutex_unlock(&pool.lock);
-        run_shares(fn, ctx, items, shares);
+        /* poll for the next job only if this one found us on time: a worker kept off its CPU (by
+         * torch's OpenMP threads, which poll for ms after each op) gets it back sooner when woken */
+        if (run_shares(seen, fn, ctx, items, shares, target) > 0) poll_until(&pool.job, seen + 1);
         pthread_mutex_lock(&pool.lock);
-        if (--pool.pending == 0) pthread_cond_signal(&pool.done);
     }
     return NULL;
 }
@@ -87,7 +131,7 @@ static void after_fork_child(void) {
     pthread_mutex_init(&pool.lock, NULL);
     pthread_cond_init(&pool.work, NULL);
     pthread_cond_init(&pool.done, NULL);
-    pool.workers = 0, pool.generation = 0, pool.spawned_at = 0, pool.pending = 0, pool.avoided_cpu = -1;
+    pool.workers = 0, pool.avoided_cpu = -1;
     pthread_mutex_init(&pool.call, NULL);
 }
 
@@ -104,9 +148,9 @@ static void pool_init(void) {
     pthread_atfork(before_fork, after_fork_parent, after_fork_child);
 }
 
-/* Starts workers up to `want` - 1 (lock held); returns the threads a job can use. */
-static int start_workers(int want) {
-    pool.spawned_at = pool.generation;
+/* Starts workers up to `want` - 1 (lock held). */
+static void start_workers(int want) {
+    pool.spawned_at = atomic_load(&pool.job);
     while (pool.workers < want - 1) {
         pthread_t id;
         pthread_attr_t attr;
@@ -118,7 +162,6 @@ static int start_workers(int want) {
         pool.ids[pool.workers++] = id;
         pool.avoided_cpu = -1; /* the new worker may run anywhere: set every worker's mask again */
     }
-    return pool.workers + 1 < want ? pool.workers + 1 : want;
 }
 
 /* Keeps the workers off the caller's CPU (lock held). The kernel places a woken worker where it
@@ -148,17 +191,19 @@ void fk_parallel_for(int threads, int64_t items, int64_t min_items, fk_range_fn 
         return;
     }
     pthread_mutex_lock(&pool.lock);
-    int got = start_workers(t);
+    start_workers(t);
     avoid_callers_cpu();
-    pool.fn = fn, pool.ctx = ctx, pool.items = items, pool.job_threads = t;
-    atomic_store(&pool.next_share, 0);
-    pool.pending = got - 1;
-    pool.generation++;
+    long long job = atomic_load(&pool.job) + 1, target = atomic_load(&pool.shares_done) + t;
+    pool.fn = fn, pool.ctx = ctx, pool.items = items, pool.job_threads = t, pool.shares_target = target;
+    atomic_store(&pool.claim, job << kShareBits);
+    atomic_store(&pool.job, job);
     pthread_cond_broadcast(&pool.work);
     pthread_mutex_unlock(&pool.lock);
-    run_shares(fn, ctx, items, t); /* the workers' shares too, where they did not start or come late */
-    pthread_mutex_lock(&pool.lock);
-    while (pool.pending > 0) pthread_cond_wait(&pool.done, &pool.lock);
-    pthread_mutex_unlock(&pool.lock);
+    run_shares(job, fn, ctx, items, t, target); /* the workers' shares too, where they come late */
+    if (!poll_until(&pool.shares_done, target)) {
+        pthread_mutex_lock(&pool.lock);
+        while (atomic_load(&pool.shares_done) < target) pthread_cond_wait(&pool.done, &pool.lock);
+        pthread_mutex_unlock(&pool.lock);
+    }
     pthread_mutex_unlock(&pool.call);
 }
