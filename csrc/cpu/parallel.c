@@ -1,6 +1,13 @@
-/* fk_parallel_for: the CPU kernels' one way to use several cores, through a persistent pool.
+/* fk_parallel_for: the CPU kernels' one way to use several cores: the process's OpenMP team where
+ * torch has loaded libgomp, else a persistent pool of our own.
  *
- * The pool's workers start once, lazily, on the first call that wants more than one thread (a
+ * OpenMP (D-110): torch's CPU ops run on libgomp's team, whose threads poll for ~4-8 ms after each
+ * op. On 2 cores a worker of ours then fought one of them for a CPU, and a call after any torch op
+ * ran at one thread's speed; on the team they are hot instead. libgomp is found at run time
+ * (dlopen with RTLD_NOLOAD): nothing is linked. FASTKERN_CPU_POOL=own keeps our pool, and so does a
+ * process forked after this library loaded (libgomp's team does not survive fork: torch's own next
+ * parallel op in such a child hangs).
+ * Our pool: its workers start once, lazily, on the first call that wants more than one thread (a
  * POSIX thread started per call cost ~10-50 us and a page-faulted stack). After a job a worker polls
  * for the next one for FK_POLL_NS, then sleeps on a condition variable; the caller polls for the
  * job's end as long. An idle vCPU here takes ~20 us to wake: once for the worker, once more for the
@@ -11,22 +18,24 @@
  * caller being one of them, and none gets fewer than min_items items: small calls stay on the
  * calling thread.
  * Ranges (shares) are contiguous and fixed by (items, thread count) alone, so each item is computed
- * the same way on any thread. The caller and the workers claim shares from a counter tagged with
- * the job, and the caller waits for the shares, not for the workers: a worker that wakes late, or
- * is kept off its CPU (torch's OpenMP threads poll for ms after each op), leaves its share to the
- * caller and holds nothing up. Workers are kept off the caller's CPU (D-99). One call at a time
- * owns the pool; a call that finds it busy (another Python thread with the GIL released) runs all
- * its items itself rather than wait.
- * fork: the child has none of the workers, so pthread_atfork takes the pool's lock around fork
- * (no call is then in flight) and the child forgets the pool; it starts a new one when needed.
+ * the same way on any thread, on either path. The caller and the workers claim shares from a
+ * counter tagged with the job, and the caller waits for the shares, not for the workers: a worker
+ * that wakes late, or is kept off its CPU, leaves its share to the caller and holds nothing up.
+ * Workers are kept off the caller's CPU (D-99). One call at a time owns the pool; a call that finds
+ * it busy (another Python thread with the GIL released) runs all its items itself rather than wait.
+ * fork: the child has none of the workers, so pthread_atfork (registered when the library loads)
+ * takes the pool's lock around fork (no call is then in flight) and the child forgets the pool; it
+ * starts a new one when needed.
  * A worker that cannot be started leaves its share to the caller: C never fails a kernel for want
  * of threads.
  */
 #define _GNU_SOURCE
+#include <dlfcn.h>
 #include <pthread.h>
 #include <sched.h>
 #include <stdatomic.h>
 #include <stdlib.h>
+#include <string.h>
 #include <time.h>
 
 #include "common.h"
@@ -58,6 +67,16 @@ static struct {
     pthread_t ids[FK_MAX_THREADS]; /* worker w's thread: ids[w - 1] */
 } pool = {PTHREAD_MUTEX_INITIALIZER, PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER,
           PTHREAD_COND_INITIALIZER, PTHREAD_ONCE_INIT, .avoided_cpu = -1};
+
+/* The process's OpenMP runtime: libgomp's GOMP_parallel (what `#pragma omp parallel` compiles to)
+ * and the team queries; parallel stays NULL where libgomp is not loaded. */
+typedef void (*gomp_parallel_fn)(void (*fn)(void *), void *data, unsigned threads, unsigned flags);
+static struct {
+    pthread_once_t once;
+    gomp_parallel_fn parallel;
+    int (*thread_num)(void), (*num_threads)(void);
+    int forked; /* this process was forked after the library loaded: our pool only */
+} omp = {PTHREAD_ONCE_INIT, NULL, NULL, NULL, 0};
 
 static void run_share(fk_range_fn fn, void *ctx, int64_t items, int share, int shares) {
     int64_t begin = items * share / shares, end = items * (share + 1) / shares;
@@ -133,6 +152,41 @@ static void after_fork_child(void) {
     pthread_cond_init(&pool.done, NULL);
     pool.workers = 0, pool.avoided_cpu = -1;
     pthread_mutex_init(&pool.call, NULL);
+    omp.forked = 1;
+}
+
+__attribute__((constructor)) static void register_fork_handlers(void) {
+    pthread_atfork(before_fork, after_fork_parent, after_fork_child);
+}
+
+static void find_omp(void) {
+    void *lib = dlopen("libgomp.so.1", RTLD_NOLOAD | RTLD_LAZY);
+    if (!lib) return;
+    omp.thread_num = (int (*)(void))dlsym(lib, "omp_get_thread_num");
+    omp.num_threads = (int (*)(void))dlsym(lib, "omp_get_num_threads");
+    gomp_parallel_fn parallel = (gomp_parallel_fn)dlsym(lib, "GOMP_parallel");
+    if (omp.thread_num && omp.num_threads) omp.parallel = parallel;
+}
+
+/* Shall this call run on the OpenMP team? */
+static int use_omp(void) {
+    pthread_once(&omp.once, find_omp);
+    const char *want = getenv("FASTKERN_CPU_POOL");
+    return omp.parallel && !omp.forked && !(want && !strcmp(want, "own"));
+}
+
+typedef struct {
+    fk_range_fn fn;
+    void *ctx;
+    int64_t items;
+    int shares;
+} omp_job;
+
+/* One team thread's shares (the team may have fewer threads than shares). */
+static void run_omp_shares(void *arg) {
+    const omp_job *j = (const omp_job *)arg;
+    for (int s = omp.thread_num(), step = omp.num_threads(); s < j->shares; s += step)
+        run_share(j->fn, j->ctx, j->items, s, j->shares);
 }
 
 static void pool_init(void) {
@@ -145,7 +199,6 @@ static void pool_init(void) {
     if (sched_getaffinity(0, sizeof pool.cpus, &pool.cpus) != 0) CPU_ZERO(&pool.cpus);
     if (!pool.forced) size = CPU_COUNT(&pool.cpus) > 0 ? CPU_COUNT(&pool.cpus) : 1;
     pool.size = size < 1 ? 1 : size > FK_MAX_THREADS ? FK_MAX_THREADS : size;
-    pthread_atfork(before_fork, after_fork_parent, after_fork_child);
 }
 
 /* Starts workers up to `want` - 1 (lock held). */
@@ -186,6 +239,11 @@ void fk_parallel_for(int threads, int64_t items, int64_t min_items, fk_range_fn 
     int t = fk_parallel_threads(threads);
     int64_t most = min_items > 1 ? items / min_items : items;
     if (most < t) t = most < 1 ? 1 : (int)most;
+    if (t > 1 && use_omp()) {
+        omp_job j = {fn, ctx, items, t};
+        omp.parallel(run_omp_shares, &j, (unsigned)t, 0);
+        return;
+    }
     if (t <= 1 || pthread_mutex_trylock(&pool.call) != 0) {
         for (int s = 0; s < t; s++) run_share(fn, ctx, items, s, t);  /* the same ranges as with threads */
         return;
