@@ -238,7 +238,7 @@ class BuildFastkern(build_ext):
             futures = [pool.submit(fn, src) for fn, src in units]
             objects = [f.result() for f in futures]
 
-        libraries, library_dirs = ["pthread"], []  # the CPU kernels' threads (csrc/cpu/parallel.c)
+        libraries, library_dirs = ["pthread", "dl"], []  # the CPU kernels' threads (csrc/cpu/parallel.c)
         if cuda_home:
             library_dirs = [cuda_lib_dir(cuda_home)]
             libraries = [":libcudart_static.a", "rt", "pthread", "dl", "stdc++"]

@@ -1,6 +1,9 @@
 """fastkern.softmax / log_softmax: values and gradients against float64, special values, dims,
 scale and causal masks, autograd, compile, graphs, bad input."""
 import fractions
+import os
+import signal
+import time
 
 import pytest
 import torch
@@ -413,11 +416,15 @@ def test_bad_input_cuda():
         fastkern.softmax(torch.randn(3, 3, device="cuda", dtype=torch.float64))
 
 
+@pytest.mark.parametrize("pool", ["omp", "own"])
 @pytest.mark.parametrize("log", [False, True], ids=["softmax", "log"])
 @pytest.mark.parametrize("shape,dim", [((37, 70001), -1), ((5, 3000, 70), 1), ((9000, 130), 0)], ids=str)
-def test_cpu_threads_give_the_one_thread_results(shape, dim, log, poison):
+def test_cpu_threads_give_the_one_thread_results(shape, dim, log, pool, poison, monkeypatch):
     """The CPU kernels split rows over torch.get_num_threads() threads: 7 threads write every
-    element, bit for bit as 1 thread does, forward and backward."""
+    element, bit for bit as 1 thread does, forward and backward, on torch's OpenMP team and on
+    fastkern's own pool (FASTKERN_CPU_POOL=own)."""
+    if pool == "own":
+        monkeypatch.setenv("FASTKERN_CPU_POOL", "own")
     x, g = torch.randn(shape) * 3, torch.randn(shape)
 
     def run():
@@ -426,6 +433,38 @@ def test_cpu_threads_give_the_one_thread_results(shape, dim, log, poison):
     one, many = on_cpu_threads(1, run), on_cpu_threads(7, run)
     for a, b in zip(one, many):
         assert not b.isnan().any() and torch.equal(a, b)
+
+
+def test_cpu_threads_in_a_forked_child():
+    """A process forked after torch's OpenMP team ran cannot use that team (torch's own next
+    parallel op there hangs): fastkern's kernels run on its own pool in the child, 2 threads, with
+    the parent's results."""
+    x, g = torch.randn(512, 4096) * 3, torch.randn(512, 4096)
+
+    def run():
+        y, _ = torch.ops.fastkern.softmax.default(x, -1, 1.0, False, False)
+        return torch.ops.fastkern.softmax_backward.default(g, y, None, -1, 1.0, False, False)
+    want = on_cpu_threads(2, run).numpy().tobytes()
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: no torch op that could take the team, numpy to compare
+        try:
+            torch.set_num_threads(2)
+            os.write(write, b"1" if run().numpy().tobytes() == want else b"0")
+        finally:
+            os._exit(0)
+    os.close(write)
+    for _ in range(600):  # up to 60 s
+        done, _ = os.waitpid(pid, os.WNOHANG)
+        if done:
+            break
+        time.sleep(0.1)
+    else:
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+        pytest.fail("the forked child did not finish in 60 s")
+    assert os.read(read, 1) == b"1"
+    os.close(read)
 
 
 

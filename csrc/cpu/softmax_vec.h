@@ -180,13 +180,17 @@ static inline int needs_scratch(const softmax_job *j) {
         const vd_##isa zd = {0};                                                                    \
         const float fill = is_log ? -INFINITY : 0.0f; /* a tail lane's y: exp(-inf) = 0 */          \
         int64_t n = j->n, len = row_valid(j, row), at = row * n;                                    \
-        float *keep = !is_log ? NULL : dt == FK_FLOAT32 ? (float *)j->out + at : scratch; /* exp y */ \
+        const void *y = j->in, *dy = j->dy; /* through j, each store reloaded them (D-109) */       \
+        void *out = j->out;                                                                         \
+        float *keep = !is_log ? NULL : dt == FK_FLOAT32 ? (float *)out + at : scratch; /* exp y */  \
         double z = 1.0, a = 0.0;                                                                    \
-        if (dt == FK_FLOAT32) {                                                                     \
+        if (dt == FK_FLOAT32 && !is_log) {                                                          \
+            sum_dot_f64_##isa((const float *)y + at, (const float *)dy + at, len, &z, &a);          \
+        } else if (dt == FK_FLOAT32) {                                                              \
             vd_##isa z_lo = zd, z_hi = zd, a_lo = zd, a_hi = zd;                                    \
             for (int64_t i = 0; i < len; i += lanes) {                                              \
-                vf_##isa e = xs_##isa(dt, j->in, at + i, len - i, 1.0f, fill);                      \
-                vf_##isa g = xs_##isa(dt, j->dy, at + i, len - i, 1.0f, 0.0f);                      \
+                vf_##isa e = xs_##isa(dt, y, at + i, len - i, 1.0f, fill);                          \
+                vf_##isa g = xs_##isa(dt, dy, at + i, len - i, 1.0f, 0.0f);                         \
                 if (is_log) {                                                                       \
                     e = exp_##isa(e);                                                               \
                     put_##isa(FK_FLOAT32, e, keep, i, len - i);                                     \
@@ -202,8 +206,8 @@ static inline int needs_scratch(const softmax_job *j) {
                 int64_t end = len - j0 < FK_CHUNK ? len : j0 + FK_CHUNK;                            \
                 vf_##isa acc = zero;                                                                \
                 for (int64_t i = j0; i < end; i += lanes) {                                         \
-                    vf_##isa e = xs_##isa(dt, j->in, at + i, len - i, 1.0f, fill);                  \
-                    vf_##isa g = xs_##isa(dt, j->dy, at + i, len - i, 1.0f, 0.0f);                  \
+                    vf_##isa e = xs_##isa(dt, y, at + i, len - i, 1.0f, fill);                      \
+                    vf_##isa g = xs_##isa(dt, dy, at + i, len - i, 1.0f, 0.0f);                     \
                     if (is_log) put_##isa(FK_FLOAT32, exp_##isa(e), keep, i, len - i);              \
                     acc += is_log ? g : g * e;                                                      \
                 }                                                                                   \
@@ -214,7 +218,7 @@ static inline int needs_scratch(const softmax_job *j) {
             for (int64_t i = len; i < n; i += FK_CHUNK) {                                           \
                 float gb[FK_CHUNK];                                                                 \
                 int64_t c = n - i < FK_CHUNK ? n - i : FK_CHUNK;                                    \
-                fk_load_f32(dt, j->dy, at + i, c, gb);                                              \
+                fk_load_f32(dt, dy, at + i, c, gb);                                                 \
                 for (int64_t k = 0; k < c; k++) a += gb[k];                                         \
             }                                                                                       \
         /* softmax: dx = k y (dy - c), k = scale / z; log: dx = scale (dy - e c); c = a / z */      \
@@ -222,13 +226,13 @@ static inline int needs_scratch(const softmax_job *j) {
         const float scale = (float)j->scale, k = (float)kd, c_hi = (float)c, c_lo = (float)(c - c_hi); \
         for (int64_t i = 0; i < len; i += lanes) {                                                  \
             vf_##isa e = keep ? xs_##isa(FK_FLOAT32, keep, i, len - i, 1.0f, 0.0f)                  \
-                              : xs_##isa(dt, j->in, at + i, len - i, 1.0f, 0.0f);                   \
-            vf_##isa g = xs_##isa(dt, j->dy, at + i, len - i, 1.0f, 0.0f), d;                       \
+                              : xs_##isa(dt, y, at + i, len - i, 1.0f, 0.0f);                       \
+            vf_##isa g = xs_##isa(dt, dy, at + i, len - i, 1.0f, 0.0f), d;                          \
             if (is_log) d = scale * (g - e * c_hi); /* an FMA: with e normalised, rounding c suffices */ \
             else d = k * e * ((g - c_hi) - c_lo);                                                 \
-            put_##isa(dt, d, j->out, at + i, len - i);                                              \
+            put_##isa(dt, d, out, at + i, len - i);                                                 \
         }                                                                                           \
-        fill_keys(dt, j->out, at + len, n - len, 0.0f); /* masked keys: no gradient */              \
+        fill_keys(dt, out, at + len, n - len, 0.0f); /* masked keys: no gradient */                 \
     }                                                                                               \
     FK_SPECIALIZE(attrs, softmax_bwd_rows_##isa, bwd_rows_##isa)                                   \
                                                                                                     \
