@@ -1,7 +1,7 @@
 /* fk_parallel_for: the CPU kernels' one way to use several cores: the process's OpenMP team where
  * torch has loaded libgomp, else a persistent pool of our own.
  *
- * OpenMP (D-110): torch's CPU ops run on libgomp's team, whose threads poll for ~4-8 ms after each
+ * OpenMP (D-111): torch's CPU ops run on libgomp's team, whose threads poll for ~4-8 ms after each
  * op. On 2 cores a worker of ours then fought one of them for a CPU, and a call after any torch op
  * ran at one thread's speed; on the team they are hot instead. libgomp is found at run time
  * (dlopen with RTLD_NOLOAD): nothing is linked. FASTKERN_CPU_POOL=own keeps our pool, and so does a
@@ -11,7 +11,7 @@
  * POSIX thread started per call cost ~10-50 us and a page-faulted stack). After a job a worker polls
  * for the next one for FK_POLL_NS, then sleeps on a condition variable; the caller polls for the
  * job's end as long. An idle vCPU here takes ~20 us to wake: once for the worker, once more for the
- * caller at the end, ~45 us of each 2-thread call before (D-107).
+ * caller at the end, ~45 us of each 2-thread call before (D-108).
  * Pool size: FASTKERN_CPU_THREADS when set, else the cores this process may run on
  * (sched_getaffinity), at most FK_MAX_THREADS. A call uses min(threads, pool size) threads
  * (threads = torch.get_num_threads() from Python; FASTKERN_CPU_THREADS, when set, replaces it), the
@@ -41,7 +41,7 @@
 #include "common.h"
 
 #define FK_MAX_THREADS 256 /* below 2^kShareBits */
-#define FK_POLL_NS 200000  /* how long a worker polls for the next job, the caller for the end (D-107) */
+#define FK_POLL_NS 200000  /* how long a worker polls for the next job, the caller for the end (D-108) */
 
 enum { kShareBits = 16 }; /* a claim: job << kShareBits | the next unclaimed share */
 

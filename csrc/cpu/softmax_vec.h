@@ -180,7 +180,7 @@ static inline int needs_scratch(const softmax_job *j) {
         const vd_##isa zd = {0};                                                                    \
         const float fill = is_log ? -INFINITY : 0.0f; /* a tail lane's y: exp(-inf) = 0 */          \
         int64_t n = j->n, len = row_valid(j, row), at = row * n;                                    \
-        const void *y = j->in, *dy = j->dy; /* through j, each store reloaded them (D-109) */       \
+        const void *y = j->in, *dy = j->dy; /* through j, each store reloaded them (D-110) */       \
         void *out = j->out;                                                                         \
         float *keep = !is_log ? NULL : dt == FK_FLOAT32 ? (float *)out + at : scratch; /* exp y */  \
         double z = 1.0, a = 0.0;                                                                    \

@@ -11,7 +11,7 @@
  *                              kept quiet; fp16 by vcvtps2ph)
  *   vany_isa(mask)             is any lane of a compare's mask set
  *   sum_dot_f64_isa(e, g, len, &z, &a)  z = sum e[i], a = sum e[i] g[i] over fp32 arrays, in fp64
- *                              (the products exact); AVX-512 takes AVX2's 256-bit loop (D-108)
+ *                              (the products exact); AVX-512 takes AVX2's 256-bit loop (D-109)
  *   exp_isa(x)                 Cephes expf: n = round(x log2 e), r = x - n ln 2 (two-part ln 2),
  *                              exp(r) by a degree-6 polynomial, times 2^n from the exponent bits.
  *                              ~1 ulp on [-87.3, 88]; below -87.3 0 (the true value is under
@@ -254,7 +254,7 @@ static FK_INLINE FK_ATTRS_AVX2 vf_avx2 narrow_avx2(vd_avx2 lo, vd_avx2 hi) {
 }
 static FK_INLINE FK_ATTRS_AVX2 int vany_avx2(vi_avx2 m) { return _mm256_movemask_ps((__m256)m) != 0; }
 /* 4 floats to 4 doubles straight from memory (vcvtps2pd ymm, m128), 4 sums each: Zen 4 widens at
- * ~0.10 ns an element so, 0.16 through zmm registers (8 at a time, half of them extracted; D-108). */
+ * ~0.10 ns an element so, 0.16 through zmm registers (8 at a time, half of them extracted; D-109). */
 static inline FK_ATTRS_AVX2 void sum_dot_f64_avx2(const float *e, const float *g, int64_t len, double *z, double *a) {
     __m256d zs[4], as[4];
     for (int k = 0; k < 4; k++) zs[k] = as[k] = _mm256_setzero_pd();
