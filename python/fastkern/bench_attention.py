@@ -10,6 +10,7 @@ Cases yield (name, bytes, make_inputs, impls, extra) for bench.run; extra holds 
 the fastkern strategy that ran, and on the CPU fewer timing samples (calls take 10-500 ms).
 """
 import os
+from unittest import mock
 
 import torch
 import torch.nn.functional as F
@@ -70,15 +71,8 @@ def _forced_sm80(call):
     """`call` (forward, or forward + backward) with FASTKERN_ATTENTION_FORCE_GENERAL=1: fastkern's
     sm_80 kernels on a Hopper GPU (the issue's "sm_80 kernel forced on Hopper" row)."""
     def run(*args):
-        saved = os.environ.get("FASTKERN_ATTENTION_FORCE_GENERAL")
-        os.environ["FASTKERN_ATTENTION_FORCE_GENERAL"] = "1"
-        try:
+        with mock.patch.dict(os.environ, {"FASTKERN_ATTENTION_FORCE_GENERAL": "1"}):
             return call(*args)
-        finally:
-            if saved is None:
-                del os.environ["FASTKERN_ATTENTION_FORCE_GENERAL"]
-            else:
-                os.environ["FASTKERN_ATTENTION_FORCE_GENERAL"] = saved
     return run
 
 
@@ -95,7 +89,8 @@ def _case(device, b, sq, sk, h, hkv, d, causal, backward, dtype, math=False):
         fns["math"] = _torch_sdpa(SDPBackend.MATH, hkv != h)
     impls = {name: _direction(fn, causal, backward) for name, fn in fns.items()}
     probe = make_inputs()
-    if device.type == "cuda" and "sm90" in attention_ops._plan(*probe[:3], causal=causal, backward=backward):
+    strategy = attention_ops._plan(*probe[:3], causal=causal, backward=backward) if device.type == "cuda" else None
+    if strategy and "sm90" in strategy:
         impls["fastkern_sm80"] = _forced_sm80(impls["fastkern"])
     for name in list(impls):
         try:
@@ -109,9 +104,7 @@ def _case(device, b, sq, sk, h, hkv, d, causal, backward, dtype, math=False):
     if device.type == "cpu":  # calls of 10-500 ms: a few eager samples of one call each
         extra.update(repeats=3, calls=1)
     else:  # graph replays of 10 calls of 0.1-10 ms: 7 samples (the sweep's 60 cases x 7 peers in ~15 min)
-        extra.update(repeats=7)
-    if device.type == "cuda":
-        extra["strategy"] = attention_ops._plan(*probe[:3], causal=causal, backward=backward)
+        extra.update(repeats=7, strategy=strategy)
     nbytes = (2 * b * sq * h + 2 * b * sk * hkv) * d * probe[0].element_size() * (2 if backward else 1)
     tag = "fwd+bwd" if backward else "fwd"
     mask = "causal" if causal else "full"
@@ -122,8 +115,8 @@ def _case(device, b, sq, sk, h, hkv, d, causal, backward, dtype, math=False):
 def attention_cases(device, quick=False):
     """Yields the attention cases: on a GPU the issue's sweep (bf16, 16k tokens, hidden 2048, D 64 /
     128, causal and not, fwd and fwd+bwd, with MATH and peak memory at S 8k fwd+bwd; --quick: S 1k
-    and 4k), GQA (B 4, S 4k, H 32, Hkv 8, D 128) and decoding (B 8, Sq 1, Sk 8k / 32k, H 32, Hkv 8, D 128); on the CPU the issue's
-    (1, 1024, 8, 64) fp32 target, bf16 and a decoding step."""
+    and 4k), GQA (B 4, S 4k, H 32, Hkv 8, D 128) and decoding (B 8, Sq 1, Sk 8k / 32k, H 32, Hkv 8,
+    D 128); on the CPU the issue's (1, 1024, 8, 64) fp32 target, bf16 and a decoding step."""
     if device.type == "cpu":
         for dtype in (torch.float32, torch.bfloat16):
             for causal in (False, True):

@@ -33,8 +33,8 @@
 //
 // Workspace: forward split: splits x batch x heads x sq x (1 + d) fp32 (partial lse, then outputs);
 // backward: batch x heads x sq fp32 (rowsum(dO * O)); bwd_wgmma_sm90: batch x heads x sq rounded up
-// to its query tile (bwd_wgmma_block_m) x (2 + d) fp32 (lse log2 e, rowsum(dO * O), the dQ accumulators). varlen sizes use the
-// maximum lengths.
+// to its query tile (bwd_wgmma_block_m) x (2 + d) fp32 (lse log2 e, rowsum(dO * O), the dQ
+// accumulators). varlen sizes use the maximum lengths.
 #include <algorithm>
 #include <cmath>
 #include <cstring>

@@ -53,6 +53,7 @@ template <int D, bool kSplit = false> struct FwdCfg {
     // Q, then kStages slots of (K, V): 128 x 128 + 4 x 64 x 128 16-bit = 96 KB at D 128; split
     // 64 x 128 + 6 x 32 x 128 = 64 KB.
     static constexpr int kSmemBytes = 2 * (QTile::kElems + 2 * kStages * KVTile::kElems);
+    static_assert(!kSplit || split_slots(D) * kSmemBytes <= 227 * 1024, "split_slots CTAs fit an SM");
 };
 
 constexpr float kLn2 = 0.693147180559945309f;
