@@ -3,8 +3,8 @@
 Times several builds of fastkern._C (each an .so, optionally with environment variables set while
 it runs) against each other and against torch.compile in one process, on the same inputs, in
 alternating rounds, so that a difference of a point or two is not the GPU's drift between two runs.
-Cases come from a `fastkern.bench` suite (--suite softmax, gelu or attention; selected by name with --only);
-every implementation is timed as
+Cases come from a `fastkern.bench` suite (--suite softmax, gelu or attention; selected by name with --only),
+or --suite matmul (bf16 GEMMs and linear + bias + GELU, against cuBLAS); every implementation is timed as
 the benchmark times it (CUDA graph replays, inputs rotated past L2). With --margin it also reports,
 for each build, fastkern's worst error over fresh fp32 / bf16 draws as a fraction of the tests'
 "2x torch's error" bound (1.0 = at the bound).
@@ -68,11 +68,34 @@ class Build:
                 os.environ[k] = v
 
 
+def matmul_cases(device, quick=False):
+    """bench_matmul's bf16 shapes, and linear + bias + GELU at the short-K training shapes; the peer
+    is cuBLAS (torch.matmul; F.linear then F.gelu)."""
+    from fastkern import bench_matmul
+    bf16 = dict(device=device, dtype=torch.bfloat16)
+    for m, n, k in ([(s, s, s) for s in bench_matmul.SQUARE] + list(bench_matmul.TRAINING) + [(1793,) * 3]):
+        make = lambda m=m, n=n, k=k: (torch.randn(m, k, **bf16), torch.randn(k, n, **bf16))
+        yield (f"bf16 ({m},{n},{k})", 2 * (m * k + k * n), make,
+               {"fastkern": fastkern.matmul, "compile": torch.matmul}, {"flops": 2 * m * n * k})
+    for m, n, k in ((8192, 3072, 768), (16384, 8192, 1280)):
+        make = lambda m=m, n=n, k=k: (torch.randn(m, k, **bf16), torch.randn(n, k, **bf16) * k ** -0.5,
+                                      torch.randn(n, **bf16))
+        yield (f"linear+gelu bf16 ({m},{n},{k})", 2 * (m * k + k * n), make,
+               {"fastkern": lambda x, w, b: fastkern.linear(x, w, b, activation="gelu_tanh"),
+                "compile": lambda x, w, b: torch.nn.functional.gelu(torch.nn.functional.linear(x, w, b),
+                                                                    approximate="tanh")},
+               {"flops": 2 * m * n * k})
+
+
+SUITES = dict(bench.SUITES, matmul=matmul_cases)
+
+
 def time_cases(builds, suite, only, rounds):
+    """Per case, each build's times and the peer's ("compile": torch.compile, or cuBLAS for matmul)."""
     device = torch.device("cuda")
     results = []
-    for case in bench.SUITES[suite](device):
-        name, nbytes, make_inputs, impls = case[:4]  # (attention cases add an extra dict)
+    for case in SUITES[suite](device):
+        name, nbytes, make_inputs, impls = case[:4]  # (attention and matmul cases add an extra dict)
         if only and not any(o in name for o in only):
             continue
         with builds[0]:
@@ -80,7 +103,7 @@ def time_cases(builds, suite, only, rounds):
         times = {b.name: [] for b in builds}
         if "compile" in impls:  # the GELU erf backward has no torch.compile peer
             times["compile"] = []
-        for r in range(rounds):  # torch.compile takes its turn in the order, which reverses each round
+        for r in range(rounds):  # the peer takes its turn in the order, which reverses each round
             order = [None, *builds] if r % 2 == 0 else [*builds[::-1], None]
             for b in order:
                 if b is None:
@@ -90,7 +113,8 @@ def time_cases(builds, suite, only, rounds):
                 with b:
                     times[b.name].append(bench.time_ms(impls["fastkern"], sets, device)[0])
         del sets
-        results.append({"case": name, "bytes": nbytes, "ms": times})
+        flops = case[4].get("flops") if len(case) > 4 else None
+        results.append({"case": name, "bytes": nbytes, "ms": times, **({"flops": flops} if flops else {})})
     return results
 
 
@@ -127,7 +151,7 @@ def margins(builds, draws):
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("builds", nargs="+", help="NAME=PATH_TO_SO[:VAR=VALUE,...]")
-    parser.add_argument("--suite", choices=sorted(bench.SUITES), default="softmax")
+    parser.add_argument("--suite", choices=sorted(SUITES), default="softmax")
     parser.add_argument("--only", nargs="*", default=None, help="case-name substrings (any matches)")
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--margin", type=int, default=0, help="draws per shape for the error margin")
@@ -159,9 +183,13 @@ def main():
     for name, worst in report.get("margin", {}).items():
         print(f"margin {name:10s} " + "  ".join(f"{k} {v[0]:.3f}{v[1]}" for k, v in sorted(worst.items())))
     names = [b.name for b in builds]
-    print(f"{'case':34s} {'compile':>14s} " + " ".join(f"{n:>20s}" for n in names))
+    unit = "TFLOP/s" if args.suite in ("matmul", "attention") else "% of copy"
+    print(f"{'case':34s} {'peer (' + unit + ')':>14s} " + " ".join(f"{n:>20s}" for n in names))
     for c in report.get("cases", []):
-        pct = lambda ms: 100 * c["bytes"] / ms / 1e6 / copy
+        if "flops" in c:  # TFLOP/s where the case counts FLOPs (matmul, attention), else % of copy
+            pct = lambda ms: c["flops"] / ms / 1e9
+        else:
+            pct = lambda ms: 100 * c["bytes"] / ms / 1e6 / copy
         comp = c["ms"].get("compile")
         cells = []
         for n in names:

@@ -107,17 +107,30 @@ __device__ __forceinline__ void load_tile(T *smem, const T *g, int64_t stride, i
 
 // ---- epilogue -----------------------------------------------------------------------------------
 
-// act(v) for the FK_ACT_* code; 16-bit outputs take GELU's fast form, fp32 the accurate one.
-template <typename T> __device__ __forceinline__ float activate(float v, int activation) {
+// act(v) for the FK_ACT_* code kAct; 16-bit outputs take GELU's fast form, fp32 the accurate one.
+template <int kAct, typename T> __device__ __forceinline__ float activate(float v) {
     constexpr bool kFast = !std::is_same_v<T, float>;
-    if (activation == FK_ACT_GELU) return gelu<0, kFast>(v);
-    if (activation == FK_ACT_GELU_TANH) return gelu<1, kFast>(v);
+    if constexpr (kAct == FK_ACT_GELU) return gelu<0, kFast>(v);
+    if constexpr (kAct == FK_ACT_GELU_TANH) return gelu<1, kFast>(v);
     return v;
 }
 
+// Runs f(std::integral_constant<int, FK_ACT_*>) for the run-time code: an epilogue is compiled once
+// per activation as straight-line code. A per-element switch made the Hopper kernel's epilogue
+// ~3700 instructions of branches that stalled on instruction fetch even with no activation (D-112).
+template <typename F> __device__ __forceinline__ void with_activation(int activation, F &&f) {
+    if (activation == FK_ACT_GELU) {
+        f(std::integral_constant<int, FK_ACT_GELU>{});
+    } else if (activation == FK_ACT_GELU_TANH) {
+        f(std::integral_constant<int, FK_ACT_GELU_TANH>{});
+    } else {
+        f(std::integral_constant<int, FK_ACT_NONE>{});
+    }
+}
+
 // Writes the accumulators v0, v1 of row `row`, columns col and col + 1 (col + 1 may lie past n):
-// bias added, pre-activation stored when asked, activation applied, stored in T.
-template <typename T>
+// bias added, pre-activation stored when asked, activation kAct applied, stored in T.
+template <int kAct, typename T>
 __device__ __forceinline__ void store_pair(const Params &p, T *c, T *pre, const T *bias, int64_t row,
                                            int64_t col, float v0, float v1) {
     if (row >= p.m || col >= p.n) return;
@@ -140,8 +153,8 @@ __device__ __forceinline__ void store_pair(const Params &p, T *c, T *pre, const 
             if (two) pre[at + 1] = from_f32<T>(v1);
         }
     }
-    v0 = activate<T>(v0, p.activation);
-    v1 = activate<T>(v1, p.activation);
+    v0 = activate<kAct, T>(v0);
+    v1 = activate<kAct, T>(v1);
     if (two && p.pair_stores) {
         if constexpr (std::is_same_v<T, float>) {
             *reinterpret_cast<float2 *>(c + at) = make_float2(v0, v1);

@@ -121,15 +121,17 @@ __global__ void __launch_bounds__(Cfg::kThreads) matmul_mma_sm80(Params p) {
         T *c = static_cast<T *>(p.c) + batch * p.c_batch;
         T *pre = p.pre ? static_cast<T *>(p.pre) + batch * p.c_batch : nullptr;
         const T *bias = static_cast<const T *>(p.bias);
+        with_activation(p.activation, [&](auto act) {
 #pragma unroll
-        for (int mt = 0; mt < Cfg::kMTiles; mt++)
+            for (int mt = 0; mt < Cfg::kMTiles; mt++)
 #pragma unroll
-            for (int nt = 0; nt < Cfg::kNTiles; nt++) {
-                const int64_t row = m0 + wm0 + mt * 16 + (lane >> 2);
-                const int64_t col = n0 + wn0 + nt * 8 + 2 * (lane & 3);
-                store_pair<T>(p, c, pre, bias, row, col, acc[mt][nt][0], acc[mt][nt][1]);
-                store_pair<T>(p, c, pre, bias, row + 8, col, acc[mt][nt][2], acc[mt][nt][3]);
-            }
+                for (int nt = 0; nt < Cfg::kNTiles; nt++) {
+                    const int64_t row = m0 + wm0 + mt * 16 + (lane >> 2);
+                    const int64_t col = n0 + wn0 + nt * 8 + 2 * (lane & 3);
+                    store_pair<act.value, T>(p, c, pre, bias, row, col, acc[mt][nt][0], acc[mt][nt][1]);
+                    store_pair<act.value, T>(p, c, pre, bias, row + 8, col, acc[mt][nt][2], acc[mt][nt][3]);
+                }
+        });
     }
 }
 

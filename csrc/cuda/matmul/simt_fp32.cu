@@ -118,16 +118,18 @@ __global__ void __launch_bounds__(kThreads, 2) matmul_simt_fp32(Params p) {
         float *c = static_cast<float *>(p.c) + batch * p.c_batch;
         float *pre = p.pre ? static_cast<float *>(p.pre) + batch * p.c_batch : nullptr;
         const float *bias = static_cast<const float *>(p.bias);
+        with_activation(p.activation, [&](auto act) {
 #pragma unroll
-        for (int i = 0; i < 8; i++) {
-            const int64_t row = m0 + (i < 4 ? tm * 4 + i : 64 + tm * 4 + i - 4);
+            for (int i = 0; i < 8; i++) {
+                const int64_t row = m0 + (i < 4 ? tm * 4 + i : 64 + tm * 4 + i - 4);
 #pragma unroll
-            for (int j = 0; j < 8; j += 2) {
-                const int64_t col = n0 + (j < 4 ? tn * 4 + j : 64 + tn * 4 + j - 4);
-                store_pair<float>(p, c, pre, bias, row, col, totals[(8 * i + j) * kThreads + tid],
-                                  totals[(8 * i + j + 1) * kThreads + tid]);
+                for (int j = 0; j < 8; j += 2) {
+                    const int64_t col = n0 + (j < 4 ? tn * 4 + j : 64 + tn * 4 + j - 4);
+                    store_pair<act.value, float>(p, c, pre, bias, row, col, totals[(8 * i + j) * kThreads + tid],
+                                                 totals[(8 * i + j + 1) * kThreads + tid]);
+                }
             }
-        }
+        });
     }
 }
 

@@ -101,7 +101,7 @@ __device__ __forceinline__ void producer(Smem<T> &s, const CUtensorMap *map_a, c
 // stores the boxes by TMA
 // (clipped at the matrix edges) and the warpgroup moves on while the copy drains. The
 // pre-activation, when asked, goes first through the same buffer.
-template <typename T>
+template <int kAct, typename T>
 __device__ __forceinline__ void epilogue_tma(Smem<T> &s, const CUtensorMap *map_c, const CUtensorMap *map_pre,
                                              const Params &p, const float (&acc)[kBN / 2], const Work &w, int c,
                                              int t) {
@@ -125,7 +125,7 @@ __device__ __forceinline__ void epilogue_tma(Smem<T> &s, const CUtensorMap *map_
 #pragma unroll
             for (int h = 0; h < 2; h++) {
                 float v0 = acc[4 * j + 2 * h] + b0, v1 = acc[4 * j + 2 * h + 1] + b1;
-                if (pass == 1) v0 = activate<T>(v0, p.activation), v1 = activate<T>(v1, p.activation);
+                if (pass == 1) v0 = activate<kAct, T>(v0), v1 = activate<kAct, T>(v1);
                 constexpr int kBox = kBK<T>, kCh = kChunk<T>;  // a box row: 128 bytes of C
                 const int r = row0 + 8 * h, cc = col % kBox;
                 const int at = (col / kBox) * 64 * kBox + r * kBox + (((cc / kCh) ^ (r % 8)) * kCh) + cc % kCh;
@@ -191,7 +191,8 @@ __device__ __forceinline__ void consumer(Smem<T> &s, const CUtensorMap *map_c, c
             for (int i = 0; i < kBN / 2; i++) acc[i] = 0.0f;
         }
         if (p.tma_store) {
-            epilogue_tma<T>(s, map_c, map_pre, p, acc, w, c, t);
+            with_activation(p.activation,
+                            [&](auto act) { epilogue_tma<act.value, T>(s, map_c, map_pre, p, acc, w, c, t); });
             continue;
         }
         // Accumulator layout of m64nN: warp w of the group holds rows 16w + lane / 4 (+ 8), n8 block
@@ -199,12 +200,15 @@ __device__ __forceinline__ void consumer(Smem<T> &s, const CUtensorMap *map_c, c
         T *cp = static_cast<T *>(p.c) + w.batch * p.c_batch;
         T *pre = p.pre ? static_cast<T *>(p.pre) + w.batch * p.c_batch : nullptr;
         const int64_t row = w.m0 + c * 64 + (t / 32) * 16 + (t % 32) / 4;
+        with_activation(p.activation, [&](auto act) {
+            const T *bias = static_cast<const T *>(p.bias);
 #pragma unroll
-        for (int j = 0; j < kBN / 8; j++) {
-            const int64_t col = w.n0 + 8 * j + 2 * (t % 4);
-            store_pair<T>(p, cp, pre, static_cast<const T *>(p.bias), row, col, acc[4 * j], acc[4 * j + 1]);
-            store_pair<T>(p, cp, pre, static_cast<const T *>(p.bias), row + 8, col, acc[4 * j + 2], acc[4 * j + 3]);
-        }
+            for (int j = 0; j < kBN / 8; j++) {
+                const int64_t col = w.n0 + 8 * j + 2 * (t % 4);
+                store_pair<act.value, T>(p, cp, pre, bias, row, col, acc[4 * j], acc[4 * j + 1]);
+                store_pair<act.value, T>(p, cp, pre, bias, row + 8, col, acc[4 * j + 2], acc[4 * j + 3]);
+            }
+        });
     }
     if (p.tma_store && t == 0) bulk_wait_group<0>();  // the last stores finish before the CTA exits
 }
