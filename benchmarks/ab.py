@@ -87,6 +87,24 @@ def matmul_cases(device, quick=False):
                {"flops": 2 * m * n * k})
 
 
+    make = lambda: (torch.randn(8192, 768, **bf16), torch.randn(50257, 768, **bf16) * 768 ** -0.5)
+    yield ("linear lm-head bf16 (8192,50257,768)", 2 * (8192 + 50257) * 768, make,  # C rows not 16-byte aligned
+           {"fastkern": fastkern.linear, "compile": torch.nn.functional.linear}, {"flops": 2 * 8192 * 50257 * 768})
+    for tf32 in (True, False):  # fp32 4096^3 under TF32 and exact, torch's flag set around each call
+        def flagged(fn, tf32=tf32):
+            def run(a, b):
+                previous = torch.backends.cuda.matmul.allow_tf32
+                torch.backends.cuda.matmul.allow_tf32 = tf32
+                try:
+                    return fn(a, b)
+                finally:
+                    torch.backends.cuda.matmul.allow_tf32 = previous
+            return run
+        make = lambda: (torch.randn(4096, 4096, device=device), torch.randn(4096, 4096, device=device))
+        yield (f"fp32 {'tf32' if tf32 else 'exact'} (4096,4096,4096)", 2 * 4 * 4096 ** 2, make,
+               {"fastkern": flagged(fastkern.matmul), "compile": flagged(torch.matmul)}, {"flops": 2 * 4096 ** 3})
+
+
 SUITES = dict(bench.SUITES, matmul=matmul_cases)
 
 

@@ -95,24 +95,33 @@ __device__ __forceinline__ void producer(Smem<T> &s, const CUtensorMap *map_a, c
     }
 }
 
-// Each consumer writes its 64 x 128 tile (bias added, GELU applied, in T) into its staging buffer
-// in the TMA's 128-byte-swizzled box layout, boxes of 64 rows x 128 bytes (a 16-byte chunk of row r
-// sits at chunk ^ (r % 8), so the 8 rows a warp writes at once fall in different banks); one thread
-// stores the boxes by TMA
-// (clipped at the matrix edges) and the warpgroup moves on while the copy drains. The
-// pre-activation, when asked, goes first through the same buffer.
+// Element (r, col) of a consumer's 64 x 128 staging tile, in the TMA's 128-byte-swizzled box layout:
+// boxes of 64 rows x 128 bytes, the 16-byte chunk of row r at chunk ^ (r % 8), so the 8 rows a warp
+// writes at once fall in different banks.
+template <typename T> __device__ __forceinline__ int staged_at(int r, int col) {
+    constexpr int kBox = kBK<T>, kCh = kChunk<T>;  // a box row: 128 bytes of C
+    const int cc = col % kBox;
+    return (col / kBox) * 64 * kBox + r * kBox + (((cc / kCh) ^ (r % 8)) * kCh) + cc % kCh;
+}
+
+// Each consumer writes its 64 x 128 tile (bias added, GELU applied, in T) into its staging buffer,
+// then stores it: by TMA (one thread; clipped at the matrix edges; the warpgroup moves on while the
+// copy drains), or, where C's rows are not 16-byte aligned (n = 1793), by the whole warpgroup, a
+// row at a time, consecutive threads on consecutive columns (coalesced 2-byte stores; stores of
+// accumulator pairs from registers touched 8 rows an instruction: 1793^3 ran 1.7x slower, D-113).
+// The pre-activation, when asked, goes first through the same buffer.
 template <int kAct, typename T>
-__device__ __forceinline__ void epilogue_tma(Smem<T> &s, const CUtensorMap *map_c, const CUtensorMap *map_pre,
-                                             const Params &p, const float (&acc)[kBN / 2], const Work &w, int c,
-                                             int t) {
+__device__ __forceinline__ void epilogue(Smem<T> &s, const CUtensorMap *map_c, const CUtensorMap *map_pre,
+                                         const Params &p, const float (&acc)[kBN / 2], const Work &w, int c,
+                                         int t) {
     T *out = s.out[c];
     const T *bias = static_cast<const T *>(p.bias);
     const int row0 = (t / 32) * 16 + (t % 32) / 4;
 #pragma unroll
     for (int pass = 0; pass < 2; pass++) {  // 0: the pre-activation (when asked), 1: C
         if (pass == 0 && !p.pre) continue;
-        if (t == 0) bulk_wait_group_read<0>();  // the buffer's previous store has read it
-        named_barrier_sync(kConsumer0 + c, 128);
+        if (p.tma_store && t == 0) bulk_wait_group_read<0>();  // the buffer's previous store has read it
+        named_barrier_sync(kConsumer0 + c, 128);  // (element stores: every thread has read it)
 #pragma unroll
         for (int j = 0; j < kBN / 8; j++) {
             const int col = 8 * j + 2 * (t % 4);
@@ -126,9 +135,7 @@ __device__ __forceinline__ void epilogue_tma(Smem<T> &s, const CUtensorMap *map_
             for (int h = 0; h < 2; h++) {
                 float v0 = acc[4 * j + 2 * h] + b0, v1 = acc[4 * j + 2 * h + 1] + b1;
                 if (pass == 1) v0 = activate<kAct, T>(v0), v1 = activate<kAct, T>(v1);
-                constexpr int kBox = kBK<T>, kCh = kChunk<T>;  // a box row: 128 bytes of C
-                const int r = row0 + 8 * h, cc = col % kBox;
-                const int at = (col / kBox) * 64 * kBox + r * kBox + (((cc / kCh) ^ (r % 8)) * kCh) + cc % kCh;
+                const int at = staged_at<T>(row0 + 8 * h, col);
                 if constexpr (std::is_same_v<T, float>) {
                     *reinterpret_cast<float2 *>(out + at) = make_float2(v0, v1);
                 } else {
@@ -137,14 +144,25 @@ __device__ __forceinline__ void epilogue_tma(Smem<T> &s, const CUtensorMap *map_
                 }
             }
         }
-        fence_proxy_async_shared();
-        named_barrier_sync(kConsumer0 + c, 128);
-        if (t == 0) {
+        if (p.tma_store) {
+            fence_proxy_async_shared();
+            named_barrier_sync(kConsumer0 + c, 128);
+            if (t == 0) {
 #pragma unroll
-            for (int box = 0; box < kBN / kBK<T>; box++)
-                tma_store_3d(pass == 0 ? map_pre : map_c, out + box * 64 * kBK<T>, (int)w.n0 + box * kBK<T>,
-                             (int)w.m0 + c * 64, (int)w.batch);
-            bulk_commit_group();
+                for (int box = 0; box < kBN / kBK<T>; box++)
+                    tma_store_3d(pass == 0 ? map_pre : map_c, out + box * 64 * kBK<T>, (int)w.n0 + box * kBK<T>,
+                                 (int)w.m0 + c * 64, (int)w.batch);
+                bulk_commit_group();
+            }
+            continue;
+        }
+        named_barrier_sync(kConsumer0 + c, 128);
+        T *dst = static_cast<T *>(pass == 0 ? p.pre : p.c) + w.batch * p.c_batch;
+        const int64_t col = w.n0 + t, row_end = p.m - (w.m0 + c * 64);
+        if (col < p.n) {
+#pragma unroll 8
+            for (int r = 0; r < 64 && r < row_end; r++)
+                dst[(w.m0 + c * 64 + r) * p.c_row + col] = out[staged_at<T>(r, t)];
         }
     }
 }
@@ -190,25 +208,8 @@ __device__ __forceinline__ void consumer(Smem<T> &s, const CUtensorMap *map_c, c
 #pragma unroll
             for (int i = 0; i < kBN / 2; i++) acc[i] = 0.0f;
         }
-        if (p.tma_store) {
-            with_activation(p.activation,
-                            [&](auto act) { epilogue_tma<act.value, T>(s, map_c, map_pre, p, acc, w, c, t); });
-            continue;
-        }
-        // Accumulator layout of m64nN: warp w of the group holds rows 16w + lane / 4 (+ 8), n8 block
-        // j columns 8j + 2 (lane % 4) (+ 1): acc[4j .. 4j + 3].
-        T *cp = static_cast<T *>(p.c) + w.batch * p.c_batch;
-        T *pre = p.pre ? static_cast<T *>(p.pre) + w.batch * p.c_batch : nullptr;
-        const int64_t row = w.m0 + c * 64 + (t / 32) * 16 + (t % 32) / 4;
-        with_activation(p.activation, [&](auto act) {
-            const T *bias = static_cast<const T *>(p.bias);
-#pragma unroll
-            for (int j = 0; j < kBN / 8; j++) {
-                const int64_t col = w.n0 + 8 * j + 2 * (t % 4);
-                store_pair<act.value, T>(p, cp, pre, bias, row, col, acc[4 * j], acc[4 * j + 1]);
-                store_pair<act.value, T>(p, cp, pre, bias, row + 8, col, acc[4 * j + 2], acc[4 * j + 3]);
-            }
-        });
+        with_activation(p.activation,
+                        [&](auto act) { epilogue<act.value, T>(s, map_c, map_pre, p, acc, w, c, t); });
     }
     if (p.tma_store && t == 0) bulk_wait_group<0>();  // the last stores finish before the CTA exits
 }
@@ -254,6 +255,8 @@ CUtensorMapDataType map_type(fk_dtype dtype, MapUse use) {
 
 // A 3-d map (inner, outer, batch) in boxes of 128 bytes (64 16-bit / 32 fp32 elements) x box_outer,
 // 128-byte swizzle; a batch stride of 0 (a broadcast operand) is one batch, always read at batch 0.
+// L2 promotion of 256 bytes, or 128 where rows are not 256-byte aligned: 1800^3 (rows of 3600
+// bytes) took 61 us with 256, 36 with 128 (24 with rows padded to 3712; D-113).
 bool encode(CUtensorMap *map, fk_dtype dtype, MapUse use, const void *base, int64_t inner, int64_t outer,
             int64_t stride, int64_t batch, int64_t batch_stride, int box_outer) {
     auto fn = tensor_map_encoder();
@@ -264,7 +267,8 @@ bool encode(CUtensorMap *map, fk_dtype dtype, MapUse use, const void *base, int6
                                    (cuuint64_t)((batch_stride ? batch_stride : stride * outer) * elem)};
     const cuuint32_t box[3] = {(cuuint32_t)(128 / elem), (cuuint32_t)box_outer, 1}, elem_strides[3] = {1, 1, 1};
     return fn(map, map_type(dtype, use), 3, const_cast<void *>(base), dims, strides, box, elem_strides,
-              CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+              CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+              (stride * elem) % 256 ? CU_TENSOR_MAP_L2_PROMOTION_L2_128B : CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
               CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
 }
 
