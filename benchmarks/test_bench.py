@@ -92,3 +92,22 @@ def test_markdown_of_a_fresh_run(monkeypatch, capsys):
     bench.main(["gelu", "--markdown"])
     rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| gelu")]
     assert len(rows) == 4
+
+
+@pytest.mark.parametrize("path", sorted((Path(__file__).parent / "results").glob("matmul-*.json")),
+                         ids=lambda p: p.name)
+def test_matmul_markdown_of_a_saved_run(path, capsys):
+    """bench_matmul --markdown FILE.json prints the README's matmul table: a row per case with the
+    JSON's TFLOP/s and ratios, and the sweep's summary line."""
+    from fastkern import bench_matmul
+    report = json.loads(path.read_text())
+    assert bench_matmul.main(["--markdown", str(path)]) is None  # timed nothing
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert lines[0].startswith(report["device"]) and path.name in lines[0]
+    rows = [line for line in lines if line.startswith("| ") and not line.startswith("| case")]
+    assert len(rows) == len(report["cases"])
+    for row, case in zip(rows, report["cases"]):
+        cells = [cell.strip() for cell in row.strip("|").split("|")]
+        assert cells[0] == case["case"] and cells[1] == f"{case['tflops']['fastkern']:.1f}"
+        assert cells[3] == f"{case['speedup_vs']['torch']:.3f}x"
+    assert lines[-1].startswith("sweep 1536..2304") == ("sweep" in report)

@@ -66,6 +66,11 @@ template <int kN> struct RingStage {
     __device__ __forceinline__ void next() {
         if (++slot == kN) slot = 0, phase ^= 1;
     }
+    __device__ __forceinline__ void skip(int n) {  // n stages taken by someone else
+        const int to = slot + n;
+        phase ^= (uint32_t)(to / kN) & 1u;
+        slot = to % kN;
+    }
 };
 
 // ---- TMA ---------------------------------------------------------------------------------------

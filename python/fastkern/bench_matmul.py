@@ -1,4 +1,5 @@
-"""`python -m fastkern.bench_matmul [--out FILE.json] [--sweep FILE.png] [--quick] [--device cpu]`:
+"""`python -m fastkern.bench_matmul [--out FILE.json] [--sweep FILE.png] [--quick] [--device cpu]
+[--markdown FILE.json]`:
 fastkern.matmul against cuBLAS (torch.matmul), torch eager and torch.compile, in one process.
 
 Each case reports fastkern's TFLOP/s, the peer's, their ratio (peer time / ours: > 1 means fastkern
@@ -195,13 +196,32 @@ def format_table(report):
     return "\n".join(lines)
 
 
+def markdown(report, source=""):
+    """The report as the README's markdown table (TFLOP/s; ratio = peer time / fastkern's)."""
+    lines = [f"{report['device']}, torch {report['torch']}" + (f" (`{source}`)" if source else "") + ":", "",
+             "| case | fastkern TFLOP/s | torch TFLOP/s | x torch | x torch.compile | kernel |",
+             "|---|---|---|---|---|---|"]
+    for r in report["cases"]:
+        comp = r["speedup_vs"].get("compile")
+        lines.append(f"| {r['case']} | {r['tflops']['fastkern']:.1f} | {r['tflops']['torch']:.1f} | "
+                     f"{r['speedup_vs']['torch']:.3f}x | {'-' if comp is None else f'{comp:.3f}x'} | {r['strategy']} |")
+    if "sweep" in report:
+        lines += ["", format_table({**report, "cases": []}).splitlines()[-1]]
+    return "\n".join(lines)
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(prog="python -m fastkern.bench_matmul", description=__doc__.splitlines()[0])
     parser.add_argument("--out", help="write the JSON report here")
     parser.add_argument("--sweep", metavar="FILE.png", help="also time the 1536..2304 sweep and plot it here")
     parser.add_argument("--device", help="cuda or cpu (default: cuda when available)")
     parser.add_argument("--quick", action="store_true", help="smaller sizes, for a smoke run")
+    parser.add_argument("--markdown", metavar="FILE.json", help="print a saved report as a markdown table")
     args = parser.parse_args(argv)
+    if args.markdown:
+        with open(args.markdown) as f:
+            print(markdown(json.load(f), args.markdown))
+        return None
     device = torch.device(args.device or ("cuda" if fastkern.cuda_available() and torch.cuda.is_available() else "cpu"))
     report = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
               "torch": torch.__version__, "fastkern": fastkern.__version__,

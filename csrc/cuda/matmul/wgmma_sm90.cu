@@ -1,26 +1,32 @@
 // matmul_wgmma_sm90: the Hopper GEMM for bf16 / fp16, and fp32 under TF32 (sm_90a). dispatch.cu rows
 // "16-bit, sm_90, TMA-describable operands" and "fp32, TF32 allowed, sm_90, K-major operands".
 //
-// Napkin math: 4096^3 is 137 GFLOP: 0.18 ms at the H200's measured ~775 TFLOP/s (cuBLAS). A 128 x
-// 128 CTA tile moves (128 + 128) x 64 x 2 = 32 KB of operands a k-step for 2 x 128^2 x 64 = 2.1
-// MFLOP (64 FLOPs a byte); 6 stages (192 KB) keep ~6 k-steps of TMA latency in flight.
-// Measured (H200, D-80): 4096^3 716 TFLOP/s (0.91x cuBLAS), 8192^3 643 (0.95x). Short K is worst
-// ((8192, 3072, 768) 0.49x): a per-tile latency that ping-pong consumers did not hide (D-80).
+// Napkin math: 4096^3 is 137 GFLOP: 0.2 ms at the H200's measured ~650-700 TFLOP/s (cuBLAS,
+// CUDA-graph timing). A 128 x 128 CTA tile moves (128 + 128) x 64 x 2 = 32 KB of operands a k-step
+// for 2 x 128^2 x 64 = 2.1 MFLOP (64 FLOPs a byte); 5-6 stages keep that many k-steps of TMA
+// latency in flight. Measured (H200, benchmarks/results/matmul-h200-2026-11-27.json): 4096^3 721
+// TFLOP/s (1.10x cuBLAS), 8192^3 0.97x, the six training shapes 0.87-1.00x, 512^3 0.64x.
 //
 // Algorithm (STYLE.md's producer / consumer skeleton): a persistent grid, one CTA an SM, walks the
 // output tiles in grouped order. Warpgroup 0 is the producer: one thread waits for a free stage
 // (empty[slot]), announces its bytes on full[slot] and issues the TMA copies of A's and B's k-tile
 // (128-byte swizzle, zero-filled past the matrix edges, so any M, N, K). Warpgroups 1 and 2 are
-// consumers, each owning 64 rows of the tile: wait full[slot], four wgmma m64n128k16 a stage (K- or
-// M/N-major operands through the descriptors' transpose bits), keep one wgmma group in flight and
-// release the previous stage. The epilogue (bias, pre-activation, GELU) goes through shared memory
-// to TMA stores, or straight from registers where C's rows are not 16-byte aligned.
-// TF32 (fp32 operands): the same kernel in bytes. A 128-byte swizzled row holds 32 fp32 instead of
-// 64 halves, so a stage is still 32 KB (BK = 32) and a wgmma m64n128k8 step still 32 bytes along it;
-// the TMA rounds fp32 to tf32 on load (TFLOAT32 maps, round to nearest like cuBLAS). wgmma takes tf32
-// K-major only: ops/matmul.py copies other operands first (one pass over them). fp32 C needs 64 KB
-// of staging, so the ring has 5 stages. TF32 4096^3: 0.39 ms at cuBLAS's ~350 TFLOP/s (H200);
-// measured 0.88x of it in `linear` form on the H100 (D-95).
+// consumers, in one of two arrangements (launch() picks, D-114):
+//   ping-pong (16-bit, two tiles or more a CTA, TMA-stored C): each consumer owns whole tiles, the
+//     CTA's tiles alternating between them; their mainloops take turns (named barriers kOrder0 + c),
+//     so one consumer's epilogue runs under the other's mainloop. Eight wgmma m64n128k16 a stage.
+//   cooperative: each consumer owns 64 rows of every tile, four wgmma m64n128k16 a stage.
+// A consumer waits full[slot], issues its wgmmas (K- or M/N-major operands through the descriptors'
+// transpose bits), keeps one wgmma group in flight and releases the previous stage. The epilogue
+// (bias, pre-activation, GELU; compiled once per activation, D-112) writes 64-row blocks into
+// swizzled shared staging, stored by TMA, or, where C's rows are not 16-byte aligned, by coalesced
+// element stores (D-113).
+// TF32 (fp32 operands): the same kernel in bytes, cooperative. A 128-byte swizzled row holds 32 fp32
+// instead of 64 halves, so a stage is still 32 KB (BK = 32) and a wgmma m64n128k8 step still 32
+// bytes along it; the TMA rounds fp32 to tf32 on load (TFLOAT32 maps, round to nearest like cuBLAS).
+// wgmma takes tf32 K-major only: ops/matmul.py copies other operands first (one pass over them).
+// fp32 C needs 64 KB of staging, so the ring has 5 stages. TF32 4096^3: 0.39 ms at cuBLAS's ~350
+// TFLOP/s (H200); measured 0.78x of it (x @ w, w copied K-major each call).
 #include "../hopper.cuh"
 #include "matmul.cuh"
 #include "wgmma_ops.cuh"
@@ -31,6 +37,10 @@ namespace {
 
 constexpr int kBM = 128, kBN = 128;
 constexpr int kConsumers = 2, kThreads = 128 * (1 + kConsumers);
+// kPP (ping-pong, 16-bit only): each consumer owns whole tiles (two 64-row blocks), the two taking
+// turns, so one's epilogue runs under the other's mainloop. Else cooperative: each consumer owns 64
+// rows of every tile (TF32: fp32 staging for two whole tiles would leave 3 stages). launch() picks.
+template <bool kPP> constexpr int kRowBlocks = kPP ? 2 : 1;  // 64-row blocks a consumer owns
 constexpr int kRegsProducer = 40, kRegsConsumer = 232;
 static_assert(registers_fit(kConsumers, kRegsProducer, kRegsConsumer), "register pool");
 constexpr int kBoxBytes = 64 * 64 * 2;                // one 64 x 64 TMA box of 16-bit elements (8 KB)
@@ -39,20 +49,24 @@ constexpr int kBoxBytes = 64 * 64 * 2;                // one 64 x 64 TMA box of 
 template <typename T> constexpr int kBK = 128 / (int)sizeof(T);
 template <typename T> constexpr int kStepK = 32 / (int)sizeof(T);
 template <typename T> constexpr int kChunk = 16 / (int)sizeof(T);
-template <typename T> constexpr int kStages = sizeof(T) == 4 ? 5 : 6;  // fp32 staging is 64 KB, not 32
+// Staging: 16 KB per 64-row block of 16-bit C (64 KB ping-pong, 32 KB cooperative), 32 KB of fp32.
+template <typename T, bool kPP> constexpr int kStages = kPP || sizeof(T) == 4 ? 5 : 6;
 constexpr int kStageBytes = (kBM + kBN) * 128;        // 32 KB for every T
 
-// Named barriers: 0 is __syncthreads; consumer warpgroup c syncs its 128 threads on kConsumer0 + c.
-enum NamedBarrier { kConsumer0 = 1 };
+// Named barriers: 0 is __syncthreads; consumer warpgroup c syncs its 128 threads on kConsumer0 + c;
+// ping-pong consumer c may start a mainloop once the other has arrived on kOrder0 + c.
+enum NamedBarrier { kConsumer0 = 1, kOrder0 = 3 };
 
-template <typename T> struct Smem {
-    alignas(1024) T a[kStages<T>][kBM * kBK<T>];
-    alignas(1024) T b[kStages<T>][kBN * kBK<T>];
-    alignas(1024) T out[kConsumers][64 * kBN];  // a consumer's 64 x 128 as swizzled 64 x kBK boxes
-    uint64_t full[kStages<T>], empty[kStages<T>];
+template <typename T, bool kPP> struct Smem {
+    static constexpr int kStages = ::fk::mm::kStages<T, kPP>;
+    alignas(1024) T a[kStages][kBM * kBK<T>];
+    alignas(1024) T b[kStages][kBN * kBK<T>];
+    alignas(1024) T out[kConsumers * kRowBlocks<kPP>][64 * kBN];  // a 64 x 128 block as swizzled 64 x kBK boxes
+    uint64_t full[kStages], empty[kStages];
 };
-template <typename T> constexpr int kSmemBytes = sizeof(Smem<T>) + 1024;  // + room to align the base
-static_assert(kSmemBytes<__half> <= 227 * 1024 && kSmemBytes<float> <= 227 * 1024,
+template <typename T, bool kPP> constexpr int kSmemBytes = sizeof(Smem<T, kPP>) + 1024;  // + room to align
+static_assert(kSmemBytes<__half, true> <= 227 * 1024 && kSmemBytes<__half, false> <= 227 * 1024 &&
+                  kSmemBytes<float, false> <= 227 * 1024,
               "the operand ring and staging fit Hopper's shared memory");
 
 // Tile `tile` of the persistent walk: its batch, then grouped (tm, tn).
@@ -65,10 +79,10 @@ __device__ __forceinline__ Work work_of(int64_t tile, int tiles_m, int tiles_n) 
     return {tile / per_batch, (int64_t)t.tm * kBM, (int64_t)t.tn * kBN};
 }
 
-template <typename T, bool kAKMajor, bool kBKMajor>
-__device__ __forceinline__ void producer(Smem<T> &s, const CUtensorMap *map_a, const CUtensorMap *map_b,
+template <typename T, bool kPP, bool kAKMajor, bool kBKMajor>
+__device__ __forceinline__ void producer(Smem<T, kPP> &s, const CUtensorMap *map_a, const CUtensorMap *map_b,
                                          const Params &p, int tiles_m, int tiles_n, int k_tiles) {
-    RingStage<kStages<T>> st;
+    RingStage<kStages<T, kPP>> st;
     const int64_t total = (int64_t)tiles_m * tiles_n * p.batch;
     for (int64_t tile = blockIdx.x; tile < total; tile += gridDim.x) {
         const Work w = work_of(tile, tiles_m, tiles_n);
@@ -110,11 +124,11 @@ template <typename T> __device__ __forceinline__ int staged_at(int r, int col) {
 // row at a time, consecutive threads on consecutive columns (coalesced 2-byte stores; stores of
 // accumulator pairs from registers touched 8 rows an instruction: 1793^3 ran 1.7x slower, D-113).
 // The pre-activation, when asked, goes first through the same buffer.
+// Row block rb (64 rows from w.m0 + 64 rb) through staging buffer `out`, by consumer c.
 template <int kAct, typename T>
-__device__ __forceinline__ void epilogue(Smem<T> &s, const CUtensorMap *map_c, const CUtensorMap *map_pre,
-                                         const Params &p, const float (&acc)[kBN / 2], const Work &w, int c,
-                                         int t) {
-    T *out = s.out[c];
+__device__ __forceinline__ void epilogue(T *out, const CUtensorMap *map_c, const CUtensorMap *map_pre,
+                                         const Params &p, const float (&acc)[kBN / 2], const Work &w, int rb,
+                                         int c, int t) {
     const T *bias = static_cast<const T *>(p.bias);
     const int row0 = (t / 32) * 16 + (t % 32) / 4;
 #pragma unroll
@@ -151,49 +165,63 @@ __device__ __forceinline__ void epilogue(Smem<T> &s, const CUtensorMap *map_c, c
 #pragma unroll
                 for (int box = 0; box < kBN / kBK<T>; box++)
                     tma_store_3d(pass == 0 ? map_pre : map_c, out + box * 64 * kBK<T>, (int)w.n0 + box * kBK<T>,
-                                 (int)w.m0 + c * 64, (int)w.batch);
+                                 (int)w.m0 + rb * 64, (int)w.batch);
                 bulk_commit_group();
             }
             continue;
         }
         named_barrier_sync(kConsumer0 + c, 128);
         T *dst = static_cast<T *>(pass == 0 ? p.pre : p.c) + w.batch * p.c_batch;
-        const int64_t col = w.n0 + t, row_end = p.m - (w.m0 + c * 64);
+        const int64_t col = w.n0 + t, row_end = p.m - (w.m0 + rb * 64);
         if (col < p.n) {
 #pragma unroll 8
             for (int r = 0; r < 64 && r < row_end; r++)
-                dst[(w.m0 + c * 64 + r) * p.c_row + col] = out[staged_at<T>(r, t)];
+                dst[(w.m0 + rb * 64 + r) * p.c_row + col] = out[staged_at<T>(r, t)];
         }
     }
 }
 
-template <typename T, bool kAKMajor, bool kBKMajor>
-__device__ __forceinline__ void consumer(Smem<T> &s, const CUtensorMap *map_c, const CUtensorMap *map_pre,
+template <typename T, bool kPP, bool kAKMajor, bool kBKMajor>
+__device__ __forceinline__ void consumer(Smem<T, kPP> &s, const CUtensorMap *map_c, const CUtensorMap *map_pre,
                                          const Params &p, int tiles_m, int tiles_n, int k_tiles) {
+    constexpr int kRB = kRowBlocks<kPP>;
     const int c = threadIdx.x / 128 - 1, t = threadIdx.x % 128;
-    RingStage<kStages<T>> st;
-    float acc[kBN / 2];
+    RingStage<kStages<T, kPP>> st;
+    float acc[kRB][kBN / 2];
     const int64_t total = (int64_t)tiles_m * tiles_n * p.batch;
-    for (int64_t tile = blockIdx.x; tile < total; tile += gridDim.x) {
+    // Ping-pong: consumer c takes the CTA's tiles c, c + 2, ... and skips the other's ring stages.
+    const int64_t first = blockIdx.x + (kPP ? (int64_t)c * gridDim.x : 0);
+    const int64_t step = (int64_t)gridDim.x * (kPP ? kConsumers : 1);
+    if (kPP && c == 1) st.skip(k_tiles);
+    for (int64_t tile = first; tile < total; tile += step) {
         const Work w = work_of(tile, tiles_m, tiles_n);
+        // Ping-pong: the mainloops take turns. Besides keeping the tensor cores to one consumer, the
+        // turn makes the parity waits sound: the other's stages of every slot have completed before
+        // this consumer waits on the slot again (a wait a whole tile ahead matched an old phase).
+        if (kPP && tile != blockIdx.x) named_barrier_sync(kOrder0 + c, 2 * 128);
         int previous = -1;
-        wgmma_fence_operands(acc);
+#pragma unroll
+        for (int h = 0; h < kRB; h++) wgmma_fence_operands(acc[h]);
         for (int kt = 0; kt < k_tiles; kt++, st.next()) {
             mbar_wait(&s.full[st.slot], st.phase);
             wgmma_fence();
 #pragma unroll
             for (int kk = 0; kk < kBK<T> / kStepK<T>; kk++) {
-                // K-major: 128-byte rows of K, 8-row groups 1024 bytes apart, a k-step = 32 bytes along a row.
-                // M/N-major (16-bit): 64 x 64 boxes (8 KB apart) of 128-byte K rows, k16 = 16 rows = 2048 bytes.
-                const uint64_t da = kAKMajor
-                    ? smem_desc_sw128(s.a[st.slot] + c * 64 * kBK<T> + kk * kStepK<T>, 16, 1024)
-                    : smem_desc_sw128(s.a[st.slot] + c * 64 * 64 + kk * 16 * 64, kBoxBytes, 1024);
-                const uint64_t db = kBKMajor ? smem_desc_sw128(s.b[st.slot] + kk * kStepK<T>, 16, 1024)
-                                             : smem_desc_sw128(s.b[st.slot] + kk * 16 * 64, kBoxBytes, 1024);
-                if constexpr (std::is_same_v<T, float>) {
-                    wgmma_m64n128k8_tf32(acc, da, db, kt > 0 || kk > 0);
-                } else {
-                    wgmma_m64n128k16<T, !kAKMajor, !kBKMajor>(acc, da, db, kt > 0 || kk > 0);
+#pragma unroll
+                for (int h = 0; h < kRB; h++) {
+                    const int rb = kPP ? h : c;  // the 64-row block of A
+                    // K-major: 128-byte rows of K, 8-row groups 1024 bytes apart, a k-step = 32 bytes along a row.
+                    // M/N-major (16-bit): 64 x 64 boxes (8 KB apart) of 128-byte K rows, k16 = 16 rows = 2048 bytes.
+                    const uint64_t da = kAKMajor
+                        ? smem_desc_sw128(s.a[st.slot] + rb * 64 * kBK<T> + kk * kStepK<T>, 16, 1024)
+                        : smem_desc_sw128(s.a[st.slot] + rb * 64 * 64 + kk * 16 * 64, kBoxBytes, 1024);
+                    const uint64_t db = kBKMajor ? smem_desc_sw128(s.b[st.slot] + kk * kStepK<T>, 16, 1024)
+                                                 : smem_desc_sw128(s.b[st.slot] + kk * 16 * 64, kBoxBytes, 1024);
+                    if constexpr (std::is_same_v<T, float>) {
+                        wgmma_m64n128k8_tf32(acc[h], da, db, kt > 0 || kk > 0);
+                    } else {
+                        wgmma_m64n128k16<T, !kAKMajor, !kBKMajor>(acc[h], da, db, kt > 0 || kk > 0);
+                    }
                 }
             }
             wgmma_commit();
@@ -201,29 +229,38 @@ __device__ __forceinline__ void consumer(Smem<T> &s, const CUtensorMap *map_c, c
             if (previous >= 0 && t == 0) mbar_arrive(&s.empty[previous]);
             previous = st.slot;
         }
+        if (kPP) named_barrier_arrive(kOrder0 + (1 - c), 2 * 128);  // its waits are done: the other's turn
         wgmma_wait<0>();
-        wgmma_fence_operands(acc);
+#pragma unroll
+        for (int h = 0; h < kRB; h++) wgmma_fence_operands(acc[h]);
         if (previous >= 0 && t == 0) mbar_arrive(&s.empty[previous]);
         if (k_tiles == 0) {
 #pragma unroll
-            for (int i = 0; i < kBN / 2; i++) acc[i] = 0.0f;
+            for (int h = 0; h < kRB; h++)
+#pragma unroll
+                for (int i = 0; i < kBN / 2; i++) acc[h][i] = 0.0f;
         }
-        with_activation(p.activation,
-                        [&](auto act) { epilogue<act.value, T>(s, map_c, map_pre, p, acc, w, c, t); });
+        with_activation(p.activation, [&](auto act) {
+#pragma unroll
+            for (int h = 0; h < kRB; h++)
+                epilogue<act.value, T>(s.out[c * kRB + h], map_c, map_pre, p, acc[h], w, kPP ? h : c, c, t);
+        });
+        if (kPP) st.skip(k_tiles);  // the other consumer's next tile
     }
     if (p.tma_store && t == 0) bulk_wait_group<0>();  // the last stores finish before the CTA exits
 }
 
-template <typename T, bool kAKMajor, bool kBKMajor>
+template <typename T, bool kPP, bool kAKMajor, bool kBKMajor>
 __global__ void __launch_bounds__(kThreads, 1)
     matmul_wgmma_sm90(const __grid_constant__ CUtensorMap map_a, const __grid_constant__ CUtensorMap map_b,
                       const __grid_constant__ CUtensorMap map_c, const __grid_constant__ CUtensorMap map_pre, Params p) {
-    static_assert(!std::is_same_v<T, float> || (kAKMajor && kBKMajor), "wgmma takes tf32 K-major only");
+    static_assert(!std::is_same_v<T, float> || (kAKMajor && kBKMajor && !kPP), "tf32: K-major, cooperative");
 #if FK_SM90A
     extern __shared__ unsigned char smem_raw[];
-    auto &s = *reinterpret_cast<Smem<T> *>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
+    auto &s = *reinterpret_cast<Smem<T, kPP> *>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
     if (threadIdx.x == 0) {
-        for (int i = 0; i < kStages<T>; i++) mbar_init(&s.full[i], 1), mbar_init(&s.empty[i], kConsumers);
+        for (int i = 0; i < kStages<T, kPP>; i++)  // a stage is released by each consumer reading it
+            mbar_init(&s.full[i], 1), mbar_init(&s.empty[i], kPP ? 1 : kConsumers);
         fence_barrier_init();
         prefetch_tensormap(&map_a);
         prefetch_tensormap(&map_b);
@@ -234,10 +271,10 @@ __global__ void __launch_bounds__(kThreads, 1)
     const int k_tiles = (int)((p.k + kBK<T> - 1) / kBK<T>);
     if (threadIdx.x < 128) {
         setmaxnreg_dec<kRegsProducer>();
-        if (threadIdx.x == 0) producer<T, kAKMajor, kBKMajor>(s, &map_a, &map_b, p, tiles_m, tiles_n, k_tiles);
+        if (threadIdx.x == 0) producer<T, kPP, kAKMajor, kBKMajor>(s, &map_a, &map_b, p, tiles_m, tiles_n, k_tiles);
     } else {
         setmaxnreg_inc<kRegsConsumer>();
-        consumer<T, kAKMajor, kBKMajor>(s, &map_c, &map_pre, p, tiles_m, tiles_n, k_tiles);
+        consumer<T, kPP, kAKMajor, kBKMajor>(s, &map_c, &map_pre, p, tiles_m, tiles_n, k_tiles);
     }
 #endif
 }
@@ -281,20 +318,30 @@ fk_status launch(const Params &p, fk_dtype dtype, int device, cudaStream_t strea
     const bool ok_b = kBKMajor ? encode(&map_b, dtype, kIn, p.b, p.k, p.n, p.b_col, p.batch, p.b_batch, kBN)
                                : encode(&map_b, dtype, kIn, p.b, p.n, p.k, p.b_row, p.batch, p.b_batch, 64);
     if (!ok_a || !ok_b) return fk_fail(FK_ERR_RUNTIME, "matmul: cuTensorMapEncodeTiled failed");
-    // C (and pre) through TMA stores when their rows are 16-byte aligned; else stores from registers.
+    // C (and pre) through TMA stores when their rows are 16-byte aligned; else element stores.
     Params q = p;
     constexpr int kElem = (int)sizeof(T);
     q.tma_store = aligned16(p.c) && (p.pre == nullptr || aligned16(p.pre)) && (p.c_row * kElem) % 16 == 0 &&
                   (p.c_batch * kElem) % 16 == 0 &&
                   encode(&map_c, dtype, kOut, p.c, p.n, p.m, p.c_row, p.batch, p.c_batch, 64) &&
                   (p.pre == nullptr || encode(&map_pre, dtype, kOut, p.pre, p.n, p.m, p.c_row, p.batch, p.c_batch, 64));
-    constexpr auto kernel = matmul_wgmma_sm90<T, kAKMajor, kBKMajor>;
-    cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes<T>);
-    if (e != cudaSuccess) return cuda_status(e, "matmul");
     const int64_t tiles = ((p.m + kBM - 1) / kBM) * ((p.n + kBN - 1) / kBN) * p.batch;
-    const unsigned grid = (unsigned)std::min<int64_t>(tiles, sm_count(device));
-    return Launch(dim3(grid), dim3(kThreads), kSmemBytes<T>, stream, device)("matmul", kernel, map_a, map_b, map_c,
-                                                                          map_pre, q);
+    const int sms = sm_count(device);
+    const unsigned grid = (unsigned)std::min<int64_t>(tiles, sms);
+    auto go = [&](auto kernel, int smem) {
+        cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+        if (e != cudaSuccess) return cuda_status(e, "matmul");
+        return Launch(dim3(grid), dim3(kThreads), smem, stream, device)("matmul", kernel, map_a, map_b, map_c,
+                                                                         map_pre, q);
+    };
+    // Ping-pong where every CTA has two tiles or more and C takes TMA stores. Else cooperative: with
+    // one tile a CTA both consumers work on it (512^3: 0.57x cuBLAS ping-pong, 0.65x cooperative),
+    // and a consumer's 128 rows of element stores outlast the other's mainloop (D-114).
+    if constexpr (sizeof(T) == 2) {
+        if (q.tma_store && tiles >= 2 * (int64_t)sms)
+            return go(matmul_wgmma_sm90<T, true, kAKMajor, kBKMajor>, kSmemBytes<T, true>);
+    }
+    return go(matmul_wgmma_sm90<T, false, kAKMajor, kBKMajor>, kSmemBytes<T, false>);
 }
 
 template <typename T>
@@ -306,7 +353,8 @@ fk_status launch_majors(const Params &p, fk_dtype dtype, bool a_kmajor, bool b_k
 
 }  // namespace
 
-// 2 16-bit dtypes x 4 operand majors + fp32 (tf32) with both operands K-major = 9 instances.
+// 2 16-bit dtypes x 4 operand majors x (ping-pong, cooperative) + fp32 (tf32) with both operands
+// K-major, cooperative = 17 instances.
 fk_status launch_wgmma_sm90(const Plan &, const Params &p, fk_dtype dtype, bool a_kmajor, bool b_kmajor,
                             int device, cudaStream_t stream) {
     if (dtype == FK_FLOAT32) {
