@@ -319,6 +319,33 @@ def test_dispatch_table(dtype, view, forced, strategy, monkeypatch):
     assert_within_torch_error(out, torch_forward(a, b, bias, "gelu_tanh"), ref, strategy())
 
 
+def _hopper_arrangement_shapes():
+    """(m, n, k, arrangement) around wgmma_sm90's choice (launch()): ping-pong consumers when a CTA
+    gets two 128 x 128 tiles or more (tiles >= 2 x SMs) and C's rows are 16-byte aligned, else
+    cooperative. Edge tiles partial, per-CTA tile counts odd and even, k-loops of 1, 2 and 16 steps."""
+    sms = torch.cuda.get_device_properties(0).multi_processor_count if CUDA else 132
+    shapes = []
+    for tiles, k in ((2 * sms - 1, 72), (2 * sms, 40), (2 * sms + 1, 1000), (3 * sms + 5, 128)):
+        tn = next(d for d in (7, 5, 3, 2, 1) if tiles % d == 0)  # tiles = tm x tn
+        m, n = 128 * (tiles // tn) - 5, 128 * tn - 8
+        shapes.append((m, n, k, "ping-pong" if tiles >= 2 * sms else "cooperative"))
+    m, n, k, _ = shapes[2]
+    shapes.append((m, n + 1, k, "cooperative"))  # C's rows unaligned: element stores
+    return shapes
+
+
+@needs_cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("shape", _hopper_arrangement_shapes(), ids=lambda s: "x".join(map(str, s[:3])) + "-" + s[3])
+def test_hopper_consumer_arrangements(dtype, shape, poison):
+    """Both consumer arrangements of wgmma_sm90 on either side of the boundary, with bias, GELU and
+    the pre-activation autograd keeps (the epilogue's two passes), gradients included."""
+    m, n, k, _ = shape
+    a, b, bias = make((m, k), dtype, "cuda"), make((k, n), dtype, "cuda"), make((n,), dtype, "cuda")
+    assert mm_ops._plan(a, b, bias, "gelu_tanh") == ("wgmma_sm90" if _hopper() else "mma_sm80")
+    check(a, b, bias, "gelu_tanh", grads=True)
+
+
 # ---- CUDA, fp32 under TF32 (dispatch.cu's first row) ---------------------------------------------
 
 @pytest.fixture
