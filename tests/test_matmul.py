@@ -335,9 +335,9 @@ def _hopper_arrangement_shapes():
 
 
 @needs_cuda
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("shape", _hopper_arrangement_shapes(), ids=lambda s: "x".join(map(str, s[:3])) + "-" + s[3])
-def test_hopper_consumer_arrangements(dtype, shape, poison):
+def test_cuda_hopper_consumer_arrangements(dtype, shape, poison):
     """Both consumer arrangements of wgmma_sm90 on either side of the boundary, with bias, GELU and
     the pre-activation autograd keeps (the epilogue's two passes), gradients included."""
     m, n, k, _ = shape
