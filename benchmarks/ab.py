@@ -4,7 +4,7 @@ Times several builds of fastkern._C (each an .so, optionally with environment va
 it runs) against each other and against torch.compile in one process, on the same inputs, in
 alternating rounds, so that a difference of a point or two is not the GPU's drift between two runs.
 Cases come from a `fastkern.bench` suite (--suite softmax, gelu or attention; selected by name with --only),
-or --suite matmul (bf16 GEMMs and linear + bias + GELU, against cuBLAS); every implementation is timed as
+or --suite matmul (GEMMs, linear + bias + GELU, fp32 / TF32, against cuBLAS); every implementation is timed as
 the benchmark times it (CUDA graph replays, inputs rotated past L2). With --margin it also reports,
 for each build, fastkern's worst error over fresh fp32 / bf16 draws as a fraction of the tests'
 "2x torch's error" bound (1.0 = at the bound).
@@ -69,8 +69,9 @@ class Build:
 
 
 def matmul_cases(device, quick=False):
-    """bench_matmul's bf16 shapes, and linear + bias + GELU at the short-K training shapes; the peer
-    is cuBLAS (torch.matmul; F.linear then F.gelu)."""
+    """bench_matmul's bf16 shapes, linear + bias + GELU at two short-K training shapes, the LM head's
+    linear (C rows not 16-byte aligned) and fp32 4096^3 under TF32 and exact; the peer is cuBLAS
+    (torch.matmul, F.linear, F.linear then F.gelu)."""
     from fastkern import bench_matmul
     bf16 = dict(device=device, dtype=torch.bfloat16)
     for m, n, k in ([(s, s, s) for s in bench_matmul.SQUARE] + list(bench_matmul.TRAINING) + [(1793,) * 3]):
@@ -85,8 +86,6 @@ def matmul_cases(device, quick=False):
                 "compile": lambda x, w, b: torch.nn.functional.gelu(torch.nn.functional.linear(x, w, b),
                                                                     approximate="tanh")},
                {"flops": 2 * m * n * k})
-
-
     make = lambda: (torch.randn(8192, 768, **bf16), torch.randn(50257, 768, **bf16) * 768 ** -0.5)
     yield ("linear lm-head bf16 (8192,50257,768)", 2 * (8192 + 50257) * 768, make,  # C rows not 16-byte aligned
            {"fastkern": fastkern.linear, "compile": torch.nn.functional.linear}, {"flops": 2 * 8192 * 50257 * 768})
