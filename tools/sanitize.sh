@@ -105,7 +105,9 @@ gpu() {
   # (torch reads any value of PYTORCH_NO_CUDA_MEMORY_CACHING as "off", so it is set for memcheck only)
   local env=()
   [ "$1" = memcheck ] && env=(PYTORCH_NO_CUDA_MEMORY_CACHING=1)
-  env "${env[@]}" "$cs" --tool "$1" --error-exitcode 1 --print-limit 20 \
+  # cuBLAS's Hopper kernels (nvjet_*, torch.matmul's references in the matmul tests) are left out:
+  # racecheck reports their shared-memory protocol, which is not ours to check
+  env "${env[@]}" "$cs" --tool "$1" --error-exitcode 1 --print-limit 20 --kernel-name-exclude kns=nvjet \
     "$PY" -m pytest -q -p no:cacheprovider "${tests[@]}"
 }
 
