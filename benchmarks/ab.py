@@ -69,9 +69,10 @@ class Build:
 
 
 def matmul_cases(device, quick=False):
-    """bench_matmul's bf16 shapes, linear + bias + GELU at two short-K training shapes, the LM head's
-    linear (C rows not 16-byte aligned) and fp32 4096^3 under TF32 and exact; the peer is cuBLAS
-    (torch.matmul, F.linear, F.linear then F.gelu)."""
+    """bench_matmul's bf16 shapes, linear + bias + GELU at two short-K training shapes and with the
+    pre-activation written (FusedMLP's first linear), FusedMLP forward + backward against the eager
+    nn.Sequential, the LM head's linear (C rows not 16-byte aligned) and fp32 4096^3 under TF32 and
+    exact; the peer is cuBLAS (torch.matmul, F.linear, F.linear then F.gelu)."""
     from fastkern import bench_matmul
     bf16 = dict(device=device, dtype=torch.bfloat16)
     for m, n, k in ([(s, s, s) for s in bench_matmul.SQUARE] + list(bench_matmul.TRAINING) + [(1793,) * 3]):
@@ -86,6 +87,27 @@ def matmul_cases(device, quick=False):
                 "compile": lambda x, w, b: torch.nn.functional.gelu(torch.nn.functional.linear(x, w, b),
                                                                     approximate="tanh")},
                {"flops": 2 * m * n * k})
+    # the training forward's linear + GELU, which also writes the pre-activation autograd saves
+    from fastkern.ops import matmul as matmul_op
+    m, n, k = 16384, 4096, 1024
+    make = lambda: (torch.randn(m, k, **bf16), torch.randn(n, k, **bf16) * k ** -0.5, torch.randn(n, **bf16))
+    yield (f"linear+gelu+pre bf16 ({m},{n},{k})", 2 * (m * k + k * n), make,
+           {"fastkern": lambda x, w, b: matmul_op._mm(x, w.t(), b, "gelu_tanh")[0],
+            "compile": lambda x, w, b: torch.nn.functional.gelu(torch.nn.functional.linear(x, w, b),
+                                                                approximate="tanh")},
+           {"flops": 2 * m * n * k})
+    # bench_matmul's FusedMLP forward + backward (x (16384, 1024), hidden 4096) against the eager
+    # nn.Sequential: 6 GEMMs of 2 * 16384 * 1024 * 4096 FLOPs
+    ours = fastkern.nn.FusedMLP(1024, 4096, 1024, approximate="tanh").to(device, torch.bfloat16)
+    ref = torch.nn.Sequential(torch.nn.Linear(1024, 4096), torch.nn.GELU(approximate="tanh"),
+                              torch.nn.Linear(4096, 1024)).to(device, torch.bfloat16)
+    ref.load_state_dict(ours.state_dict())
+
+    def step(module):
+        return lambda x, g: torch.autograd.grad(module(x), (x, *module.parameters()), g)
+    make = lambda: (torch.randn(16384, 1024, **bf16, requires_grad=True), torch.randn(16384, 1024, **bf16))
+    yield ("FusedMLP fwd+bwd bf16 (16384,1024,4096)", 2 * 2 * 16384 * 1024, make,
+           {"fastkern": step(ours), "compile": step(ref)}, {"flops": 6 * 2 * 16384 * 1024 * 4096})
     make = lambda: (torch.randn(8192, 768, **bf16), torch.randn(50257, 768, **bf16) * 768 ** -0.5)
     yield ("linear lm-head bf16 (8192,50257,768)", 2 * (8192 + 50257) * 768, make,  # C rows not 16-byte aligned
            {"fastkern": fastkern.linear, "compile": torch.nn.functional.linear}, {"flops": 2 * 8192 * 50257 * 768})

@@ -62,6 +62,7 @@ template <typename T, bool kPP> struct Smem {
     alignas(1024) T a[kStages][kBM * kBK<T>];
     alignas(1024) T b[kStages][kBN * kBK<T>];
     alignas(1024) T out[kConsumers * kRowBlocks<kPP>][64 * kBN];  // a 64 x 128 block as swizzled 64 x kBK boxes
+    alignas(16) T bias[kConsumers][kBN];                             // each consumer's tile of the bias
     uint64_t full[kStages], empty[kStages];
 };
 template <typename T, bool kPP> constexpr int kSmemBytes = sizeof(Smem<T, kPP>) + 1024;  // + room to align
@@ -123,31 +124,44 @@ template <typename T> __device__ __forceinline__ int staged_at(int r, int col) {
 // copy drains), or, where C's rows are not 16-byte aligned (n = 1793), by the whole warpgroup, a
 // row at a time, consecutive threads on consecutive columns (coalesced 2-byte stores; stores of
 // accumulator pairs from registers touched 8 rows an instruction: 1793^3 ran 1.7x slower, D-113).
-// The pre-activation, when asked, goes first through the same buffer.
-// Row block rb (64 rows from w.m0 + 64 rb) through staging buffer `out`, by consumer c.
-template <int kAct, typename T>
-__device__ __forceinline__ void epilogue(T *out, const CUtensorMap *map_c, const CUtensorMap *map_pre,
-                                         const Params &p, const float (&acc)[kBN / 2], const Work &w, int rb,
-                                         int c, int t) {
-    const T *bias = static_cast<const T *>(p.bias);
+// The pre-activation, when asked, goes first. Staging buffers: a ping-pong consumer has two and
+// alternates them, block after block (pre-activation and C of a block when there is a pre-activation,
+// else one block then the other), so a block is written while the previous block's TMA store still
+// reads the other buffer; a cooperative consumer has one, and each block waits for the store before.
+// The bias is loaded once a block, a column a thread, into the consumer's `bias_s`, and added to the
+// accumulators before both passes (per-element global loads, twice with a pre-activation, were where
+// ncu found the epilogue waiting; D-119).
+// Row block rb (64 rows from w.m0 + 64 rb) through `buffers`, consumer c's kBuffers staging buffers.
+template <int kAct, bool kPre, typename T, int kBuffers>
+__device__ __forceinline__ void epilogue(T (*buffers)[64 * kBN], T *bias_s, const CUtensorMap *map_c,
+                                         const CUtensorMap *map_pre, const Params &p, float (&acc)[kBN / 2],
+                                         const Work &w, int rb, int c, int t) {
+    static_assert(kBN == 128, "a bias column a consumer thread");
     const int row0 = (t / 32) * 16 + (t % 32) / 4;
+    if (p.bias) {  // the last reads of the previous block's bias were before its last barrier
+        const int64_t n = w.n0 + t;
+        bias_s[t] = n < p.n ? static_cast<const T *>(p.bias)[n] : from_f32<T>(0.0f);
+        named_barrier_sync(kConsumer0 + c, 128);
+#pragma unroll
+        for (int j = 0; j < kBN / 8; j++) {  // added to the accumulators once, for both passes
+            const int col = 8 * j + 2 * (t % 4);
+            const float b0 = to_f32(bias_s[col]), b1 = to_f32(bias_s[col + 1]);
+#pragma unroll
+            for (int h = 0; h < 2; h++) acc[4 * j + 2 * h] += b0, acc[4 * j + 2 * h + 1] += b1;
+        }
+    }
 #pragma unroll
     for (int pass = 0; pass < 2; pass++) {  // 0: the pre-activation (when asked), 1: C
-        if (pass == 0 && !p.pre) continue;
-        if (p.tma_store && t == 0) bulk_wait_group_read<0>();  // the buffer's previous store has read it
+        if (pass == 0 && !kPre) continue;
+        T *out = buffers[kBuffers == 1 ? 0 : kPre ? pass : rb];
+        if (p.tma_store && t == 0) bulk_wait_group_read<kBuffers - 1>();  // its previous store has read it
         named_barrier_sync(kConsumer0 + c, 128);  // (element stores: every thread has read it)
 #pragma unroll
         for (int j = 0; j < kBN / 8; j++) {
             const int col = 8 * j + 2 * (t % 4);
-            float b0 = 0.0f, b1 = 0.0f;
-            if (bias) {
-                const int64_t n = w.n0 + col;
-                b0 = n < p.n ? to_f32(bias[n]) : 0.0f;
-                b1 = n + 1 < p.n ? to_f32(bias[n + 1]) : 0.0f;
-            }
 #pragma unroll
             for (int h = 0; h < 2; h++) {
-                float v0 = acc[4 * j + 2 * h] + b0, v1 = acc[4 * j + 2 * h + 1] + b1;
+                float v0 = acc[4 * j + 2 * h], v1 = acc[4 * j + 2 * h + 1];
                 if (pass == 1) v0 = activate<kAct, T>(v0), v1 = activate<kAct, T>(v1);
                 const int at = staged_at<T>(row0 + 8 * h, col);
                 if constexpr (std::is_same_v<T, float>) {
@@ -240,10 +254,15 @@ __device__ __forceinline__ void consumer(Smem<T, kPP> &s, const CUtensorMap *map
 #pragma unroll
                 for (int i = 0; i < kBN / 2; i++) acc[h][i] = 0.0f;
         }
+        // compiled per activation and per pre-activation store (the buffers' order depends on it)
         with_activation(p.activation, [&](auto act) {
+            auto run = [&](auto pre) {
 #pragma unroll
-            for (int h = 0; h < kRB; h++)
-                epilogue<act.value, T>(s.out[c * kRB + h], map_c, map_pre, p, acc[h], w, kPP ? h : c, c, t);
+                for (int h = 0; h < kRB; h++)
+                    epilogue<act.value, pre.value, T, kRB>(s.out + c * kRB, s.bias[c], map_c, map_pre, p, acc[h], w,
+                                                           kPP ? h : c, c, t);
+            };
+            if (p.pre) run(std::true_type{}); else run(std::false_type{});
         });
         if (kPP) st.skip(k_tiles);  // the other consumer's next tile
     }
