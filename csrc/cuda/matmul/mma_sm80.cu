@@ -2,40 +2,27 @@
 // any operand major, any alignment. dispatch.cu rows "16-bit, not Hopper" and "forced general".
 //
 // Napkin math: a CTA tile of BM x BN over K does 2 BM BN K FLOPs and loads (BM + BN) K 2-byte
-// elements: 128 x 128 gives 64 FLOPs a loaded byte, ~4x what the H100's SM needs from L2 at
+// elements: 128 x 256 gives 85 FLOPs a loaded byte, ~5x what the H100's SM needs from L2 at
 // mma.sync's rate. mma.sync peaks near 2/3 of wgmma's rate on Hopper (the issue's aim there: >= 0.65x
-// cuBLAS at 4096^3); on an A100 it is the peak path.
+// cuBLAS at 4096^3); on an A100 it is the peak path. Measured: 4096^3 0.51-0.53x cuBLAS (~375
+// TFLOP/s), 2048^3 0.50x, H200 (D-123).
 //
 // Algorithm: a kStages-deep ring of shared-memory stages filled by cp.async (16-byte, zero-filled
 // past the matrix edges) while the tensor cores work on the oldest stage; each warp owns a WM x WN
 // block of C in registers (m16n8k16 fragments from ldmatrix, .trans for the operand whose
-// contiguous dim is not K). Operands whose rows are not 16-byte aligned take element loads through
-// registers into the same ring (kAsync false): correct for any view, slower. Epilogue: bias, the
-// pre-activation store, GELU, the 16-bit store, straight from the accumulators.
+// contiguous dim is not K), the fragments of K step s + 1 loaded while step s's mma run. Each
+// thread's ldmatrix and cp.async addresses are computed once, outside the K loop. Operands whose
+// rows are not 16-byte aligned take element loads through registers into the same ring (kAsync
+// false): correct for any view, slower. Epilogue: bias, the pre-activation store, GELU, the 16-bit
+// store, straight from the accumulators.
 //
-// Tile variants (plan.tile): 0 = 128 x 128 (8 warps, 64 x 32 each), 1 = 64 x 64 (4 warps, 32 x 32)
-// for grids that would not fill the SMs with the large tile.
+// Tile variants (plan.tile): 0 = 128 x 256 (8 warps, 64 x 64 each, 3 stages of 48 KB), aligned
+// operands only; 1 = 64 x 64 (4 warps, 32 x 32) for grids under 7/8 of a wave of large tiles,
+// element loads, and GPUs with less than 144 KB of shared memory a CTA (sm_86 / sm_89).
 #include "matmul.cuh"
 
 namespace fk::mm {
 namespace {
-
-// matmul.cuh's ldmatrix_x4 / ldmatrix_x4_trans and cp_async_16 taking a shared-window address: the
-// loop adds precomputed offsets to a 32-bit stage address instead of converting a generic pointer
-// for each instruction (D-123).
-template <bool kTrans> __device__ __forceinline__ void ldmatrix_x4_shared(uint32_t (&r)[4], uint32_t addr) {
-    if constexpr (kTrans)
-        asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-                     : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-                     : "r"(addr));
-    else
-        asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-                     : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-                     : "r"(addr));
-}
-__device__ __forceinline__ void cp_async_16_shared(uint32_t dst, const void *src, int src_bytes) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes));
-}
 
 template <int BM_, int BN_, int BK_, int WARPS_M_, int WARPS_N_, int STAGES_, int MIN_BLOCKS_> struct TileConfig {
     static constexpr int BM = BM_, BN = BN_, BK = BK_, kWarpsM = WARPS_M_, kWarpsN = WARPS_N_;
@@ -47,8 +34,7 @@ template <int BM_, int BN_, int BK_, int WARPS_M_, int WARPS_N_, int STAGES_, in
 };
 // 8 warps of 64 x 64: 32 mma per 8 ldmatrix.x4 (D-123); 144 KB of stages, one CTA an SM.
 using Large = TileConfig<128, 256, 64, 2, 4, 3, 1>;
-using Small = TileConfig<64, 64, 64, 2, 2, 4, 3>;      // 64 KB, three CTAs an SM
-using SmallElem = TileConfig<64, 64, 64, 2, 2, 4, 2>;  // element loads: more registers in flight
+using Small = TileConfig<64, 64, 64, 2, 2, 4, 2>;  // 64 KB
 
 // The shared-memory tile of A (BM x BK) or B (BN x BK): stored with K contiguous when the operand is
 // K-major, else transposed (K rows, the other dim contiguous).
@@ -98,21 +84,19 @@ template <typename T, int kRows, int kCols, int kThreads, bool kAsync> struct Ti
     __device__ __forceinline__ void load(unsigned char *smem, const T *g, int64_t stride, int rows, int cols) const {
         const T *src = g + r0 * stride + c0;
         const int valid = c0 < cols ? min(8, cols - c0) : 0;
-        const bool interior = rows >= kRows && cols >= kCols;  // no bounds to check
 #pragma unroll
         for (int i = 0; i < kRows / kRowStep; i++) {
-            const T *from = src + i * kRowStep * stride;
             const bool in = r0 + i * kRowStep < rows;
+            unsigned char *dst = smem + dst0 + i * kRowStep * kCols * 2;
             if constexpr (kAsync) {
-                const uint32_t dst = smem_addr(smem) + dst0 + i * kRowStep * kCols * 2;
-                if (interior) cp_async_16_shared(dst, from, 16);
-                else cp_async_16_shared(dst, in && valid ? from : g, in ? 2 * valid : 0);
+                cp_async_16(dst, in && valid ? src : g, in ? 2 * valid : 0);
             } else {
                 Pack<T> v;
 #pragma unroll
-                for (int e = 0; e < 8; e++) v.v[e] = in && e < valid ? from[e] : from_f32<T>(0.0f);
-                store_pack(reinterpret_cast<T *>(smem + dst0 + i * kRowStep * kCols * 2), v);
+                for (int e = 0; e < 8; e++) v.v[e] = in && e < valid ? src[e] : from_f32<T>(0.0f);
+                store_pack(reinterpret_cast<T *>(dst), v);
             }
+            src += kRowStep * stride;
         }
     }
 };
@@ -160,15 +144,17 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks) matmul_mma_sm8
 
         // The fragments of K step s of the stage at shared addresses (sa, sb) -> buffer `buf`.
         uint32_t fa[2][Cfg::kMTiles][4], fb[2][Cfg::kNTiles][2];
-        auto load_frags = [&](int buf, uint32_t sa, uint32_t sb, int s) {
+        auto load_frags = [&](int buf, const unsigned char *sa, const unsigned char *sb, int s) {
 #pragma unroll
             for (int mt = 0; mt < Cfg::kMTiles; mt++) {
-                ldmatrix_x4_shared<!kAKMajor>(fa[buf][mt], sa + frag_a.at(s, mt));
+                if constexpr (kAKMajor) ldmatrix_x4(fa[buf][mt], sa + frag_a.at(s, mt));
+                else ldmatrix_x4_trans(fa[buf][mt], sa + frag_a.at(s, mt));
             }
 #pragma unroll
             for (int np = 0; np < Cfg::kNTiles / 2; np++) {
                 uint32_t q[4];
-                ldmatrix_x4_shared<!kBKMajor>(q, sb + frag_b.at(s, np));
+                if constexpr (kBKMajor) ldmatrix_x4(q, sb + frag_b.at(s, np));
+                else ldmatrix_x4_trans(q, sb + frag_b.at(s, np));
                 fb[buf][2 * np][0] = q[0], fb[buf][2 * np][1] = q[1];
                 fb[buf][2 * np + 1][0] = q[2], fb[buf][2 * np + 1][1] = q[3];
             }
@@ -183,8 +169,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks) matmul_mma_sm8
         cp_async_wait<Cfg::kStages - 2>();
         __syncthreads();
         int read_slot = 0, write_slot = Cfg::kStages - 1;
-        const uint32_t smem_a0 = smem_addr(smem_raw), smem_b0 = smem_a0 + Cfg::kStages * TileA::kElems * 2;
-        uint32_t sa = smem_a0, sb = smem_b0;
+        const unsigned char *sa = smem_raw, *sb = smem_raw + Cfg::kStages * TileA::kElems * 2;
         load_frags(0, sa, sb, 0);
         // Fragments are double-buffered in registers: K step s + 1's ldmatrix (the next stage's
         // first step after the last) are issued before step s's mma (D-123).
@@ -195,8 +180,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks) matmul_mma_sm8
                     cp_async_wait<Cfg::kStages - 2>();
                     __syncthreads();  // stage kt + 1 landed for every thread; stage kt is free again
                     read_slot = read_slot == Cfg::kStages - 1 ? 0 : read_slot + 1;
-                    sa = smem_a0 + read_slot * TileA::kElems * 2;
-                    sb = smem_b0 + read_slot * TileB::kElems * 2;
+                    sa = smem_raw + read_slot * TileA::kElems * 2;
+                    sb = smem_raw + (Cfg::kStages * TileA::kElems + read_slot * TileB::kElems) * 2;
                 }
                 load_frags((s + 1) & 1, sa, sb, (s + 1) % Cfg::kKSteps);
                 if (s == 0) {
@@ -256,7 +241,7 @@ fk_status launch_tile(const Plan &plan, const Params &p, bool a_kmajor, bool b_k
                       cudaStream_t stream) {
     if (plan.tile == 0) return launch_majors<T, Large, true>(p, a_kmajor, b_kmajor, device, stream);
     if (plan.aligned) return launch_majors<T, Small, true>(p, a_kmajor, b_kmajor, device, stream);
-    return launch_majors<T, SmallElem, false>(p, a_kmajor, b_kmajor, device, stream);
+    return launch_majors<T, Small, false>(p, a_kmajor, b_kmajor, device, stream);
 }
 
 }  // namespace
