@@ -284,6 +284,21 @@ def test_general_kernel_matches_default_cuda(dtype, mnk, monkeypatch):
     assert_within_torch_error(general, t_out, ref, f"general ({general_plan})")
 
 
+@needs_cuda
+@pytest.mark.parametrize("majors", list(itertools.product(("row", "col"), repeat=2)), ids="-".join)
+@pytest.mark.parametrize("k", [24, 200], ids=lambda k: f"k{k}")
+def test_general_kernel_large_tile_edges(majors, k, monkeypatch, poison):
+    """mma_sm80's 128 x 256 tile (a grid of >= one tile per SM): partial tiles in M, N and K, K
+    shorter than the stage ring, every operand major, bias and GELU."""
+    monkeypatch.setenv("FASTKERN_MATMUL_FORCE_GENERAL", "1")
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    tm = -(-sms // 9)  # 9 tiles of 256 across N: >= sms tiles
+    a = layout(make((128 * tm - 8, k), torch.bfloat16, "cuda"), majors[0])
+    b = layout(make((k, 256 * 9 - 24), torch.bfloat16, "cuda"), majors[1])
+    assert mm_ops._plan(a, b, None, "gelu") == "mma_sm80"
+    check(a, b, make((b.shape[1],), torch.bfloat16, "cuda"), "gelu", grads=False)
+
+
 def _hopper():
     return CUDA and torch.cuda.get_device_capability() == (9, 0) and "sm_90a" in fastkern.BUILD_INFO["archs"]
 

@@ -8,9 +8,11 @@
 // 16-bit  sm_90    built for sm_90a, not forced       wgmma_sm90    128 x 128, persistent    TMA + wgmma
 //                  general, operands TMA-describable
 //                  (16-byte aligned base and strides)
-// 16-bit  sm_80+   any                                mma_sm80      128 x 128 when its grid  the general kernel:
-//                                                                   fills the SMs, else      any alignment, and
-//                                                                   64 x 64                  FK_MM_FORCE_GENERAL
+// 16-bit  sm_80+   any                                mma_sm80      128 x 256 when aligned,  the general kernel:
+//                                                                   its grid fills 7/8 of    any alignment, and
+//                                                                   the SMs and 144 KB of    FK_MM_FORCE_GENERAL
+//                                                                   shared memory fit, else  (D-123)
+//                                                                   64 x 64
 // any     < sm_80  -                                  (refused: RuntimeError)
 //
 // In every row, operands whose base and non-unit strides are 16-byte multiples take cp.async
@@ -60,7 +62,11 @@ Plan plan_matmul(const fk_matmul_args &x, int device) {
         return plan;
     }
     plan.strategy = Strategy::kMmaSm80;
-    plan.tile = ((x.m + 127) / 128) * ((x.n + 127) / 128) * x.batch >= sm_count(device) ? 0 : 1;
+    // mma_sm80.cu's large tile: 128 x 256, 3 stages of (128 + 256) x 64 x 2 bytes (not on sm_86 / sm_89).
+    const bool large_fits = smem_per_sm(device) >= 3 * 384 * 64 * 2 + smem_reserved_per_cta(device);
+    // 7/8 of a wave of large tiles beats 64 x 64 tiles: 2048^3 (128 tiles, 132 SMs) +43%, H200 (D-123).
+    const bool large_fills = ((x.m + 127) / 128) * ((x.n + 255) / 256) * x.batch * 8 >= sm_count(device) * 7;
+    plan.tile = plan.aligned && large_fits && large_fills ? 0 : 1;
     return plan;
 }
 
