@@ -1,0 +1,236 @@
+// attention_bwd_atomic_mma_sm80: the flash-attention backward on the tensor cores of every GPU
+// from sm_80 (mma.sync m16n8k16, fp32 accumulate), FlashAttention-2's scheme: dQ is added into an
+// fp32 workspace by atomics, so S and dP are computed once (5 products, not bwd_mma_sm80's 7).
+// dispatch.cu row "bwd, d <= 128, not deterministic" (the sm_80 path; Hopper's when forced).
+//
+// Napkin math: 5 products of 2 Sq Sk D FLOPs (S, dP, dV, dK, dQ), counted as 2.5x the forward;
+// B 4, H 16, S 4096, D 128: 344 GFLOP, ~1.1 ms at FlashAttention-2's ~300 TFLOP/s (H200, PERF.md).
+// A step (128 keys x kBM queries, kBM x D = 8192) is 10.5 MFLOP: ~2.3 us at ~4.5 TFLOP/s an SM,
+// against ~290 KB of ldmatrix reads (each warp reads all of Q and dO twice, dS and K once): ~2.2K
+// cycles at 128 B / cycle, so shared-memory bandwidth, not the tensor cores alone, sets the pace.
+// dQ: a 32 KB fp32 reduction a step (red.global.add.v4.f32, 512 contiguous bytes a warp), ~14
+// KB / us an SM into L2, as bwd_wgmma_sm90's bulk reductions.
+// Registers: dK + dV + Sᵀ + dPᵀ fp32 = 64 + 64 + 32 + 32 (D 128, kBM 64) or 32 + 32 + 64 + 64 (D
+// 64, kBM 128) = 192 at the peak, of 255 (256 threads, one CTA an SM).
+// Shared memory: K + V + 2 x (Q + dO) + dSᵀ + 2 x (lse, D) = 64 + 64 + 16 + 1 = 145 KB (D 128),
+// 32 + 64 + 32 + 2 = 130 KB (D 64).
+//
+// Algorithm: attention_bwd_prep (bwd_workspace.cu) writes lse log2 e and D = rowsum(dO O) per
+// row and zeroes the dQ workspace. One CTA per (128 keys, kv head, sequence), 8 warps; warp w owns
+// keys 16 w .. 16 w + 15. K and V are loaded once; for each head of the group (GQA summed in the
+// CTA) and each query tile the mask lets see the keys, Q, dO, lse and D stream through a two-slot
+// cp.async ring. Each warp computes Sᵀ = K Qᵀ, dPᵀ = V dOᵀ, Pᵀ = 2^(Sᵀ scale log2 e - lse log2 e)
+// (masked), dSᵀ = Pᵀ (dPᵀ - D); dV += Pᵀ dO and dK += dSᵀ Q (Pᵀ, dSᵀ are A operands in registers);
+// dSᵀ goes to shared memory, and after a barrier warp w computes dQ = dS K for 16 queries x 64
+// columns (dS by ldmatrix .trans) and adds it to the workspace in accumulator order;
+// attention_bwd_dq_convert writes dq = scale dQ.
+// Why: bwd_mma_sm80's 7 products ran fwd+bwd at 0.51-0.56x FlashAttention-2 (H200, D-117).
+#include "attention.cuh"
+
+namespace fk::attn {
+namespace {
+
+template <int D> struct AtomicCfg {
+    static constexpr int kD = D, kThreads = 256, kWarps = 8, BN = 128;  // 8 warps x 16 keys
+    static constexpr int BM = bwd_atomic_block_m(D);                    // queries a step
+    using KTile = SwizzledTile<BN, D>;
+    using QTile = SwizzledTile<BM, D>;
+    using DsTile = SwizzledTile<BN, BM>;  // dSᵀ: keys x queries
+    // dQ: warp w takes queries 16 (w % kRowGroups) .. + 15 x columns 64 (w / kRowGroups) .. + 63.
+    static constexpr int kRowGroups = BM / 16;
+    static_assert(kRowGroups * (D / 64) == kWarps, "the warps tile dQ");
+    static constexpr int kSmemBytes = 2 * (2 * KTile::kElems + 4 * QTile::kElems + DsTile::kElems) + 4 * 4 * BM;
+};
+
+template <typename T, typename Cfg>
+__global__ void __launch_bounds__(Cfg::kThreads, 1) attention_bwd_atomic_mma_sm80(const Params p, const BwdWork ws) {
+    constexpr int D = Cfg::kD, BM = Cfg::BM, BN = Cfg::BN, kQT = BM / 8, kOT = D / 8, kThreads = Cfg::kThreads;
+    using KTile = typename Cfg::KTile;
+    using QTile = typename Cfg::QTile;
+    using DsTile = typename Cfg::DsTile;
+    extern __shared__ __align__(128) unsigned char smem_raw[];
+    T *sk_tile = reinterpret_cast<T *>(smem_raw);
+    T *sv_tile = sk_tile + KTile::kElems;
+    T *sq_tile = sv_tile + KTile::kElems;           // slot s: sq_tile + s * QTile::kElems
+    T *sdo_tile = sq_tile + 2 * QTile::kElems;
+    T *sds_tile = sdo_tile + 2 * QTile::kElems;
+    float *s_lse = reinterpret_cast<float *>(sds_tile + DsTile::kElems);  // [2][BM], log2 units
+    float *s_dvec = s_lse + 2 * BM;                                        // [2][BM]
+
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const int g = blockIdx.y, b = blockIdx.z, group = (int)(p.heads / p.kv_heads), d = (int)p.d;
+    grid_dependency_sync();
+    const Seq s = seq_of(p, b);
+    const int n0 = blockIdx.x * BN;
+    if (n0 >= s.sk) return;
+
+    const T *k = static_cast<const T *>(p.k) + seq_offset(p, b, s.k0, p.k_batch, p.k_row) + g * p.k_head;
+    const T *v = static_cast<const T *>(p.v) + seq_offset(p, b, s.k0, p.v_batch, p.v_row) + g * p.v_head;
+    load_tile<T, BN, D, kThreads>(sk_tile, k + (int64_t)n0 * p.k_row, p.k_row, s.sk - n0, d, p.async);
+    load_tile<T, BN, D, kThreads>(sv_tile, v + (int64_t)n0 * p.v_row, p.v_row, s.sk - n0, d, p.async);
+
+    // Query tiles [t_lo, t_lo + nq) that see one of these keys, for each of the group's heads.
+    const Range rows = query_range(p, s, n0, min(n0 + BN, s.sk));
+    const int t_lo = rows.lo / BM, nq = rows.hi > rows.lo ? (rows.hi + BM - 1) / BM - t_lo : 0;
+    const int iters = nq * group;
+    auto load_q = [&](int slot, int it) {
+        const int h = g * group + it / nq, m0 = (t_lo + it % nq) * BM;
+        const T *q = static_cast<const T *>(p.q) + seq_offset(p, b, s.q0, p.q_batch, p.q_row) + h * p.q_head;
+        const T *dout = static_cast<const T *>(p.dout) + seq_offset(p, b, s.q0, p.do_batch, p.do_row) + h * p.do_head;
+        load_tile<T, BM, D, kThreads>(sq_tile + slot * QTile::kElems, q + (int64_t)m0 * p.q_row, p.q_row, s.sq - m0,
+                                      d, p.async);
+        load_tile<T, BM, D, kThreads>(sdo_tile + slot * QTile::kElems, dout + (int64_t)m0 * p.do_row, p.do_row,
+                                      s.sq - m0, d, p.async);
+        // lse log2 e and D: padded to the query step in the workspace (16-byte chunks, always there)
+        const int64_t row = ((int64_t)b * p.heads + h) * ws.m_tiles * kBwdRowTile + m0;
+        if (threadIdx.x < BM / 2) {
+            const int c = threadIdx.x % (BM / 4) * 4;
+            const bool lse = threadIdx.x < BM / 4;
+            cp_async_16((lse ? s_lse : s_dvec) + slot * BM + c, (lse ? ws.lse2 : ws.dvec) + row + c, 16);
+        }
+    };
+    if (iters > 0) load_q(0, 0);
+    cp_async_commit();
+
+    const int kw0 = warp * 16;                      // this warp's keys in the tile
+    const int j0 = n0 + kw0 + (lane >> 2);          // the two keys this thread holds: j0, j0 + 8
+    const int dq_m = 16 * (warp % Cfg::kRowGroups), dq_c = 64 * (warp / Cfg::kRowGroups);  // its dQ block
+    float acc_dk[kOT][4] = {}, acc_dv[kOT][4] = {};
+
+    for (int it = 0; it < iters; it++) {
+        const int slot = it & 1;
+        cp_async_wait<0>();
+        __syncthreads();  // slot `slot` (and K, V) landed; the other slot and dSᵀ are free again
+        if (it + 1 < iters) load_q(slot ^ 1, it + 1);
+        cp_async_commit();
+        const T *qs = sq_tile + slot * QTile::kElems, *dos = sdo_tile + slot * QTile::kElems;
+        const float *lse2 = s_lse + slot * BM, *dvec = s_dvec + slot * BM;
+        const int h = g * group + it / nq, m0 = (t_lo + it % nq) * BM;
+
+        // Sᵀ = K Qᵀ and dPᵀ = V dOᵀ for this warp's 16 keys x BM queries.
+        float acc_s[kQT][4] = {}, acc_dp[kQT][4] = {};
+#pragma unroll
+        for (int kk = 0; kk < D / 16; kk++) {
+            uint32_t a_k[4], a_v[4];
+            load_a<KTile>(a_k, sk_tile, kw0, kk * 16, lane);
+            load_a<KTile>(a_v, sv_tile, kw0, kk * 16, lane);
+#pragma unroll
+            for (int np = 0; np < kQT / 2; np++) {
+                uint32_t b0[2], b1[2];
+                load_b_rows_n<QTile>(b0, b1, qs, np * 16, kk * 16, lane);
+                mma_m16n8k16<T>(acc_s[2 * np], a_k, b0);
+                mma_m16n8k16<T>(acc_s[2 * np + 1], a_k, b1);
+                load_b_rows_n<QTile>(b0, b1, dos, np * 16, kk * 16, lane);
+                mma_m16n8k16<T>(acc_dp[2 * np], a_v, b0);
+                mma_m16n8k16<T>(acc_dp[2 * np + 1], a_v, b1);
+            }
+        }
+
+        // Pᵀ (masked) into acc_s, dSᵀ = Pᵀ (dPᵀ - dvec) into acc_dp and, as T, into shared memory.
+        const bool full = tile_visible(p, s, m0, BM, n0 + kw0, 16);
+#pragma unroll
+        for (int qt = 0; qt < kQT; qt++) {
+#pragma unroll
+            for (int e = 0; e < 4; e++) {
+                const int ic = qt * 8 + 2 * (lane & 3) + (e & 1), j = j0 + (e >> 1) * 8;
+                float pv = ex2_ftz(fmaf(acc_s[qt][e], p.scale_log2, -lse2[ic]));
+                if (!full && !visible(p, s, m0 + ic, j)) pv = 0.0f;
+                acc_s[qt][e] = pv;
+                acc_dp[qt][e] = pv * (acc_dp[qt][e] - dvec[ic]);
+            }
+#pragma unroll
+            for (int hr = 0; hr < 2; hr++)
+                *reinterpret_cast<uint32_t *>(sds_tile + DsTile::offset(kw0 + (lane >> 2) + 8 * hr, qt * 8 + 2 * (lane & 3))) =
+                    pack2<T>(acc_dp[qt][2 * hr], acc_dp[qt][2 * hr + 1]);
+        }
+
+        // dV += Pᵀ dO, dK += dSᵀ Q.
+#pragma unroll
+        for (int kk = 0; kk < BM / 16; kk++) {
+            uint32_t a_p[4], a_ds[4];
+            acc_to_a<T>(a_p, acc_s, kk);
+            acc_to_a<T>(a_ds, acc_dp, kk);
+#pragma unroll
+            for (int np = 0; np < kOT / 2; np++) {
+                uint32_t b0[2], b1[2];
+                load_b_rows_k<QTile>(b0, b1, dos, np * 16, kk * 16, lane);
+                mma_m16n8k16<T>(acc_dv[2 * np], a_p, b0);
+                mma_m16n8k16<T>(acc_dv[2 * np + 1], a_p, b1);
+                load_b_rows_k<QTile>(b0, b1, qs, np * 16, kk * 16, lane);
+                mma_m16n8k16<T>(acc_dk[2 * np], a_ds, b0);
+                mma_m16n8k16<T>(acc_dk[2 * np + 1], a_ds, b1);
+            }
+        }
+        __syncthreads();  // dSᵀ complete
+
+        // dQ = dS K for this warp's 16 queries x 64 columns, over the CTA's 128 keys, added to the
+        // workspace tile in accumulator order (one float4 a lane a n8 block: 512 contiguous bytes).
+        if (m0 + dq_m >= s.sq) continue;  // rows past the sequence: nothing to add
+        float acc_dq[8][4] = {};
+#pragma unroll
+        for (int kk = 0; kk < BN / 16; kk++) {
+            uint32_t a[4];
+            load_a_trans<DsTile>(a, sds_tile, dq_m, kk * 16, lane);
+#pragma unroll
+            for (int np = 0; np < 4; np++) {
+                uint32_t b0[2], b1[2];
+                load_b_rows_k<KTile>(b0, b1, sk_tile, dq_c + np * 16, kk * 16, lane);
+                mma_m16n8k16<T>(acc_dq[2 * np], a, b0);
+                mma_m16n8k16<T>(acc_dq[2 * np + 1], a, b1);
+            }
+        }
+        const int r = m0 + dq_m;  // a multiple of 16: rows (r % 64) / 16 of 64-row tile r / 64
+        float *tile = ws.dq + (((int64_t)b * p.heads + h) * ws.m_tiles + r / kBwdRowTile) * kBwdRowTile * D +
+                      dq_c * kBwdRowTile + 4 * (32 * (r % kBwdRowTile / 16) + lane);
+#pragma unroll
+        for (int q = 0; q < 8; q++) red_add_f32x4(tile + q * 512, acc_dq[q]);
+    }
+    cp_async_wait<0>();
+
+    // dk, dv: dense (batch | total, sk, kv_heads, d) rows; dK carries the softmax scale.
+#pragma unroll
+    for (int hr = 0; hr < 2; hr++) {
+        const int j = j0 + hr * 8;
+        if (j >= s.sk) continue;
+        const int64_t at = ((s.k0 + j) * p.kv_heads + g) * p.d;
+        T *dk = static_cast<T *>(p.dk) + at, *dv = static_cast<T *>(p.dv) + at;
+#pragma unroll
+        for (int ot = 0; ot < kOT; ot++) {
+            const int c = ot * 8 + 2 * (lane & 3);
+            if (c >= d) continue;
+            store2<T>(dk + c, acc_dk[ot][2 * hr] * p.scale, acc_dk[ot][2 * hr + 1] * p.scale);
+            store2<T>(dv + c, acc_dv[ot][2 * hr], acc_dv[ot][2 * hr + 1]);
+        }
+    }
+}
+
+template <typename T, int D> fk_status launch(const Params &p, fk_dtype dtype, int device, cudaStream_t stream) {
+    using Cfg = AtomicCfg<D>;
+    const BwdWork ws = bwd_work(p, Cfg::BM);
+    fk_status st = launch_bwd_prep(ws, D, p, dtype, device, stream);
+    if (st != FK_OK) return st;
+    if (p.sk > 0) {
+        constexpr auto kernel = attention_bwd_atomic_mma_sm80<T, Cfg>;
+        cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::kSmemBytes);
+        if (e != cudaSuccess) return cuda_status(e, "attention_bwd");
+        const dim3 grid((unsigned)((p.sk + Cfg::BN - 1) / Cfg::BN), (unsigned)p.kv_heads, (unsigned)p.batch);
+        st = Launch(grid, dim3(Cfg::kThreads), Cfg::kSmemBytes, stream, device)("attention_bwd_atomic", kernel, p, ws);
+        if (st != FK_OK) return st;
+    }
+    return launch_bwd_dq_convert(ws, D, p, dtype, device, stream);
+}
+
+}  // namespace
+
+// Instances: attention_bwd_atomic_mma_sm80 x {__half, __nv_bfloat16} x D {64, 128} = 4 (its prep and
+// dQ conversion: bwd_workspace.cu).
+fk_status launch_bwd_atomic_mma_sm80(const Plan &plan, const Params &p, fk_dtype dtype, int device,
+                                    cudaStream_t stream) {
+    if (dtype == FK_BFLOAT16)
+        return plan.d_bucket == 64 ? launch<__nv_bfloat16, 64>(p, dtype, device, stream)
+                                   : launch<__nv_bfloat16, 128>(p, dtype, device, stream);
+    return plan.d_bucket == 64 ? launch<__half, 64>(p, dtype, device, stream)
+                               : launch<__half, 128>(p, dtype, device, stream);
+}
+
+}  // namespace fk::attn
