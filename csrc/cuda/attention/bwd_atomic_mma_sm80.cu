@@ -31,31 +31,34 @@ namespace fk::attn {
 namespace {
 
 template <int D> struct AtomicCfg {
-    static constexpr int kD = D, kThreads = 256, kWarps = 8, BN = 128;  // 8 warps x 16 keys
-    static constexpr int BM = bwd_atomic_block_m(D);                    // queries a step
+    static constexpr int kD = D, kThreads = 256, BN = 128;
+    static constexpr int BM = bwd_atomic_block_m(D);  // queries a step
+    // Warp tiles (8 warps): Sᵀ / dPᵀ 32 keys x BM / 2 queries (4 x 2 warps); dK / dV 32 keys x D / 2
+    // columns (4 x 2); dQ 32 queries x 32 columns (BM / 32 x D / 32).
+    static constexpr int kSQ = BM / 2, kKD = D / 2;
+    static_assert((BM / 32) * (D / 32) == 8, "the warps tile dQ");
     using KTile = SwizzledTile<BN, D>;
     using QTile = SwizzledTile<BM, D>;
-    using DsTile = SwizzledTile<BN, BM>;  // dSᵀ: keys x queries
-    // dQ: warp w takes queries 16 (w % kRowGroups) .. + 15 x columns 64 (w / kRowGroups) .. + 63.
-    static constexpr int kRowGroups = BM / 16;
-    static_assert(kRowGroups * (D / 64) == kWarps, "the warps tile dQ");
-    static constexpr int kSmemBytes = 2 * (2 * KTile::kElems + 4 * QTile::kElems + DsTile::kElems) + 4 * 4 * BM;
+    using PTile = SwizzledTile<BN, BM>;  // Pᵀ and dSᵀ: keys x queries
+    static constexpr int kSmemBytes = 2 * (2 * KTile::kElems + 4 * QTile::kElems + 2 * PTile::kElems) + 4 * 4 * BM;
 };
 
 template <typename T, typename Cfg>
 __global__ void __launch_bounds__(Cfg::kThreads, 1) attention_bwd_atomic_mma_sm80(const Params p, const BwdWork ws) {
-    constexpr int D = Cfg::kD, BM = Cfg::BM, BN = Cfg::BN, kQT = BM / 8, kOT = D / 8, kThreads = Cfg::kThreads;
+    constexpr int D = Cfg::kD, BM = Cfg::BM, BN = Cfg::BN, kThreads = Cfg::kThreads;
+    constexpr int kSQ = Cfg::kSQ, kKD = Cfg::kKD;
     using KTile = typename Cfg::KTile;
     using QTile = typename Cfg::QTile;
-    using DsTile = typename Cfg::DsTile;
+    using PTile = typename Cfg::PTile;
     extern __shared__ __align__(128) unsigned char smem_raw[];
     T *sk_tile = reinterpret_cast<T *>(smem_raw);
     T *sv_tile = sk_tile + KTile::kElems;
     T *sq_tile = sv_tile + KTile::kElems;           // slot s: sq_tile + s * QTile::kElems
     T *sdo_tile = sq_tile + 2 * QTile::kElems;
-    T *sds_tile = sdo_tile + 2 * QTile::kElems;
-    float *s_lse = reinterpret_cast<float *>(sds_tile + DsTile::kElems);  // [2][BM], log2 units
-    float *s_dvec = s_lse + 2 * BM;                                        // [2][BM]
+    T *sp_tile = sdo_tile + 2 * QTile::kElems;      // Pᵀ
+    T *sds_tile = sp_tile + PTile::kElems;          // dSᵀ
+    float *s_lse = reinterpret_cast<float *>(sds_tile + PTile::kElems);  // [2][BM], log2 units
+    float *s_dvec = s_lse + 2 * BM;                                       // [2][BM]
 
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const int g = blockIdx.y, b = blockIdx.z, group = (int)(p.heads / p.kv_heads), d = (int)p.d;
@@ -92,116 +95,146 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) attention_bwd_atomic_mma_sm8
     if (iters > 0) load_q(0, 0);
     cp_async_commit();
 
-    const int kw0 = warp * 16;                      // this warp's keys in the tile
-    const int j0 = n0 + kw0 + (lane >> 2);          // the two keys this thread holds: j0, j0 + 8
-    const int dq_m = 16 * (warp % Cfg::kRowGroups), dq_c = 64 * (warp / Cfg::kRowGroups);  // its dQ block
-    float acc_dk[kOT][4] = {}, acc_dv[kOT][4] = {};
+    const int kw = 32 * (warp % 4);                 // this warp's keys in the tile (all three products)
+    const int sq0 = kSQ * (warp / 4);               // its queries in Sᵀ / dPᵀ
+    const int kd0 = kKD * (warp / 4);               // its dK / dV columns
+    const int dq_m = 32 * (warp % (BM / 32)), dq_c = 32 * (warp / (BM / 32));  // its dQ block
+    float acc_dk[2][kKD / 8][4] = {}, acc_dv[2][kKD / 8][4] = {};
 
     for (int it = 0; it < iters; it++) {
         const int slot = it & 1;
         cp_async_wait<0>();
-        __syncthreads();  // slot `slot` (and K, V) landed; the other slot and dSᵀ are free again
+        __syncthreads();  // slot `slot` (and K, V) landed; the other slot and Pᵀ / dSᵀ are free again
         if (it + 1 < iters) load_q(slot ^ 1, it + 1);
         cp_async_commit();
         const T *qs = sq_tile + slot * QTile::kElems, *dos = sdo_tile + slot * QTile::kElems;
         const float *lse2 = s_lse + slot * BM, *dvec = s_dvec + slot * BM;
         const int h = g * group + it / nq, m0 = (t_lo + it % nq) * BM;
 
-        // Sᵀ = K Qᵀ and dPᵀ = V dOᵀ for this warp's 16 keys x BM queries.
-        float acc_s[kQT][4] = {}, acc_dp[kQT][4] = {};
+        {   // Sᵀ = K Qᵀ and dPᵀ = V dOᵀ: 32 keys x kSQ queries a warp.
+            float acc_s[2][kSQ / 8][4] = {}, acc_dp[2][kSQ / 8][4] = {};
 #pragma unroll
-        for (int kk = 0; kk < D / 16; kk++) {
-            uint32_t a_k[4], a_v[4];
-            load_a<KTile>(a_k, sk_tile, kw0, kk * 16, lane);
-            load_a<KTile>(a_v, sv_tile, kw0, kk * 16, lane);
+            for (int kk = 0; kk < D / 16; kk++) {
+                uint32_t a_k[2][4], a_v[2][4];
 #pragma unroll
-            for (int np = 0; np < kQT / 2; np++) {
-                uint32_t b0[2], b1[2];
-                load_b_rows_n<QTile>(b0, b1, qs, np * 16, kk * 16, lane);
-                mma_m16n8k16<T>(acc_s[2 * np], a_k, b0);
-                mma_m16n8k16<T>(acc_s[2 * np + 1], a_k, b1);
-                load_b_rows_n<QTile>(b0, b1, dos, np * 16, kk * 16, lane);
-                mma_m16n8k16<T>(acc_dp[2 * np], a_v, b0);
-                mma_m16n8k16<T>(acc_dp[2 * np + 1], a_v, b1);
+                for (int mt = 0; mt < 2; mt++) {
+                    load_a<KTile>(a_k[mt], sk_tile, kw + 16 * mt, kk * 16, lane);
+                    load_a<KTile>(a_v[mt], sv_tile, kw + 16 * mt, kk * 16, lane);
+                }
+#pragma unroll
+                for (int np = 0; np < kSQ / 16; np++) {
+                    uint32_t b0[2], b1[2];
+                    load_b_rows_n<QTile>(b0, b1, qs, sq0 + np * 16, kk * 16, lane);
+#pragma unroll
+                    for (int mt = 0; mt < 2; mt++) {
+                        mma_m16n8k16<T>(acc_s[mt][2 * np], a_k[mt], b0);
+                        mma_m16n8k16<T>(acc_s[mt][2 * np + 1], a_k[mt], b1);
+                    }
+                    load_b_rows_n<QTile>(b0, b1, dos, sq0 + np * 16, kk * 16, lane);
+#pragma unroll
+                    for (int mt = 0; mt < 2; mt++) {
+                        mma_m16n8k16<T>(acc_dp[mt][2 * np], a_v[mt], b0);
+                        mma_m16n8k16<T>(acc_dp[mt][2 * np + 1], a_v[mt], b1);
+                    }
+                }
             }
+            // Pᵀ (masked) and dSᵀ = Pᵀ (dPᵀ - dvec), as T, into shared memory.
+            const bool full = tile_visible(p, s, m0 + sq0, kSQ, n0 + kw, 32);
+#pragma unroll
+            for (int mt = 0; mt < 2; mt++)
+#pragma unroll
+                for (int nt = 0; nt < kSQ / 8; nt++) {
+                    const int ic = sq0 + nt * 8 + 2 * (lane & 3);
+#pragma unroll
+                    for (int hr = 0; hr < 2; hr++) {
+                        const int key = kw + 16 * mt + (lane >> 2) + 8 * hr;
+                        float pv[2], ds[2];
+#pragma unroll
+                        for (int e = 0; e < 2; e++) {
+                            pv[e] = ex2_ftz(fmaf(acc_s[mt][nt][2 * hr + e], p.scale_log2, -lse2[ic + e]));
+                            if (!full && !visible(p, s, m0 + ic + e, n0 + key)) pv[e] = 0.0f;
+                            ds[e] = pv[e] * (acc_dp[mt][nt][2 * hr + e] - dvec[ic + e]);
+                        }
+                        const int at = PTile::offset(key, ic);
+                        *reinterpret_cast<uint32_t *>(sp_tile + at) = pack2<T>(pv[0], pv[1]);
+                        *reinterpret_cast<uint32_t *>(sds_tile + at) = pack2<T>(ds[0], ds[1]);
+                    }
+                }
         }
+        __syncthreads();  // Pᵀ, dSᵀ complete
 
-        // Pᵀ (masked) into acc_s, dSᵀ = Pᵀ (dPᵀ - dvec) into acc_dp and, as T, into shared memory.
-        const bool full = tile_visible(p, s, m0, BM, n0 + kw0, 16);
-#pragma unroll
-        for (int qt = 0; qt < kQT; qt++) {
-#pragma unroll
-            for (int e = 0; e < 4; e++) {
-                const int ic = qt * 8 + 2 * (lane & 3) + (e & 1), j = j0 + (e >> 1) * 8;
-                float pv = ex2_ftz(fmaf(acc_s[qt][e], p.scale_log2, -lse2[ic]));
-                if (!full && !visible(p, s, m0 + ic, j)) pv = 0.0f;
-                acc_s[qt][e] = pv;
-                acc_dp[qt][e] = pv * (acc_dp[qt][e] - dvec[ic]);
-            }
-#pragma unroll
-            for (int hr = 0; hr < 2; hr++)
-                *reinterpret_cast<uint32_t *>(sds_tile + DsTile::offset(kw0 + (lane >> 2) + 8 * hr, qt * 8 + 2 * (lane & 3))) =
-                    pack2<T>(acc_dp[qt][2 * hr], acc_dp[qt][2 * hr + 1]);
-        }
-
-        // dV += Pᵀ dO, dK += dSᵀ Q.
+        // dV += Pᵀ dO, dK += dSᵀ Q: 32 keys x kKD columns a warp, over the BM queries.
 #pragma unroll
         for (int kk = 0; kk < BM / 16; kk++) {
-            uint32_t a_p[4], a_ds[4];
-            acc_to_a<T>(a_p, acc_s, kk);
-            acc_to_a<T>(a_ds, acc_dp, kk);
+            uint32_t a_p[2][4], a_ds[2][4];
 #pragma unroll
-            for (int np = 0; np < kOT / 2; np++) {
+            for (int mt = 0; mt < 2; mt++) {
+                load_a<PTile>(a_p[mt], sp_tile, kw + 16 * mt, kk * 16, lane);
+                load_a<PTile>(a_ds[mt], sds_tile, kw + 16 * mt, kk * 16, lane);
+            }
+#pragma unroll
+            for (int np = 0; np < kKD / 16; np++) {
                 uint32_t b0[2], b1[2];
-                load_b_rows_k<QTile>(b0, b1, dos, np * 16, kk * 16, lane);
-                mma_m16n8k16<T>(acc_dv[2 * np], a_p, b0);
-                mma_m16n8k16<T>(acc_dv[2 * np + 1], a_p, b1);
-                load_b_rows_k<QTile>(b0, b1, qs, np * 16, kk * 16, lane);
-                mma_m16n8k16<T>(acc_dk[2 * np], a_ds, b0);
-                mma_m16n8k16<T>(acc_dk[2 * np + 1], a_ds, b1);
+                load_b_rows_k<QTile>(b0, b1, dos, kd0 + np * 16, kk * 16, lane);
+#pragma unroll
+                for (int mt = 0; mt < 2; mt++) {
+                    mma_m16n8k16<T>(acc_dv[mt][2 * np], a_p[mt], b0);
+                    mma_m16n8k16<T>(acc_dv[mt][2 * np + 1], a_p[mt], b1);
+                }
+                load_b_rows_k<QTile>(b0, b1, qs, kd0 + np * 16, kk * 16, lane);
+#pragma unroll
+                for (int mt = 0; mt < 2; mt++) {
+                    mma_m16n8k16<T>(acc_dk[mt][2 * np], a_ds[mt], b0);
+                    mma_m16n8k16<T>(acc_dk[mt][2 * np + 1], a_ds[mt], b1);
+                }
             }
         }
-        __syncthreads();  // dSᵀ complete
 
-        // dQ = dS K for this warp's 16 queries x 64 columns, over the CTA's 128 keys, added to the
-        // workspace tile in accumulator order (one float4 a lane a n8 block: 512 contiguous bytes).
+        // dQ = dS K for 32 queries x 32 columns a warp, over the CTA's 128 keys, added to the
+        // workspace tile in accumulator order (one float4 a lane a m16n8 block: 512 contiguous bytes).
         if (m0 + dq_m >= s.sq) continue;  // rows past the sequence: nothing to add
-        float acc_dq[8][4] = {};
+        float acc_dq[2][4][4] = {};
 #pragma unroll
         for (int kk = 0; kk < BN / 16; kk++) {
-            uint32_t a[4];
-            load_a_trans<DsTile>(a, sds_tile, dq_m, kk * 16, lane);
+            uint32_t a[2][4], b[4][2];
 #pragma unroll
-            for (int np = 0; np < 4; np++) {
-                uint32_t b0[2], b1[2];
-                load_b_rows_k<KTile>(b0, b1, sk_tile, dq_c + np * 16, kk * 16, lane);
-                mma_m16n8k16<T>(acc_dq[2 * np], a, b0);
-                mma_m16n8k16<T>(acc_dq[2 * np + 1], a, b1);
-            }
+            for (int mt = 0; mt < 2; mt++) load_a_trans<PTile>(a[mt], sds_tile, dq_m + 16 * mt, kk * 16, lane);
+#pragma unroll
+            for (int np = 0; np < 2; np++) load_b_rows_k<KTile>(b[2 * np], b[2 * np + 1], sk_tile, dq_c + np * 16, kk * 16, lane);
+#pragma unroll
+            for (int mt = 0; mt < 2; mt++)
+#pragma unroll
+                for (int nt = 0; nt < 4; nt++) mma_m16n8k16<T>(acc_dq[mt][nt], a[mt], b[nt]);
         }
-        const int r = m0 + dq_m;  // a multiple of 16: rows (r % 64) / 16 of 64-row tile r / 64
-        float *tile = ws.dq + (((int64_t)b * p.heads + h) * ws.m_tiles + r / kBwdRowTile) * kBwdRowTile * D +
-                      dq_c * kBwdRowTile + 4 * (32 * (r % kBwdRowTile / 16) + lane);
 #pragma unroll
-        for (int q = 0; q < 8; q++) red_add_f32x4(tile + q * 512, acc_dq[q]);
+        for (int mt = 0; mt < 2; mt++) {
+            const int r = m0 + dq_m + 16 * mt;  // a multiple of 16: rows (r % 64) / 16 of 64-row tile r / 64
+            if (r >= s.sq) continue;
+            float *tile = ws.dq + (((int64_t)b * p.heads + h) * ws.m_tiles + r / kBwdRowTile) * kBwdRowTile * D +
+                          (dq_c / 64) * 4096 + (dq_c % 64 / 8) * 512 + 4 * (32 * (r % kBwdRowTile / 16) + lane);
+#pragma unroll
+            for (int nt = 0; nt < 4; nt++) red_add_f32x4(tile + nt * 512, acc_dq[mt][nt]);
+        }
     }
     cp_async_wait<0>();
 
     // dk, dv: dense (batch | total, sk, kv_heads, d) rows; dK carries the softmax scale.
 #pragma unroll
-    for (int hr = 0; hr < 2; hr++) {
-        const int j = j0 + hr * 8;
-        if (j >= s.sk) continue;
-        const int64_t at = ((s.k0 + j) * p.kv_heads + g) * p.d;
-        T *dk = static_cast<T *>(p.dk) + at, *dv = static_cast<T *>(p.dv) + at;
+    for (int mt = 0; mt < 2; mt++)
 #pragma unroll
-        for (int ot = 0; ot < kOT; ot++) {
-            const int c = ot * 8 + 2 * (lane & 3);
-            if (c >= d) continue;
-            store2<T>(dk + c, acc_dk[ot][2 * hr] * p.scale, acc_dk[ot][2 * hr + 1] * p.scale);
-            store2<T>(dv + c, acc_dv[ot][2 * hr], acc_dv[ot][2 * hr + 1]);
+        for (int hr = 0; hr < 2; hr++) {
+            const int j = n0 + kw + 16 * mt + (lane >> 2) + 8 * hr;
+            if (j >= s.sk) continue;
+            const int64_t at = ((s.k0 + j) * p.kv_heads + g) * p.d;
+            T *dk = static_cast<T *>(p.dk) + at, *dv = static_cast<T *>(p.dv) + at;
+#pragma unroll
+            for (int nt = 0; nt < kKD / 8; nt++) {
+                const int c = kd0 + nt * 8 + 2 * (lane & 3);
+                if (c >= d) continue;
+                store2<T>(dk + c, acc_dk[mt][nt][2 * hr] * p.scale, acc_dk[mt][nt][2 * hr + 1] * p.scale);
+                store2<T>(dv + c, acc_dv[mt][nt][2 * hr], acc_dv[mt][nt][2 * hr + 1]);
+            }
         }
-    }
 }
 
 template <typename T, int D> fk_status launch(const Params &p, fk_dtype dtype, int device, cudaStream_t stream) {
