@@ -138,28 +138,53 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) attention_bwd_atomic_mma_sm8
                     }
                 }
             }
-            // Pᵀ (masked) and dSᵀ = Pᵀ (dPᵀ - dvec), as T, into shared memory.
-            const bool full = tile_visible(p, s, m0 + sq0, kSQ, n0 + kw, 32);
+            // Pᵀ (masked) and dSᵀ = Pᵀ (dPᵀ - dvec), as T, into shared memory. The thread's
+            // elements: keys kw + 16 mt + 8 hr + lane / 4, queries sq0 + 8 nt + 2 (lane % 4) + e.
+            // Key rows 16 mt + 8 hr apart share a swizzle (multiples of 8 rows), and query block nt
+            // is chunk nt XOR the first's (sq0 / 8 a multiple of kSQ / 8): one offset, XORed.
+            const int off0 = PTile::offset(kw + (lane >> 2), sq0 + 2 * (lane & 3));
+            auto softmax_grad = [&](auto masked) {
+                int lo[2][2], hi[2][2];  // visible query columns (from sq0) of each key row
+                if constexpr (decltype(masked)::value) {
 #pragma unroll
-            for (int mt = 0; mt < 2; mt++)
+                    for (int mt = 0; mt < 2; mt++)
+#pragma unroll
+                        for (int hr = 0; hr < 2; hr++) {
+                            const int64_t j = n0 + kw + 16 * mt + 8 * hr + (lane >> 2);
+                            int64_t first = 0, end = j < s.sk ? s.sq : 0;
+                            if (p.window_right >= 0) first = max(first, j - s.shift - p.window_right);
+                            if (p.window_left >= 0) end = min(end, j - s.shift + p.window_left + 1);
+                            const int64_t q0 = m0 + sq0;
+                            lo[mt][hr] = (int)min(max(first - q0, (int64_t)0), (int64_t)kSQ);
+                            hi[mt][hr] = (int)min(max(end - q0, (int64_t)0), (int64_t)kSQ);
+                        }
+                }
 #pragma unroll
                 for (int nt = 0; nt < kSQ / 8; nt++) {
-                    const int ic = sq0 + nt * 8 + 2 * (lane & 3);
+                    const int c = nt * 8 + 2 * (lane & 3);  // query column from sq0
+                    const float2 l2 = *reinterpret_cast<const float2 *>(lse2 + sq0 + c);
+                    const float2 dv = *reinterpret_cast<const float2 *>(dvec + sq0 + c);
+                    const int off = off0 ^ (nt * 8);
 #pragma unroll
-                    for (int hr = 0; hr < 2; hr++) {
-                        const int key = kw + 16 * mt + (lane >> 2) + 8 * hr;
-                        float pv[2], ds[2];
+                    for (int mt = 0; mt < 2; mt++)
 #pragma unroll
-                        for (int e = 0; e < 2; e++) {
-                            pv[e] = ex2_ftz(fmaf(acc_s[mt][nt][2 * hr + e], p.scale_log2, -lse2[ic + e]));
-                            if (!full && !visible(p, s, m0 + ic + e, n0 + key)) pv[e] = 0.0f;
-                            ds[e] = pv[e] * (acc_dp[mt][nt][2 * hr + e] - dvec[ic + e]);
+                        for (int hr = 0; hr < 2; hr++) {
+                            float pv[2], ds[2];
+#pragma unroll
+                            for (int e = 0; e < 2; e++) {
+                                pv[e] = ex2_ftz(fmaf(acc_s[mt][nt][2 * hr + e], p.scale_log2, e ? -l2.y : -l2.x));
+                                if constexpr (decltype(masked)::value)
+                                    if (c + e < lo[mt][hr] || c + e >= hi[mt][hr]) pv[e] = 0.0f;
+                                ds[e] = pv[e] * (acc_dp[mt][nt][2 * hr + e] - (e ? dv.y : dv.x));
+                            }
+                            const int at = off + (16 * mt + 8 * hr) * BM;
+                            *reinterpret_cast<uint32_t *>(sp_tile + at) = pack2<T>(pv[0], pv[1]);
+                            *reinterpret_cast<uint32_t *>(sds_tile + at) = pack2<T>(ds[0], ds[1]);
                         }
-                        const int at = PTile::offset(key, ic);
-                        *reinterpret_cast<uint32_t *>(sp_tile + at) = pack2<T>(pv[0], pv[1]);
-                        *reinterpret_cast<uint32_t *>(sds_tile + at) = pack2<T>(ds[0], ds[1]);
-                    }
                 }
+            };
+            if (tile_visible(p, s, m0 + sq0, kSQ, n0 + kw, 32)) softmax_grad(std::false_type{});
+            else softmax_grad(std::true_type{});
         }
         __syncthreads();  // Pᵀ, dSᵀ complete
 
