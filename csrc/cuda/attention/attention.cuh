@@ -320,6 +320,17 @@ __device__ __forceinline__ void load_a_trans(uint32_t (&a)[4], const T *tile, in
     ldmatrix_x4_trans(a, tile + Tile::offset(kk + (j >> 1) * 8 + r, m + (j & 1) * 8));
 }
 
+// ldmatrix x4 (.trans with kTrans) at element offset (lane_off ^ x) + y of a swizzled tile: lane_off
+// the lane's Tile::offset for the first block, x a column step (a multiple of 8 below the tile's
+// width whose bits the first column's chunk index does not use), y a row step (a multiple of 8
+// rows, in elements). The swizzle permutes a row's 16-byte chunks by the row's low 3 bits, which
+// 8-row steps keep, so a column step is one XOR instead of the offset's arithmetic.
+template <bool kTrans, typename T>
+__device__ __forceinline__ void ldsm_x4(uint32_t (&r)[4], const T *tile, int lane_off, int x, int y) {
+    if constexpr (kTrans) ldmatrix_x4_trans(r, tile + ((lane_off ^ x) + y));
+    else ldmatrix_x4(r, tile + ((lane_off ^ x) + y));
+}
+
 // p[0..3] += v[0..3] in global memory, no result: red.global.add.v4.f32 (one 16-byte reduction,
 // sm_90), four scalar red.global.add.f32 before sm_90. p 16-byte aligned.
 __device__ __forceinline__ void red_add_f32x4(float *p, const float (&v)[4]) {

@@ -100,6 +100,16 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) attention_bwd_atomic_mma_sm8
     const int kd0 = kKD * (warp / 4);               // its dK / dV columns
     const int dq_m = 32 * (warp % (BM / 32)), dq_c = 32 * (warp / (BM / 32));  // its dQ block
     float acc_dk[2][kKD / 8][4] = {}, acc_dv[2][kKD / 8][4] = {};
+    // The lanes' ldmatrix offsets for each operand's first block (ldsm_x4: the other blocks are a
+    // column XOR and a row add away). A: rows lane % 16, column 8 (lane / 16); B: 8 x 8 block
+    // lane / 8 (rows n: n 8 (j / 2), k 8 (j % 2); rows k: the transpose).
+    const int j8 = lane >> 3, r8 = lane & 7;
+    const int a_kv = KTile::offset(kw + (lane & 15), (lane >> 4) * 8);     // K, V; kk: ^ 16 kk, mt: + 16 mt D
+    const int b_qn = QTile::offset(sq0 + (j8 >> 1) * 8 + r8, (j8 & 1) * 8);  // Q, dO; kk: ^ 16 kk, np: + 16 np D
+    const int a_pt = PTile::offset(kw + (lane & 15), (lane >> 4) * 8);      // Pᵀ, dSᵀ; kk: ^ 16 kk, mt: + 16 mt BM
+    const int b_qk = QTile::offset((j8 & 1) * 8 + r8, kd0 + (j8 >> 1) * 8);  // dO, Q; np: ^ 16 np, kk: + 16 kk D
+    const int a_ds = PTile::offset((j8 >> 1) * 8 + r8, dq_m + (j8 & 1) * 8);  // dS (.trans); mt: ^ 16 mt, kk: + 16 kk BM
+    const int b_kk = KTile::offset((j8 & 1) * 8 + r8, dq_c + (j8 >> 1) * 8);  // K; np: ^ 16 np, kk: + 16 kk D
 
     for (int it = 0; it < iters; it++) {
         const int slot = it & 1;
@@ -118,24 +128,21 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) attention_bwd_atomic_mma_sm8
                 uint32_t a_k[2][4], a_v[2][4];
 #pragma unroll
                 for (int mt = 0; mt < 2; mt++) {
-                    load_a<KTile>(a_k[mt], sk_tile, kw + 16 * mt, kk * 16, lane);
-                    load_a<KTile>(a_v[mt], sv_tile, kw + 16 * mt, kk * 16, lane);
+                    ldsm_x4<false>(a_k[mt], sk_tile, a_kv, 16 * kk, 16 * mt * D);
+                    ldsm_x4<false>(a_v[mt], sv_tile, a_kv, 16 * kk, 16 * mt * D);
                 }
 #pragma unroll
                 for (int np = 0; np < kSQ / 16; np++) {
-                    uint32_t b0[2], b1[2];
-                    load_b_rows_n<QTile>(b0, b1, qs, sq0 + np * 16, kk * 16, lane);
+                    uint32_t bq[4], bo[4];
+                    ldsm_x4<false>(bq, qs, b_qn, 16 * kk, 16 * np * D);
+                    ldsm_x4<false>(bo, dos, b_qn, 16 * kk, 16 * np * D);
 #pragma unroll
-                    for (int mt = 0; mt < 2; mt++) {
-                        mma_m16n8k16<T>(acc_s[mt][2 * np], a_k[mt], b0);
-                        mma_m16n8k16<T>(acc_s[mt][2 * np + 1], a_k[mt], b1);
-                    }
-                    load_b_rows_n<QTile>(b0, b1, dos, sq0 + np * 16, kk * 16, lane);
+                    for (int mt = 0; mt < 2; mt++)
 #pragma unroll
-                    for (int mt = 0; mt < 2; mt++) {
-                        mma_m16n8k16<T>(acc_dp[mt][2 * np], a_v[mt], b0);
-                        mma_m16n8k16<T>(acc_dp[mt][2 * np + 1], a_v[mt], b1);
-                    }
+                        for (int h2 = 0; h2 < 2; h2++) {
+                            mma_m16n8k16<T>(acc_s[mt][2 * np + h2], a_k[mt], {bq[2 * h2], bq[2 * h2 + 1]});
+                            mma_m16n8k16<T>(acc_dp[mt][2 * np + h2], a_v[mt], {bo[2 * h2], bo[2 * h2 + 1]});
+                        }
                 }
             }
             // Pᵀ (masked) and dSᵀ = Pᵀ (dPᵀ - dvec), as T, into shared memory. The thread's
@@ -194,24 +201,21 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) attention_bwd_atomic_mma_sm8
             uint32_t a_p[2][4], a_ds[2][4];
 #pragma unroll
             for (int mt = 0; mt < 2; mt++) {
-                load_a<PTile>(a_p[mt], sp_tile, kw + 16 * mt, kk * 16, lane);
-                load_a<PTile>(a_ds[mt], sds_tile, kw + 16 * mt, kk * 16, lane);
+                ldsm_x4<false>(a_p[mt], sp_tile, a_pt, 16 * kk, 16 * mt * BM);
+                ldsm_x4<false>(a_ds[mt], sds_tile, a_pt, 16 * kk, 16 * mt * BM);
             }
 #pragma unroll
             for (int np = 0; np < kKD / 16; np++) {
-                uint32_t b0[2], b1[2];
-                load_b_rows_k<QTile>(b0, b1, dos, kd0 + np * 16, kk * 16, lane);
+                uint32_t bo[4], bq[4];
+                ldsm_x4<true>(bo, dos, b_qk, 16 * np, 16 * kk * D);
+                ldsm_x4<true>(bq, qs, b_qk, 16 * np, 16 * kk * D);
 #pragma unroll
-                for (int mt = 0; mt < 2; mt++) {
-                    mma_m16n8k16<T>(acc_dv[mt][2 * np], a_p[mt], b0);
-                    mma_m16n8k16<T>(acc_dv[mt][2 * np + 1], a_p[mt], b1);
-                }
-                load_b_rows_k<QTile>(b0, b1, qs, kd0 + np * 16, kk * 16, lane);
+                for (int mt = 0; mt < 2; mt++)
 #pragma unroll
-                for (int mt = 0; mt < 2; mt++) {
-                    mma_m16n8k16<T>(acc_dk[mt][2 * np], a_ds[mt], b0);
-                    mma_m16n8k16<T>(acc_dk[mt][2 * np + 1], a_ds[mt], b1);
-                }
+                    for (int h2 = 0; h2 < 2; h2++) {
+                        mma_m16n8k16<T>(acc_dv[mt][2 * np + h2], a_p[mt], {bo[2 * h2], bo[2 * h2 + 1]});
+                        mma_m16n8k16<T>(acc_dk[mt][2 * np + h2], a_ds[mt], {bq[2 * h2], bq[2 * h2 + 1]});
+                    }
             }
         }
 
@@ -221,15 +225,16 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) attention_bwd_atomic_mma_sm8
         float acc_dq[2][4][4] = {};
 #pragma unroll
         for (int kk = 0; kk < BN / 16; kk++) {
-            uint32_t a[2][4], b[4][2];
+            uint32_t a[2][4], b[2][4];
 #pragma unroll
-            for (int mt = 0; mt < 2; mt++) load_a_trans<PTile>(a[mt], sds_tile, dq_m + 16 * mt, kk * 16, lane);
+            for (int mt = 0; mt < 2; mt++) ldsm_x4<true>(a[mt], sds_tile, a_ds, 16 * mt, 16 * kk * BM);
 #pragma unroll
-            for (int np = 0; np < 2; np++) load_b_rows_k<KTile>(b[2 * np], b[2 * np + 1], sk_tile, dq_c + np * 16, kk * 16, lane);
+            for (int np = 0; np < 2; np++) ldsm_x4<true>(b[np], sk_tile, b_kk, 16 * np, 16 * kk * D);
 #pragma unroll
             for (int mt = 0; mt < 2; mt++)
 #pragma unroll
-                for (int nt = 0; nt < 4; nt++) mma_m16n8k16<T>(acc_dq[mt][nt], a[mt], b[nt]);
+                for (int nt = 0; nt < 4; nt++)
+                    mma_m16n8k16<T>(acc_dq[mt][nt], a[mt], {b[nt / 2][2 * (nt % 2)], b[nt / 2][2 * (nt % 2) + 1]});
         }
 #pragma unroll
         for (int mt = 0; mt < 2; mt++) {
