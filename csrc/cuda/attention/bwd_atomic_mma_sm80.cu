@@ -5,26 +5,30 @@
 //
 // Napkin math: 5 products of 2 Sq Sk D FLOPs (S, dP, dV, dK, dQ), counted as 2.5x the forward;
 // B 4, H 16, S 4096, D 128: 344 GFLOP, ~1.1 ms at FlashAttention-2's ~300 TFLOP/s (H200, PERF.md).
-// A step (128 keys x kBM queries, kBM x D = 8192) is 10.5 MFLOP: ~2.3 us at ~4.5 TFLOP/s an SM,
-// against ~290 KB of ldmatrix reads (each warp reads all of Q and dO twice, dS and K once): ~2.2K
-// cycles at 128 B / cycle, so shared-memory bandwidth, not the tensor cores alone, sets the pace.
-// dQ: a 32 KB fp32 reduction a step (red.global.add.v4.f32, 512 contiguous bytes a warp), ~14
-// KB / us an SM into L2, as bwd_wgmma_sm90's bulk reductions.
+// A step (128 keys x kBM queries, kBM x D = 8192) is 10.5 MFLOP, 2560 mma.sync a CTA, and ~610 KB
+// of ldmatrix reads (FA2's warp tiles: each warp reads a 32-row slice of Q, dO, K, V, the Pᵀ / dSᵀ
+// it needs and half of Q, dO, K): ~4.8K cycles at 128 B / cycle, ~0.6 ms for 344 GFLOP on 132 SMs.
+// With 8 warps an SM (255 registers) issue latency, not bandwidth, is the limit (ncu: ~5.6 cycles
+// an instruction a warp), so the step's instruction count is what counts: the Pᵀ / dSᵀ step carries
+// no per-element branches or address arithmetic, ldmatrix addresses are one XOR (ldsm_x4).
+// dQ: a 32 KB fp32 reduction a step (red.global.add.v4.f32, 512 contiguous bytes a warp), ~14 KB /
+// us an SM into L2, as bwd_wgmma_sm90's bulk reductions.
 // Registers: dK + dV + Sᵀ + dPᵀ fp32 = 64 + 64 + 32 + 32 (D 128, kBM 64) or 32 + 32 + 64 + 64 (D
-// 64, kBM 128) = 192 at the peak, of 255 (256 threads, one CTA an SM).
-// Shared memory: K + V + 2 x (Q + dO) + dSᵀ + 2 x (lse, D) = 64 + 64 + 16 + 1 = 145 KB (D 128),
-// 32 + 64 + 32 + 2 = 130 KB (D 64).
+// 64, kBM 128) = 192 at the peak, of 255 (256 threads, one CTA an SM); no spills (sm_90a, sm_80).
+// Shared memory: K + V + 2 x (Q + dO) + Pᵀ + dSᵀ + 2 x (lse, D) = 64 + 64 + 32 + 1 = 161 KB (D
+// 128), 32 + 64 + 64 + 2 = 162 KB (D 64).
 //
 // Algorithm: attention_bwd_prep (bwd_workspace.cu) writes lse log2 e and D = rowsum(dO O) per
-// row and zeroes the dQ workspace. One CTA per (128 keys, kv head, sequence), 8 warps; warp w owns
-// keys 16 w .. 16 w + 15. K and V are loaded once; for each head of the group (GQA summed in the
-// CTA) and each query tile the mask lets see the keys, Q, dO, lse and D stream through a two-slot
-// cp.async ring. Each warp computes Sᵀ = K Qᵀ, dPᵀ = V dOᵀ, Pᵀ = 2^(Sᵀ scale log2 e - lse log2 e)
-// (masked), dSᵀ = Pᵀ (dPᵀ - D); dV += Pᵀ dO and dK += dSᵀ Q (Pᵀ, dSᵀ are A operands in registers);
-// dSᵀ goes to shared memory, and after a barrier warp w computes dQ = dS K for 16 queries x 64
-// columns (dS by ldmatrix .trans) and adds it to the workspace in accumulator order;
-// attention_bwd_dq_convert writes dq = scale dQ.
-// Why: bwd_mma_sm80's 7 products ran fwd+bwd at 0.51-0.56x FlashAttention-2 (H200, D-117).
+// row and zeroes the dQ workspace. One CTA per (128 keys, kv head, sequence), 8 warps. K and V are
+// loaded once; for each head of the group (GQA summed in the CTA) and each query tile the mask lets
+// see the keys, Q, dO, lse and D stream through a two-slot cp.async ring. Per step: Sᵀ = K Qᵀ and
+// dPᵀ = V dOᵀ (warp tiles 32 keys x kBM / 2 queries), Pᵀ = 2^(Sᵀ scale log2 e - lse log2 e)
+// (masked where the tile crosses the band), dSᵀ = Pᵀ (dPᵀ - D), both to shared memory; barrier;
+// dV += Pᵀ dO and dK += dSᵀ Q (32 keys x D / 2 columns a warp, in registers all along) and dQ = dS K
+// (32 queries x 32 columns a warp, dS by ldmatrix .trans), added to the workspace in accumulator
+// order; attention_bwd_dq_convert writes dq = scale dQ.
+// Why: bwd_mma_sm80's 7 products ran fwd+bwd at 0.51-0.57x FlashAttention-2, this at 0.88-0.91x
+// (H200, forced sm_80 path; D-117, D-118).
 #include "attention.cuh"
 
 namespace fk::attn {
@@ -62,9 +66,9 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) attention_bwd_atomic_mma_sm8
 
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const int g = blockIdx.y, b = blockIdx.z, group = (int)(p.heads / p.kv_heads), d = (int)p.d;
+    const int n0 = blockIdx.x * BN;
     grid_dependency_sync();
     const Seq s = seq_of(p, b);
-    const int n0 = blockIdx.x * BN;
     if (n0 >= s.sk) return;
 
     const T *k = static_cast<const T *>(p.k) + seq_offset(p, b, s.k0, p.k_batch, p.k_row) + g * p.k_head;
