@@ -52,9 +52,9 @@ def test_cuda_deterministic_backward_keeps_bwd_mma_sm80(d, forced, monkeypatch):
     q, k, v = qkv(2, 300, 333, 4, 2, d, torch.bfloat16, "cuda")
     want = "bwd_atomic_mma_sm80" if d <= 128 else "bwd_mma_sm80"
     assert attention_ops._plan(q, k, v, causal=True, backward=True) == want
-    monkeypatch.setattr(torch, "are_deterministic_algorithms_enabled", lambda: True)
-    assert attention_ops._plan(q, k, v, causal=True, backward=True) == "bwd_mma_sm80"
-    monkeypatch.undo()
+    with monkeypatch.context() as m:  # _plan's flags follow torch's deterministic switch
+        m.setattr(torch, "are_deterministic_algorithms_enabled", lambda: True)
+        assert attention_ops._plan(q, k, v, causal=True, backward=True) == "bwd_mma_sm80"
     g = torch.randn_like(q)
 
     def grads():
