@@ -620,7 +620,8 @@ def _sms():
 
 # csrc/cuda/attention/dispatch.cu's table, row by row (shapes sized for a GPU of 100-150 SMs):
 # (id, qkv(b, sq, sk, h, hkv, d), causal, forced general) -> forward strategy. Backward: bwd_wgmma_sm90
-# on Hopper at d 64 / 128 unless forced, else bwd_mma_sm80 (_bwd_strategy).
+# on Hopper at d 64 / 128 unless forced, else bwd_mma_sm80 (_bwd_strategy; the opt-in
+# bwd_atomic_mma_sm80 and deterministic mode: tests/test_attention_bwd.py).
 ATTENTION_ROWS = [
     ("split", (1, 1, 4096, 8, 2, 128), False, False, lambda: "fwd_split_mma_sm80"),
     ("split-forced", (2, 100, 2048, 4, 4, 64), True, True, lambda: "fwd_split_mma_sm80"),
@@ -631,6 +632,7 @@ ATTENTION_ROWS = [
     ("d96", (2, 1000, 1100, 16, 16, 96), False, False, lambda: "fwd_mma_sm80"),
     ("forced", (2, 1000, 1100, 16, 16, 128), True, True, lambda: "fwd_mma_sm80"),
     ("gqa-packed", (40, 16, 200, 32, 4, 128), False, False, lambda: "fwd_mma_sm80"),
+    ("d256-forced", (2, 700, 700, 8, 4, 256), True, True, lambda: "fwd_mma_sm80"),
 ]
 
 

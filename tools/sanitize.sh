@@ -63,6 +63,8 @@ gpu_tests() {
         "test_dispatch_table|test_operand_layouts\[.*-$dt\]|test_k_zero|test_cuda_hopper_consumer_arrangements\[.*-bf16\]"
       select_tests tests/test_attention.py \
         "test_dispatch_table|test_cuda_values_and_gradients\[(default|force_general)-(1-4097|113-203|128-217|512-256)-(full|causal)-torch.bfloat16\]|test_cuda_head_dims|test_cuda_decoding\[.*-8192\]|test_cuda_windows|test_cuda_sdpa|test_cuda_deterministic|test_cuda_backward_tile_edges"
+      select_tests tests/test_attention_bwd.py \
+        "test_cuda_atomic_backward_tile_edges\[(64|96)-|test_cuda_atomic_backward_(varlen|misaligned)|test_cuda_deterministic"
       select_tests tests/test_cross_entropy.py \
         "(test_values_and_grads|test_ignore_index|test_special_values|test_views_and_misaligned)\[.*-cuda-(float32|bfloat16)\]|test_padded_rows_in_and_out\[cuda\]" ;;
     # racecheck / synccheck: a row length for each register, CTA, shared-memory and cluster strategy
@@ -77,6 +79,8 @@ gpu_tests() {
         "test_dispatch_table|test_cuda_hopper_consumer_arrangements\[[0-9]+x[0-9]+x(40|72)-[a-z-]+-bf16\]"
       select_tests tests/test_attention.py \
         "test_cuda_head_dims\[(default-(64|128)|force_general-(64|96|256))\]|test_cuda_values_and_gradients\[(default|force_general)-113-203-causal-torch.bfloat16\]|test_cuda_windows_and_varlen\[default-\(100, 30\)\]|test_cuda_backward_tile_edges\[129-300-64\]"
+      select_tests tests/test_attention_bwd.py \
+        "test_cuda_atomic_backward_tile_edges\[(64-129-300|128-127-129)\]|test_cuda_atomic_backward_varlen\[96\]"
       select_tests tests/test_cross_entropy.py "test_values_and_grads\[(33-1000|7-4097|4-50257)-mean-cuda-bfloat16\]" ;;
   esac
 }

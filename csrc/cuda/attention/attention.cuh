@@ -61,7 +61,9 @@ struct Params {
 
 // ---- host side ----------------------------------------------------------------------------------
 
-enum class Strategy { kEmpty, kFwdMmaSm80, kFwdSplitMmaSm80, kFwdWgmmaSm90, kBwdMmaSm80, kBwdWgmmaSm90 };
+enum class Strategy {
+    kEmpty, kFwdMmaSm80, kFwdSplitMmaSm80, kFwdWgmmaSm90, kBwdMmaSm80, kBwdAtomicMmaSm80, kBwdWgmmaSm90
+};
 const char *strategy_name(Strategy s);
 
 struct Plan {
@@ -81,12 +83,48 @@ constexpr int kSplitBM = 64, kSplitBN = 32;
 constexpr int split_stages(int bucket) { return bucket <= 128 ? 3 : 2; }
 constexpr int split_slots(int bucket) { return bucket <= 128 ? 3 : 2; }
 
-// bwd_wgmma_sm90's queries a step (its workspace rounds sq up to them).
+// bwd_wgmma_sm90's and bwd_atomic_mma_sm80's queries a step at head-dim instance D (their
+// workspace rounds sq up to them).
 constexpr int bwd_wgmma_block_m(int d) { return d == 64 ? 128 : 64; }
+constexpr int bwd_atomic_block_m(int d) { return d == 64 ? 128 : 64; }
+
+// The atomic backwards' fp32 workspace (bwd_wgmma_sm90 keeps its own copy of the layout and its prep / convert
+// kernels until bwd_atomic_mma_sm80 is validated on a GPU, D-117; bwd_atomic_mma_sm80: bwd_workspace.cu):
+// lse log2 e and D = rowsum(dO O), (batch, heads, m_tiles x 64) each (padding rows: +inf, 0), then
+// dQ, a 64 x cols tile per (batch, head, 64 query rows) in accumulator order: the tile-local float
+// index of (row, col), cl = col % 64, is (col / 64) x 4096 + (cl / 8) x 512 + 4 t + 2 ((row / 8) &
+// 1) + (col & 1), t = 32 (row / 16) + 4 (row % 8) + (cl % 8) / 2: the m16n8 accumulator of the
+// warp owning rows 16 (row / 16) .. + 15 (an m64n64 wgmma's warp w), n8 block cl / 8, is one
+// coalesced float4 a lane. sq rounds up to the query step block_m; varlen uses the longest sequence.
+constexpr int kBwdRowTile = 64;
+struct BwdWork {
+    float *lse2, *dvec, *dq;
+    int m_tiles;  // 64-row tiles a (sequence, head)
+};
+inline int64_t bwd_work_rows(int64_t batch, int64_t heads, int64_t sq, int block_m) {
+    return batch * heads * ((sq + block_m - 1) / block_m * block_m);
+}
+inline int64_t bwd_workspace_bytes(int64_t batch, int64_t heads, int64_t sq, int block_m, int cols) {
+    return bwd_work_rows(batch, heads, sq, block_m) * (2 + cols) * (int64_t)sizeof(float);
+}
+inline BwdWork bwd_work(const Params &p, int block_m) {
+    BwdWork ws;
+    ws.m_tiles = (int)((p.sq + block_m - 1) / block_m * (block_m / kBwdRowTile));
+    const int64_t rows = bwd_work_rows(p.batch, p.heads, p.sq, block_m);
+    ws.lse2 = p.dvec, ws.dvec = p.dvec + rows, ws.dq = p.dvec + 2 * rows;  // p.dvec: the workspace
+    return ws;
+}
+// Before the main kernel: lse2, dvec and a zeroed dQ; after it: dq = scale dQ (bwd_workspace.cu).
+fk_status launch_bwd_prep(const BwdWork &ws, int cols, const Params &p, fk_dtype dtype, int device,
+                          cudaStream_t stream);
+fk_status launch_bwd_dq_convert(const BwdWork &ws, int cols, const Params &p, fk_dtype dtype, int device,
+                                cudaStream_t stream);
 
 fk_status launch_fwd_mma_sm80(const Plan &plan, const Params &p, fk_dtype dtype, int device, cudaStream_t stream);
 fk_status launch_fwd_wgmma_sm90(const Plan &plan, const Params &p, fk_dtype dtype, int device, cudaStream_t stream);
 fk_status launch_bwd_mma_sm80(const Plan &plan, const Params &p, fk_dtype dtype, int device, cudaStream_t stream);
+fk_status launch_bwd_atomic_mma_sm80(const Plan &plan, const Params &p, fk_dtype dtype, int device,
+                                    cudaStream_t stream);
 fk_status launch_bwd_wgmma_sm90(const Plan &plan, const Params &p, fk_dtype dtype, int device, cudaStream_t stream);
 
 // ---- per-sequence geometry ----------------------------------------------------------------------
@@ -273,6 +311,38 @@ __device__ __forceinline__ float quad_sum(float v) {
 __device__ __forceinline__ float quad_max(float v) {
     v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, 1));
     return fmaxf(v, __shfl_xor_sync(0xffffffffu, v, 2));
+}
+
+// A fragment (rows m .. m + 15, k = kk .. kk + 15) from a tile stored transposed (rows k, m
+// contiguous: dSᵀ for dS K).
+template <typename Tile, typename T>
+__device__ __forceinline__ void load_a_trans(uint32_t (&a)[4], const T *tile, int m, int kk, int lane) {
+    const int j = lane >> 3, r = lane & 7;
+    ldmatrix_x4_trans(a, tile + Tile::offset(kk + (j >> 1) * 8 + r, m + (j & 1) * 8));
+}
+
+// ldmatrix x4 (.trans with kTrans) at element offset (lane_off ^ x) + y of a swizzled tile: lane_off
+// the lane's Tile::offset for the first block, x a column step (a multiple of 8 below the tile's
+// width whose bits the first column's chunk index does not use), y a row step (a multiple of 8
+// rows, in elements). The swizzle permutes a row's 16-byte chunks by the row's low 3 bits, which
+// 8-row steps keep, so a column step is one XOR instead of the offset's arithmetic.
+template <bool kTrans, typename T>
+__device__ __forceinline__ void ldsm_x4(uint32_t (&r)[4], const T *tile, int lane_off, int x, int y) {
+    if constexpr (kTrans) ldmatrix_x4_trans(r, tile + ((lane_off ^ x) + y));
+    else ldmatrix_x4(r, tile + ((lane_off ^ x) + y));
+}
+
+// p[0..3] += v[0..3] in global memory, no result: red.global.add.v4.f32 (one 16-byte reduction,
+// sm_90), four scalar red.global.add.f32 before sm_90. p 16-byte aligned.
+__device__ __forceinline__ void red_add_f32x4(float *p, const float (&v)[4]) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("red.global.add.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"l"(p), "f"(v[0]), "f"(v[1]), "f"(v[2]),
+                 "f"(v[3])
+                 : "memory");
+#else
+#pragma unroll
+    for (int e = 0; e < 4; e++) asm volatile("red.global.add.f32 [%0], %1;\n" ::"l"(p + e), "f"(v[e]) : "memory");
+#endif
 }
 
 // Stores two adjacent elements (v0 at p[0], v1 at p[1]) as T: one 4-byte store when aligned.

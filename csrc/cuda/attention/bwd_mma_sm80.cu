@@ -1,5 +1,6 @@
 // attention_bwd_*_mma_sm80: flash-attention backward on the tensor cores of every GPU from sm_80
-// (mma.sync m16n8k16, fp32 accumulate). dispatch.cu row "bwd".
+// (mma.sync m16n8k16, fp32 accumulate). dispatch.cu rows "bwd, FK_ATTN_DETERMINISTIC" and "bwd, d >
+// 128" (d <= 128 otherwise takes bwd_atomic_mma_sm80, D-117).
 //
 // Napkin math: the gradients take 5 products of 2 Sq Sk D FLOPs (S, dP, dV, dK, dQ): 2.5x the
 // forward, counted as such in TFLOP/s. This file recomputes S and dP once more for dQ (7 products
@@ -9,7 +10,7 @@
 // Measured (H200, bf16, self-test harness, FLOPs counted as 2.5x forward): B 4 H 16 S 4096 D 128
 // 155 TFLOP/s (causal 141), B 8 H 32 S 2048 D 64 118, GQA 32/8 S 8192 causal 148. FlashAttention-2
 // reaches 266-307 (PERF.md): its dQ rides in the dK / dV kernel through fp32 atomics (5 products,
-// not 7) and its warps share P / dS through shared memory; both are the next steps here.
+// not 7), as bwd_atomic_mma_sm80's does; this file keeps the bitwise-reproducible path.
 //
 // Algorithm, three kernels:
 //   attention_bwd_preprocess: dvec = rowsum(dO * O) in fp32 (workspace), one warp a row.

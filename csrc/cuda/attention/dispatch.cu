@@ -21,6 +21,8 @@
 // bwd  16-bit  sm_90   d 64 or 128, sq, sk > 0, not varlen, q / k / v / bwd_wgmma_sm90    TMA + wgmma, 5
 //                      dout / out TMA-describable (as fwd_wgmma_sm90), built             products not 7
 //                      for sm_90a, not FK_ATTN_FORCE_GENERAL
+// bwd  16-bit  sm_80+  FK_ATTN_SM80_ATOMIC (opt-in until its GPU     bwd_atomic_mma_   5 products, dQ by
+//                      validation, D-117), d <= 128                   sm80              atomics
 // bwd  16-bit  sm_80+  otherwise                                      bwd_mma_sm80      the general kernel
 // any  fp32 / fp64     -                                              (TypeError)
 // any  any     < sm_80 -                                              (RuntimeError)
@@ -32,9 +34,10 @@
 // (The fwd_wgmma_sm90 row's figures: its file's napkin math.)
 //
 // Workspace: forward split: splits x batch x heads x sq x (1 + d) fp32 (partial lse, then outputs);
-// backward: batch x heads x sq fp32 (rowsum(dO * O)); bwd_wgmma_sm90: batch x heads x sq rounded up
-// to its query tile (bwd_wgmma_block_m) x (2 + d) fp32 (lse log2 e, rowsum(dO * O), the dQ
-// accumulators). varlen sizes use the maximum lengths.
+// bwd_mma_sm80: batch x heads x sq fp32 (rowsum(dO * O)); bwd_wgmma_sm90 and bwd_atomic_mma_sm80:
+// batch x heads x sq rounded up to their query tile (bwd_wgmma_block_m, bwd_atomic_block_m) x (2 +
+// D) fp32 (lse log2 e, rowsum(dO * O), the dQ accumulators; D the head-dim instance; attention.cuh's
+// BwdWork). varlen sizes use the maximum lengths.
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -49,6 +52,7 @@ const char *strategy_name(Strategy s) {
     case Strategy::kFwdSplitMmaSm80: return "fwd_split_mma_sm80";
     case Strategy::kFwdWgmmaSm90: return "fwd_wgmma_sm90";
     case Strategy::kBwdMmaSm80: return "bwd_mma_sm80";
+    case Strategy::kBwdAtomicMmaSm80: return "bwd_atomic_mma_sm80";
     case Strategy::kBwdWgmmaSm90: return "bwd_wgmma_sm90";
     default: return "empty";
     }
@@ -101,8 +105,13 @@ Plan plan_attention(const fk_attention_args &x, int backward, int sms, int major
             tma_ok(x.out, x.o_row, x.o_head, x.o_batch, x, x.heads)) {  // out: the prep's 16-byte loads
             plan.strategy = Strategy::kBwdWgmmaSm90;
             plan.d_bucket = (int)x.d;
-            const int64_t bm = bwd_wgmma_block_m((int)x.d);
-            plan.workspace_bytes = x.batch * x.heads * ((x.sq + bm - 1) / bm * bm) * (2 + x.d) * (int64_t)sizeof(float);
+            plan.workspace_bytes = bwd_workspace_bytes(x.batch, x.heads, x.sq, bwd_wgmma_block_m((int)x.d), (int)x.d);
+            return plan;
+        }
+        if (!(x.flags & FK_ATTN_DETERMINISTIC) && (x.flags & FK_ATTN_SM80_ATOMIC) && x.d <= 128) {
+            plan.strategy = Strategy::kBwdAtomicMmaSm80;
+            plan.workspace_bytes = bwd_workspace_bytes(x.batch, x.heads, x.sq, bwd_atomic_block_m(plan.d_bucket),
+                                                       plan.d_bucket);
             return plan;
         }
         plan.strategy = Strategy::kBwdMmaSm80;
@@ -218,7 +227,8 @@ Params params_of(const fk_attention_args &x, const Plan &plan) {
     if (plan.strategy == Strategy::kFwdSplitMmaSm80) {
         p.part_lse = ws;
         p.part_out = ws + split_lse_floats(plan.splits, x);
-    } else if (plan.strategy == Strategy::kBwdMmaSm80 || plan.strategy == Strategy::kBwdWgmmaSm90) {
+    } else if (plan.strategy == Strategy::kBwdMmaSm80 || plan.strategy == Strategy::kBwdWgmmaSm90 ||
+               plan.strategy == Strategy::kBwdAtomicMmaSm80) {
         p.dvec = ws;
     } else if (plan.strategy == Strategy::kFwdWgmmaSm90 && plan.dynamic) {
         p.next_tile = static_cast<unsigned long long *>(x.workspace);
@@ -249,6 +259,7 @@ fk_status run(const fk_attention_args *args, int backward, int device, void *str
     case Strategy::kFwdSplitMmaSm80: return launch_fwd_mma_sm80(plan, p, x.dtype, device, s);
     case Strategy::kFwdWgmmaSm90: return launch_fwd_wgmma_sm90(plan, p, x.dtype, device, s);
     case Strategy::kBwdMmaSm80: return launch_bwd_mma_sm80(plan, p, x.dtype, device, s);
+    case Strategy::kBwdAtomicMmaSm80: return launch_bwd_atomic_mma_sm80(plan, p, x.dtype, device, s);
     case Strategy::kBwdWgmmaSm90: return launch_bwd_wgmma_sm90(plan, p, x.dtype, device, s);
     default: return FK_OK;
     }
