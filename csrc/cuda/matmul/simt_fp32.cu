@@ -21,29 +21,36 @@
 namespace fk::mm {
 namespace {
 
-constexpr int kBM = 128, kBN = 128, kBK = 8, kThreads = 256, kPad = 4;
+constexpr int kBM = 128, kBK = 8, kThreads = 256, kPad = 4;
 constexpr int kStages = 4;                     // operand ring: a step's copies have 3 steps to land
-constexpr int kLoads = kBM * kBK / kThreads;  // A and B elements a thread copies a step (4)
+constexpr int kLoads = kBM * kBK / kThreads;  // A elements a thread copies a step (4)
 constexpr int kChunkTiles = 16;                // k-steps summed before they join the total
 
 // The ring, and the running totals: a thread's 64 as one column of a [64][kThreads] array
 // (conflict-free, touched once every kChunkTiles k-steps), 64 registers fewer, so 2 CTAs fit an SM.
-struct Smem {
+template <int kBN> struct Smem {
+    static constexpr int kTN = kBN / 16;  // a thread's columns
     float a[kStages][kBK][kBM + kPad];  // As[k][m]: k-major rows, padded against bank conflicts
     float b[kStages][kBK][kBN + kPad];
-    float totals[64 * kThreads];        // total[i][j] of thread t at (8 i + j) * kThreads + t
+    float totals[8 * kTN * kThreads];   // total[i][j] of thread t at (kTN i + j) * kThreads + t
 };
-constexpr int kSmemBytes = (int)sizeof(Smem);  // 97 KB: 2 CTAs an SM
 
-template <bool kAKMajor, bool kBKMajor>
-__global__ void __launch_bounds__(kThreads, 2) matmul_simt_fp32(Params p) {
+template <bool kAKMajor, bool kBKMajor, int kBN>
+__global__ void __launch_bounds__(kThreads, kBN == 128 ? 2 : 1) matmul_simt_fp32(Params p) {
+    constexpr int kTN = kBN / 16, kLoadsB = kBN * kBK / kThreads;
     extern __shared__ __align__(16) unsigned char smem_raw[];
-    Smem &s = *reinterpret_cast<Smem *>(smem_raw);
+    Smem<kBN> &s = *reinterpret_cast<Smem<kBN> *>(smem_raw);
     float *totals = s.totals;
     const int tiles_m = (int)((p.m + kBM - 1) / kBM), tiles_n = (int)((p.n + kBN - 1) / kBN);
     const TileIndex t = grouped_tile(blockIdx.x, tiles_m, tiles_n, 8);
     const int64_t m0 = (int64_t)t.tm * kBM, n0 = (int64_t)t.tn * kBN;
-    const int tid = threadIdx.x, tm = tid / 16, tn = tid % 16;
+    const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
+    // Thread (tm, tn) owns rows tm * 4 and 64 + tm * 4, columns tn * 4 and 64 + tn * 4 (4 each).
+    // Warps are 4 x 8 threads, 4 x 2 warps a CTA. Lane bit 0 moves tn, bit 1 moves tm: lanes l and
+    // l ^ 1 read the same A float4s, l and l ^ 2 the same B float4s, which halves the shared-memory
+    // return cycles of every LDS.128 (4 -> 2: the return path moves one register a lane a cycle).
+    const int tm = (warp / 2) * 4 + (lane >> 1 & 1) + (lane >> 4 & 1) * 2;
+    const int tn = (warp % 2) * 8 + (lane & 1) + (lane >> 2 & 3) * 2;
     const int k_tiles = (int)((p.k + kBK - 1) / kBK);
     grid_dependency_sync();
 
@@ -53,9 +60,10 @@ __global__ void __launch_bounds__(kThreads, 2) matmul_simt_fp32(Params p) {
         // A thread copies kLoads elements of each step's A tile: 4 consecutive k of one row
         // (K-major: one 16-byte span, immediate offsets) or rows tid % 128 at k, k + 2, ... (M-major:
         // coalesced across threads). Both write banks (4 k + m) % 32 / m % 32: conflict-free. B alike.
-        constexpr int kDkA = kAKMajor ? 1 : 2, kDkB = kBKMajor ? 1 : 2;
-        const int ma = kAKMajor ? tid / 2 : tid % kBM, ka = kAKMajor ? (tid % 2) * 4 : tid / kBM;
-        const int nb = kBKMajor ? tid / 2 : tid % kBN, kb = kBKMajor ? (tid % 2) * 4 : tid / kBN;
+        constexpr int kDkA = kAKMajor ? 1 : kThreads / kBM, kDkB = kBKMajor ? 1 : kThreads / kBN;
+        constexpr int kRowA = kBK / kLoads, kRowB = kBK / kLoadsB;  // K-major: threads a row
+        const int ma = kAKMajor ? tid / kRowA : tid % kBM, ka = kAKMajor ? (tid % kRowA) * kLoads : tid / kBM;
+        const int nb = kBKMajor ? tid / kRowB : tid % kBN, kb = kBKMajor ? (tid % kRowB) * kLoadsB : tid / kBN;
         // The contiguous dim's stride is 1 in every instance (dispatch.cu's a_kmajor / b_kmajor).
         const int64_t a_m = kAKMajor ? p.a_row : 1, a_k = kAKMajor ? 1 : p.a_col;
         const int64_t b_n = kBKMajor ? p.b_col : 1, b_k = kBKMajor ? 1 : p.b_row;
@@ -72,16 +80,19 @@ __global__ void __launch_bounds__(kThreads, 2) matmul_simt_fp32(Params p) {
             float *sa = &s.a[stage][0][0] + a_off, *sb = &s.b[stage][0][0] + b_off;
             if (kt < k_full) {
 #pragma unroll
-                for (int i = 0; i < kLoads; i++) {
-                    __pipeline_memcpy_async(sa + i * kDkA * (kBM + kPad), ga + i * da, 4);
-                    __pipeline_memcpy_async(sb + i * kDkB * (kBN + kPad), gb + i * db, 4);
-                }
+                for (int i = 0; i < kLoads; i++) __pipeline_memcpy_async(sa + i * kDkA * (kBM + kPad), ga + i * da, 4);
+#pragma unroll
+                for (int i = 0; i < kLoadsB; i++) __pipeline_memcpy_async(sb + i * kDkB * (kBN + kPad), gb + i * db, 4);
             } else {
                 const int k_left = (int)min(p.k - (int64_t)kt * kBK, (int64_t)kBK);
 #pragma unroll
                 for (int i = 0; i < kLoads; i++) {
-                    const bool in_a = row_a && ka + i * kDkA < k_left, in_b = col_b && kb + i * kDkB < k_left;
+                    const bool in_a = row_a && ka + i * kDkA < k_left;
                     __pipeline_memcpy_async(sa + i * kDkA * (kBM + kPad), in_a ? ga + i * da : static_cast<const float *>(p.a), 4, in_a ? 0 : 4);
+                }
+#pragma unroll
+                for (int i = 0; i < kLoadsB; i++) {
+                    const bool in_b = col_b && kb + i * kDkB < k_left;
                     __pipeline_memcpy_async(sb + i * kDkB * (kBN + kPad), in_b ? gb + i * db : static_cast<const float *>(p.b), 4, in_b ? 0 : 4);
                 }
             }
@@ -89,20 +100,21 @@ __global__ void __launch_bounds__(kThreads, 2) matmul_simt_fp32(Params p) {
         };
         // A thread's outputs are two 4 x 4 blocks 64 rows and 64 columns apart: its k-th fragments
         // are four LDS.128 (a warp reads 2 and 16 distinct float4s: no conflicts).
-        auto load_fragments = [&](int stage, int k, float(&fa)[8], float(&fb)[8]) {
+        auto load_fragments = [&](int stage, int k, float(&fa)[8], float(&fb)[kTN]) {
             *reinterpret_cast<float4 *>(fa) = *reinterpret_cast<const float4 *>(&s.a[stage][k][tm * 4]);
             *reinterpret_cast<float4 *>(fa + 4) = *reinterpret_cast<const float4 *>(&s.a[stage][k][64 + tm * 4]);
-            *reinterpret_cast<float4 *>(fb) = *reinterpret_cast<const float4 *>(&s.b[stage][k][tn * 4]);
-            *reinterpret_cast<float4 *>(fb + 4) = *reinterpret_cast<const float4 *>(&s.b[stage][k][64 + tn * 4]);
+#pragma unroll
+            for (int c = 0; c < kTN / 4; c++)
+                *reinterpret_cast<float4 *>(fb + 4 * c) = *reinterpret_cast<const float4 *>(&s.b[stage][k][64 * c + tn * 4]);
         };
 
         // Two-level sums: acc takes kChunkTiles k-steps, then folds into total, so a long K adds
         // ~K / 128 + 128 roundings an output instead of K (grad of (7, 4096) @ (4096, 16): 3.7x ->
         // within 2x of cuBLAS's split-K error).
-        float acc[8][8] = {};
-        float fa[2][8], fb[2][8];  // fragments of k and k + 1: the next k's loads overlap this k's FMAs
+        float acc[8][kTN] = {};
+        float fa[2][8], fb[2][kTN];  // fragments of k and k + 1: the next k's loads overlap this k's FMAs
 #pragma unroll
-        for (int i = 0; i < 64; i++) totals[i * kThreads + tid] = 0.0f;
+        for (int i = 0; i < 8 * kTN; i++) totals[i * kThreads + tid] = 0.0f;
         __syncthreads();  // the previous batch's last fragment loads are done before the ring refills
 #pragma unroll
         for (int st = 0; st < kStages - 1; st++) {
@@ -122,13 +134,13 @@ __global__ void __launch_bounds__(kThreads, 2) matmul_simt_fp32(Params p) {
 #pragma unroll
                 for (int i = 0; i < 8; i++)
 #pragma unroll
-                    for (int j = 0; j < 8; j++) acc[i][j] = fmaf(fa[k % 2][i], fb[k % 2][j], acc[i][j]);
+                    for (int j = 0; j < kTN; j++) acc[i][j] = fmaf(fa[k % 2][i], fb[k % 2][j], acc[i][j]);
             }
             if ((kt + 1) % kChunkTiles == 0 || kt + 1 == k_tiles) {
 #pragma unroll
                 for (int i = 0; i < 8; i++)
 #pragma unroll
-                    for (int j = 0; j < 8; j++) totals[(8 * i + j) * kThreads + tid] += acc[i][j], acc[i][j] = 0.0f;
+                    for (int j = 0; j < kTN; j++) totals[(kTN * i + j) * kThreads + tid] += acc[i][j], acc[i][j] = 0.0f;
             }
         }
 
@@ -140,34 +152,43 @@ __global__ void __launch_bounds__(kThreads, 2) matmul_simt_fp32(Params p) {
             for (int i = 0; i < 8; i++) {
                 const int64_t row = m0 + (i < 4 ? tm * 4 + i : 64 + tm * 4 + i - 4);
 #pragma unroll
-                for (int j = 0; j < 8; j += 2) {
-                    const int64_t col = n0 + (j < 4 ? tn * 4 + j : 64 + tn * 4 + j - 4);
-                    store_pair<act.value, float>(p, c, pre, bias, row, col, totals[(8 * i + j) * kThreads + tid],
-                                                 totals[(8 * i + j + 1) * kThreads + tid]);
+                for (int j = 0; j < kTN; j += 2) {
+                    const int64_t col = n0 + 64 * (j / 4) + tn * 4 + j % 4;
+                    store_pair<act.value, float>(p, c, pre, bias, row, col, totals[(kTN * i + j) * kThreads + tid],
+                                                 totals[(kTN * i + j + 1) * kThreads + tid]);
                 }
             }
         });
     }
 }
 
-template <bool kAKMajor, bool kBKMajor> fk_status launch(const Params &p, int device, cudaStream_t stream) {
+template <bool kAKMajor, bool kBKMajor, int kBN> fk_status launch(const Params &p, int device, cudaStream_t stream) {
     const int64_t tiles = ((p.m + kBM - 1) / kBM) * ((p.n + kBN - 1) / kBN);
     const dim3 grid((unsigned)tiles, (unsigned)std::min<int64_t>(p.batch, 65535));
-    constexpr auto kernel = matmul_simt_fp32<kAKMajor, kBKMajor>;
+    constexpr auto kernel = matmul_simt_fp32<kAKMajor, kBKMajor, kBN>;
+    constexpr int kSmemBytes = (int)sizeof(Smem<kBN>);
     cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes);
-    if (e == cudaSuccess)  // room for 2 CTAs an SM
+    if (e == cudaSuccess)
         e = cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout, cudaSharedmemCarveoutMaxShared);
     if (e != cudaSuccess) return cuda_status(e, "matmul");
     return Launch(grid, dim3(kThreads), kSmemBytes, stream, device)("matmul", kernel, p);
 }
 
+template <int kBN> fk_status launch_majors(const Params &p, bool a_kmajor, bool b_kmajor, int device, cudaStream_t stream) {
+    if (a_kmajor) return b_kmajor ? launch<true, true, kBN>(p, device, stream) : launch<true, false, kBN>(p, device, stream);
+    return b_kmajor ? launch<false, true, kBN>(p, device, stream) : launch<false, false, kBN>(p, device, stream);
+}
+
 }  // namespace
 
-// 4 instances: the operand majors.
+// 8 instances: the operand majors x the tile width.
 fk_status launch_simt_fp32(const Plan &, const Params &p, bool a_kmajor, bool b_kmajor, int device,
                            cudaStream_t stream) {
-    if (a_kmajor) return b_kmajor ? launch<true, true>(p, device, stream) : launch<true, false>(p, device, stream);
-    return b_kmajor ? launch<false, true>(p, device, stream) : launch<false, false>(p, device, stream);
+    // 128 x 256 tiles (one CTA an SM) once they fill every SM twice; smaller grids keep 128 x 128
+    // tiles at 2 CTAs an SM (D-121).
+    const bool wide = ((p.m + kBM - 1) / kBM) * ((p.n + 255) / 256) * p.batch >= 2 * sm_count(device);
+    return wide ? launch_majors<256>(p, a_kmajor, b_kmajor, device, stream)
+                : launch_majors<128>(p, a_kmajor, b_kmajor, device, stream);
 }
 
 }  // namespace fk::mm
