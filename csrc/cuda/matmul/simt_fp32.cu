@@ -1,19 +1,21 @@
 // matmul_simt_fp32: exact fp32 GEMM on the CUDA cores (torch's default fp32 matmul, TF32 off), any
 // shape, major and alignment. dispatch.cu row "fp32, otherwise".
 //
-// Napkin math: 2 M N K FMAs at the H100's ~60 TFLOP/s fp32 peak (cuBLAS measured 51 at 4096^3 on an
-// H200): 4096^3 is 137 GFLOP, ~2.7 ms. A thread's 8 x 8 outputs take 16 shared-memory words a k
-// step for 64 FMAs: 4 FMAs a loaded word, enough to keep the FMA pipes ahead of shared memory.
+// Napkin math: 2 M N K FMAs at the H200's ~67 TFLOP/s fp32 peak (132 SMs x 128 FMA lanes x 1.98 GHz;
+// cuBLAS measured 51 at 4096^3): 4096^3 is 137 GFLOP, 2.7 ms at cuBLAS's rate. An SM's shared memory
+// returns 32 words a cycle to 128 FMA lanes: a thread's 8 x 8 outputs load 16 words a k for 64 FMAs,
+// which keeps shared memory as busy as the FMA pipes; 8 x 16 outputs load 24 for 128 (75%).
 //
-// Algorithm: a CTA of 256 threads owns a 128 x 128 block of C and walks K in steps of 8. Each step's
-// A (128 x 8) and B (8 x 128) tiles are copied by 4-byte cp.async (coalesced along the operand's
-// contiguous dim, zero-filled past the edges) straight into k-major rows (As[k][m], Bs[k][n], padded
-// against bank conflicts) while the previous step is computed: two buffers, one __syncthreads a
-// step. A thread's outputs are two 4 x 4 blocks 64 rows and 64 columns apart, read as float4s. Sums
-// run in two levels (kChunkTiles steps in registers, then a running total in shared memory), so a
-// thread holds 64 accumulators, not 128: 128 registers, 2 CTAs an SM (was 1 at 241-255 registers,
-// 4096^3 23-25 TFLOP/s = 0.47x cuBLAS on the H200). The arithmetic, and so every result bit, is the
-// one-CTA version's. H100: 4096^3 33 TFLOP/s = 0.63x cuBLAS (session 34).
+// Algorithm: a CTA of 256 threads owns a 128 x kBN block of C (kBN 256: 8 x 16 outputs a thread, one
+// CTA an SM, for grids that fill the SMs twice; else 128: 8 x 8, 2 CTAs an SM) and walks K in steps
+// of 8. Each step's A (128 x 8) and B (8 x kBN) tiles are copied by 4-byte cp.async (zero-filled past
+// the edges; inner tiles skip the bounds) straight into k-major rows (As[k][m], Bs[k][n], padded
+// against bank conflicts) through a 4-stage ring, one __syncthreads a step. A thread's outputs are
+// 4 x 4 blocks 64 rows and 64 columns apart, read as float4s; a step's 8 k are unrolled, the next
+// k's fragments loaded while this k's FMAs run. Sums run in two levels (kChunkTiles steps in
+// registers, then a running total in shared memory), so a thread holds 64 (kBN 256: 128)
+// accumulators, not twice that. The arithmetic, and so every result bit, is the one-CTA 128 x 128
+// version's. H200, 4096^3: 39.0 TFLOP/s = 0.76x cuBLAS (was 33.1 = 0.645x; D-121).
 #include <cuda_pipeline.h>
 
 #include "matmul.cuh"
@@ -26,8 +28,9 @@ constexpr int kStages = 4;                     // operand ring: a step's copies 
 constexpr int kLoads = kBM * kBK / kThreads;  // A elements a thread copies a step (4)
 constexpr int kChunkTiles = 16;                // k-steps summed before they join the total
 
-// The ring, and the running totals: a thread's 64 as one column of a [64][kThreads] array
-// (conflict-free, touched once every kChunkTiles k-steps), 64 registers fewer, so 2 CTAs fit an SM.
+// The ring, and the running totals: a thread's 8 x kTN as one column of a [8 kTN][kThreads] array
+// (conflict-free, touched once every kChunkTiles k-steps): 64 (128) registers fewer. kBN 128: 97 KB,
+// 2 CTAs an SM; 256: 177 KB, one.
 template <int kBN> struct Smem {
     static constexpr int kTN = kBN / 16;  // a thread's columns
     float a[kStages][kBK][kBM + kPad];  // As[k][m]: k-major rows, padded against bank conflicts
@@ -45,10 +48,10 @@ __global__ void __launch_bounds__(kThreads, kBN == 128 ? 2 : 1) matmul_simt_fp32
     const TileIndex t = grouped_tile(blockIdx.x, tiles_m, tiles_n, 8);
     const int64_t m0 = (int64_t)t.tm * kBM, n0 = (int64_t)t.tn * kBN;
     const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
-    // Thread (tm, tn) owns rows tm * 4 and 64 + tm * 4, columns tn * 4 and 64 + tn * 4 (4 each).
+    // Thread (tm, tn) owns rows tm * 4 and 64 + tm * 4, columns tn * 4 + 64 c (c < kTN / 4), 4 each.
     // Warps are 4 x 8 threads, 4 x 2 warps a CTA. Lane bit 0 moves tn, bit 1 moves tm: lanes l and
-    // l ^ 1 read the same A float4s, l and l ^ 2 the same B float4s, which halves the shared-memory
-    // return cycles of every LDS.128 (4 -> 2: the return path moves one register a lane a cycle).
+    // l ^ 1 read the same A float4s, l and l ^ 2 the same B float4s (a pairing that packs LDS.128
+    // returns on sm_70; on the H200 within noise of 16 x 2 lanes, D-121).
     const int tm = (warp / 2) * 4 + (lane >> 1 & 1) + (lane >> 4 & 1) * 2;
     const int tn = (warp % 2) * 8 + (lane & 1) + (lane >> 2 & 3) * 2;
     const int k_tiles = (int)((p.k + kBK - 1) / kBK);
@@ -59,7 +62,8 @@ __global__ void __launch_bounds__(kThreads, kBN == 128 ? 2 : 1) matmul_simt_fp32
         const float *b = static_cast<const float *>(p.b) + batch * p.b_batch;
         // A thread copies kLoads elements of each step's A tile: 4 consecutive k of one row
         // (K-major: one 16-byte span, immediate offsets) or rows tid % 128 at k, k + 2, ... (M-major:
-        // coalesced across threads). Both write banks (4 k + m) % 32 / m % 32: conflict-free. B alike.
+        // coalesced across threads). Both write banks (4 k + m) % 32 / m % 32: conflict-free. B alike
+        // (kBN 256: 8 k of one row, or row tid at every k).
         constexpr int kDkA = kAKMajor ? 1 : kThreads / kBM, kDkB = kBKMajor ? 1 : kThreads / kBN;
         constexpr int kRowA = kBK / kLoads, kRowB = kBK / kLoadsB;  // K-major: threads a row
         const int ma = kAKMajor ? tid / kRowA : tid % kBM, ka = kAKMajor ? (tid % kRowA) * kLoads : tid / kBM;
@@ -98,8 +102,8 @@ __global__ void __launch_bounds__(kThreads, kBN == 128 ? 2 : 1) matmul_simt_fp32
             }
             ga += kBK * a_k, gb += kBK * b_k;
         };
-        // A thread's outputs are two 4 x 4 blocks 64 rows and 64 columns apart: its k-th fragments
-        // are four LDS.128 (a warp reads 2 and 16 distinct float4s: no conflicts).
+        // A thread's k-th fragments are 2 + kTN / 4 LDS.128 (a warp reads 4 and 8 distinct, adjacent
+        // float4s each: no conflicts).
         auto load_fragments = [&](int stage, int k, float(&fa)[8], float(&fb)[kTN]) {
             *reinterpret_cast<float4 *>(fa) = *reinterpret_cast<const float4 *>(&s.a[stage][k][tm * 4]);
             *reinterpret_cast<float4 *>(fa + 4) = *reinterpret_cast<const float4 *>(&s.a[stage][k][64 + tm * 4]);
@@ -185,7 +189,7 @@ template <int kBN> fk_status launch_majors(const Params &p, bool a_kmajor, bool 
 fk_status launch_simt_fp32(const Plan &, const Params &p, bool a_kmajor, bool b_kmajor, int device,
                            cudaStream_t stream) {
     // 128 x 256 tiles (one CTA an SM) once they fill every SM twice; smaller grids keep 128 x 128
-    // tiles at 2 CTAs an SM (D-121).
+    // tiles at 2 CTAs an SM (D-121: H200 (8192,768,3072), 192 wide tiles: 0.59x wide, 0.75x narrow).
     const bool wide = ((p.m + kBM - 1) / kBM) * ((p.n + 255) / 256) * p.batch >= 2 * sm_count(device);
     return wide ? launch_majors<256>(p, a_kmajor, b_kmajor, device, stream)
                 : launch_majors<128>(p, a_kmajor, b_kmajor, device, stream);
