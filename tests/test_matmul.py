@@ -284,6 +284,18 @@ def test_general_kernel_matches_default_cuda(dtype, mnk, monkeypatch):
     assert_within_torch_error(general, t_out, ref, f"general ({general_plan})")
 
 
+@needs_cuda
+@pytest.mark.parametrize("majors", list(itertools.product(("row", "col", "mis"), repeat=2)), ids="-".join)
+def test_fp32_exact_wide_tiles_at_ragged_edges(majors, poison):
+    """simt_fp32's 128 x 256 tiles (grids that fill every SM twice, D-121) with m, n one past and
+    three short of a tile, k five past a step, every operand major, bias and GELU."""
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    m, n, k = 128 * 17 + 1, 256 * -(-2 * sms // 18) - 3, 8 * 33 + 5
+    a = layout(make((m, k), torch.float32, "cuda"), majors[0])
+    b = layout(make((k, n), torch.float32, "cuda"), majors[1])
+    check(a, b, make((n,), torch.float32, "cuda"), "gelu", grads=False)
+
+
 def _hopper():
     return CUDA and torch.cuda.get_device_capability() == (9, 0) and "sm_90a" in fastkern.BUILD_INFO["archs"]
 

@@ -92,12 +92,14 @@ __global__ void __launch_bounds__(kThreads, kBN == 128 ? 2 : 1) matmul_simt_fp32
 #pragma unroll
                 for (int i = 0; i < kLoads; i++) {
                     const bool in_a = row_a && ka + i * kDkA < k_left;
-                    __pipeline_memcpy_async(sa + i * kDkA * (kBM + kPad), in_a ? ga + i * da : static_cast<const float *>(p.a), 4, in_a ? 0 : 4);
+                    __pipeline_memcpy_async(sa + i * kDkA * (kBM + kPad),
+                                            in_a ? ga + i * da : static_cast<const float *>(p.a), 4, in_a ? 0 : 4);
                 }
 #pragma unroll
                 for (int i = 0; i < kLoadsB; i++) {
                     const bool in_b = col_b && kb + i * kDkB < k_left;
-                    __pipeline_memcpy_async(sb + i * kDkB * (kBN + kPad), in_b ? gb + i * db : static_cast<const float *>(p.b), 4, in_b ? 0 : 4);
+                    __pipeline_memcpy_async(sb + i * kDkB * (kBN + kPad),
+                                            in_b ? gb + i * db : static_cast<const float *>(p.b), 4, in_b ? 0 : 4);
                 }
             }
             ga += kBK * a_k, gb += kBK * b_k;
@@ -190,7 +192,9 @@ fk_status launch_simt_fp32(const Plan &, const Params &p, bool a_kmajor, bool b_
                            cudaStream_t stream) {
     // 128 x 256 tiles (one CTA an SM) once they fill every SM twice; smaller grids keep 128 x 128
     // tiles at 2 CTAs an SM (D-121: H200 (8192,768,3072), 192 wide tiles: 0.59x wide, 0.75x narrow).
-    const bool wide = ((p.m + kBM - 1) / kBM) * ((p.n + 255) / 256) * p.batch >= 2 * sm_count(device);
+    // The wide tiles' 177 KB fit Hopper's shared memory, not sm_80's 164 KB or sm_86's 100 KB.
+    const bool wide = ((p.m + kBM - 1) / kBM) * ((p.n + 255) / 256) * p.batch >= 2 * sm_count(device) &&
+                      (int)sizeof(Smem<256>) + smem_reserved_per_cta(device) <= smem_per_sm(device);
     return wide ? launch_majors<256>(p, a_kmajor, b_kmajor, device, stream)
                 : launch_majors<128>(p, a_kmajor, b_kmajor, device, stream);
 }
