@@ -299,6 +299,19 @@ def test_general_kernel_large_tile_edges(majors, k, monkeypatch, poison):
     check(a, b, make((b.shape[1],), torch.bfloat16, "cuda"), "gelu", grads=False)
 
 
+@needs_cuda
+@pytest.mark.parametrize("majors", list(itertools.product(("row", "col", "mis"), repeat=2)), ids="-".join)
+def test_fp32_exact_wide_tiles_at_ragged_edges(majors, poison):
+    """Exact fp32 on a grid that fills every SM twice (where D-121's simt_fp32, at 477105b, takes 128 x
+    256 tiles) with m, n one past and three short of a tile, k five past a step, every operand major,
+    bias and GELU."""
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    m, n, k = 128 * 17 + 1, 256 * -(-2 * sms // 18) - 3, 8 * 33 + 5
+    a = layout(make((m, k), torch.float32, "cuda"), majors[0])
+    b = layout(make((k, n), torch.float32, "cuda"), majors[1])
+    check(a, b, make((n,), torch.float32, "cuda"), "gelu", grads=False)
+
+
 def _hopper():
     return CUDA and torch.cuda.get_device_capability() == (9, 0) and "sm_90a" in fastkern.BUILD_INFO["archs"]
 
