@@ -564,9 +564,8 @@ def test_cuda_sdpa_and_packed_qkv(cuda_path, poison):
     assert_within_torch_error(out, theirs, ref, "sdpa out")
 
 
-@needs_cuda
-def test_cuda_deterministic_backward_is_bitwise(cuda_path):
-    q, k, v = qkv(2, 1000, 1000, 8, 2, 128, torch.bfloat16, "cuda")
+def assert_bitwise_deterministic(q, k, v, repeats):
+    """deterministic=True's causal gradients of (q, k, v) equal bit for bit over `repeats` more runs."""
     g = torch.randn_like(q)
 
     def grads():
@@ -574,9 +573,14 @@ def test_cuda_deterministic_backward_is_bitwise(cuda_path):
         out = fastkern.flash_attn_func(qq, kk, vv, causal=True, deterministic=True)
         return torch.autograd.grad(out, (qq, kk, vv), g)
     first = grads()
-    for _ in range(3):
+    for _ in range(repeats):
         for a, b in zip(first, grads()):
             assert torch.equal(a, b)
+
+
+@needs_cuda
+def test_cuda_deterministic_backward_is_bitwise(cuda_path):
+    assert_bitwise_deterministic(*qkv(2, 1000, 1000, 8, 2, 128, torch.bfloat16, "cuda"), repeats=3)
 
 
 @needs_cuda
