@@ -216,10 +216,11 @@ def test_compile_fullgraph_matches_eager(device):
         assert torch.allclose(a, b, atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("kernel", ["avx512", "avx2", "generic"])
+@pytest.mark.parametrize("kernel", ["amx", "avx512", "avx2", "generic"])
 def test_every_cpu_micro_kernel(kernel, monkeypatch, poison):
-    """FASTKERN_CPU_MATMUL_KERNEL picks a narrower micro-kernel (a machine without AVX-512 falls
-    back to the next one): each meets the error rule on edge-heavy shapes and layouts."""
+    """FASTKERN_CPU_MATMUL_KERNEL picks a kernel (amx: bf16 on AMX tiles, the default where the CPU
+    has them, else the widest fp32 one; a machine without one falls back to the next): each meets
+    the error rule on edge-heavy shapes and layouts."""
     monkeypatch.setenv("FASTKERN_CPU_MATMUL_KERNEL", kernel)
     for dtype in (torch.float32, torch.bfloat16):
         a = layout(make((2, 131, 300), dtype, "cpu"), "col")

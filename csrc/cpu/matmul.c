@@ -25,10 +25,12 @@
 #include <stdatomic.h>
 #include <stdlib.h>
 
+#include "matmul_amx.h"
 #include "vec.h"
 
 #define kKc 256     /* k per micro-kernel run: its A and B slices (~12 + 32 KiB) stay in L1 / L2 */
 #define kMc 144     /* rows of a block: multiple of every MR (12, 6, 4); A block k x 144 in L2 */
+#define kMcAmx 128  /* rows of a block on AMX: a multiple of its 32-row pieces */
 #define kNcMax 256  /* columns of a block: multiple of every NR (32, 16, 8) */
 #define kBlockMinFlops (4 << 20) /* work a thread must get (~0.1 ms) for its start to pay */
 
@@ -72,15 +74,18 @@ FK_MICRO_KERNEL(micro_12x32_avx512,
 #endif
 
 typedef struct {
-    micro_fn run;
+    micro_fn run; /* NULL: bf16 blocks on AMX tiles (matmul_amx.c) */
     int mr, nr;
 } micro_kernel;
 
-/* The widest kernel the CPU runs; FASTKERN_CPU_MATMUL_KERNEL=generic|avx2 picks a narrower one
+/* The widest kernel the CPU runs for `dtype`: AMX tiles for bf16 where the CPU has them, else the
+ * widest fp32 micro-kernel; FASTKERN_CPU_MATMUL_KERNEL=avx512|avx2|generic picks an fp32 one
  * (tests cover every kernel on one machine). */
-static micro_kernel pick_kernel(void) {
+static micro_kernel pick_kernel(fk_dtype dtype) {
     const char *want = getenv("FASTKERN_CPU_MATMUL_KERNEL");
     int generic = want && !strcmp(want, "generic"), avx2 = want && !strcmp(want, "avx2");
+    if (dtype == FK_BFLOAT16 && (!want || !strcmp(want, "amx")) && fk_amx_bf16_ready())
+        return (micro_kernel){NULL, 32, 32};
     (void)avx2;
 #if defined(__x86_64__) && defined(__GNUC__)
     __builtin_cpu_init();
@@ -144,17 +149,41 @@ typedef struct {
     const fk_matmul_args *args;
     micro_kernel kern;
     int isa; /* the epilogue's GELU vectors (vec.h) */
-    int64_t nc, m_blocks, n_blocks;
+    int64_t mc, nc, m_blocks, n_blocks; /* block rows (kMc, or kMcAmx on AMX) and columns */
     atomic_int out_of_memory;
 } gemm_job;
 
 typedef struct {
-    float *a, *b, *tile, *bias;
+    float *a, *b, *tile, *bias; /* AMX: a and b hold packed bf16 */
 } gemm_buffers;
 
 static void *alloc_floats(int64_t count) {
     size_t bytes = ((size_t)(count > 0 ? count : 1) * sizeof(float) + 63) & ~(size_t)63;
     return aligned_alloc(64, bytes);
+}
+
+/* n fp32 values -> dst[at..] in `dtype`, in the vector body of `isa` (the scalar conversion was ~10%
+ * of a bf16 1024^3 on AMX tiles) */
+#define FK_STORE_ROW(isa, attrs, lanes)                                                            \
+    static attrs void store_row_##isa(fk_dtype dt, const float *x, int64_t n, void *dst, int64_t at) { \
+        int64_t full = n / lanes * lanes;                                                           \
+        for (int64_t i = 0; i < full; i += lanes) vstore_##isa(dt, vload_##isa(FK_FLOAT32, x, i), dst, at + i); \
+        if (full < n)                                                                               \
+            vstore_part_##isa(dt, vload_part_##isa(FK_FLOAT32, x, full, n - full, 0.0f), dst, at + full, \
+                              n - full);                                                            \
+    }
+FK_STORE_ROW(generic, FK_ATTRS_GENERIC, 4)
+#if FK_X86
+FK_STORE_ROW(avx2, FK_ATTRS_AVX2, 8)
+FK_STORE_ROW(avx512, FK_ATTRS_AVX512, 16)
+#endif
+
+static void store_row(int isa, fk_dtype dt, const float *x, int64_t n, void *dst, int64_t at) {
+#if FK_X86
+    if (isa == FK_ISA_AVX512) return store_row_avx512(dt, x, n, dst, at);
+    if (isa == FK_ISA_AVX2) return store_row_avx2(dt, x, n, dst, at);
+#endif
+    store_row_generic(dt, x, n, dst, at);
 }
 
 /* Adds the bias, stores pre, applies the activation and stores C for the mc x nc block at
@@ -166,10 +195,10 @@ static void store_block(const fk_matmul_args *g, int isa, const gemm_buffers *bu
         int64_t offset = bb * g->c_batch + (m0 + i) * g->c_row + n0;
         if (g->bias)
             for (int64_t j = 0; j < nc; j++) row[j] += buf->bias[j];
-        if (g->pre) fk_store_f32(g->dtype, row, offset, nc, g->pre);
+        if (g->pre) store_row(isa, g->dtype, row, nc, g->pre, offset);
         if (g->activation != FK_ACT_NONE)
             fk_cpu_gelu_f32_inplace(row, nc, g->activation == FK_ACT_GELU_TANH, isa);
-        fk_store_f32(g->dtype, row, offset, nc, g->c);
+        store_row(isa, g->dtype, row, nc, g->c, offset);
     }
 }
 
@@ -179,12 +208,19 @@ static void run_block(const gemm_job *job, const gemm_buffers *buf, int64_t bb, 
                       int64_t n0, int64_t nc) {
     const fk_matmul_args *g = job->args;
     const micro_kernel *kern = &job->kern;
-    int64_t mc = g->m - m0 < kMc ? g->m - m0 : kMc, k = g->k, ldt = job->nc;
+    int64_t mc = g->m - m0 < job->mc ? g->m - m0 : job->mc, k = g->k, ldt = job->nc;
     int64_t mc_pad = (mc + kern->mr - 1) / kern->mr * kern->mr;
     int64_t nc_pad = (nc + kern->nr - 1) / kern->nr * kern->nr;
-    if (k == 0) memset(buf->tile, 0, (size_t)(mc_pad * ldt) * sizeof(float));
-    else pack_panels(g->dtype, elem(g->dtype, g->a, bb * g->a_batch + m0 * g->a_row), g->a_row,
-                     g->a_col, mc, k, kern->mr, buf->a);
+    const void *a = elem(g->dtype, g->a, bb * g->a_batch + m0 * g->a_row);
+    if (k == 0) {
+        memset(buf->tile, 0, (size_t)(mc_pad * ldt) * sizeof(float));
+    } else if (!kern->run) {
+        fk_amx_pack((const uint16_t *)a, g->a_row, g->a_col, mc, k, 0, (uint16_t *)buf->a);
+        fk_amx_block((const uint16_t *)buf->a, (const uint16_t *)buf->b, mc_pad, nc_pad, k, buf->tile, ldt);
+        k = 0; /* done: no fp32 micro-kernel runs below */
+    } else {
+        pack_panels(g->dtype, a, g->a_row, g->a_col, mc, k, kern->mr, buf->a);
+    }
     for (int64_t p0 = 0; p0 < k; p0 += kKc) {
         int64_t kc = k - p0 < kKc ? k - p0 : kKc;
         for (int64_t j = 0; j < nc_pad; j += kern->nr) {
@@ -201,12 +237,16 @@ static void run_block(const gemm_job *job, const gemm_buffers *buf, int64_t bb, 
 static void run_blocks(void *ctx, int64_t begin, int64_t end) {
     gemm_job *job = (gemm_job *)ctx;
     const fk_matmul_args *g = job->args;
-    int64_t k = g->k, nc_max = job->nc;
-    gemm_buffers buf = {alloc_floats(k * kMc), alloc_floats(k * nc_max), alloc_floats(kMc * nc_max),
+    int64_t k = g->k, nc_max = job->nc, mc_max = job->mc, amx = !job->kern.run;
+    /* AMX: bf16 panels of whole 16-lane, 32-k tiles (half a float an element) */
+    int64_t a_floats = amx ? mc_max * 16 * fk_amx_steps(k) : k * mc_max;
+    int64_t b_floats = amx ? nc_max * 16 * fk_amx_steps(k) : k * nc_max;
+    gemm_buffers buf = {alloc_floats(a_floats), alloc_floats(b_floats), alloc_floats(mc_max * nc_max),
                         alloc_floats(nc_max)};
     if (!buf.a || !buf.b || !buf.tile || !buf.bias) {
         atomic_store(&job->out_of_memory, 1);
     } else {
+        if (amx) fk_amx_begin();
         int64_t packed = -1; /* the (batch, column block) whose B panel buf.b holds */
         for (int64_t t = begin; t < end; t++) {
             int64_t bb = t / (job->n_blocks * job->m_blocks), rest = t % (job->n_blocks * job->m_blocks);
@@ -214,13 +254,15 @@ static void run_blocks(void *ctx, int64_t begin, int64_t end) {
             int64_t n0 = jn * nc_max, nc = g->n - n0 < nc_max ? g->n - n0 : nc_max;
             int64_t key = (g->b_batch ? bb : 0) * job->n_blocks + jn;
             if (key != packed) {
-                if (k) pack_panels(g->dtype, elem(g->dtype, g->b, bb * g->b_batch + n0 * g->b_col),
-                                   g->b_col, g->b_row, nc, k, job->kern.nr, buf.b);
+                const void *b = elem(g->dtype, g->b, bb * g->b_batch + n0 * g->b_col);
+                if (k && amx) fk_amx_pack((const uint16_t *)b, g->b_col, g->b_row, nc, k, 1, (uint16_t *)buf.b);
+                else if (k) pack_panels(g->dtype, b, g->b_col, g->b_row, nc, k, job->kern.nr, buf.b);
                 if (g->bias) load_strided(g->dtype, elem(g->dtype, g->bias, n0), 1, nc, buf.bias, 1);
                 packed = key;
             }
-            run_block(job, &buf, bb, im * kMc, n0, nc);
+            run_block(job, &buf, bb, im * mc_max, n0, nc);
         }
+        if (amx) fk_amx_end();
     }
     free(buf.a);
     free(buf.b);
@@ -229,16 +271,17 @@ static void run_blocks(void *ctx, int64_t begin, int64_t end) {
 }
 
 static fk_status gemm_f32(const fk_matmul_args *g, int threads) {
-    gemm_job job = {.args = g, .kern = pick_kernel(), .isa = fk_cpu_isa()};
+    gemm_job job = {.args = g, .kern = pick_kernel(g->dtype), .isa = fk_cpu_isa()};
+    job.mc = job.kern.run ? kMc : kMcAmx;
     /* narrow blocks when n is small; keep the packed B panel (k x nc) within ~8 MiB for huge k */
     int64_t nr = job.kern.nr, nc = (g->n + nr - 1) / nr * nr;
     if (nc > kNcMax) nc = kNcMax;
     while (nc > nr && g->k * nc > ((int64_t)2 << 20)) nc -= nr;
     job.nc = nc;
-    job.m_blocks = (g->m + kMc - 1) / kMc;
+    job.m_blocks = (g->m + job.mc - 1) / job.mc;
     job.n_blocks = (g->n + nc - 1) / nc;
     atomic_init(&job.out_of_memory, 0);
-    int64_t block_flops = 2 * (g->m < kMc ? g->m : kMc) * (g->n < nc ? g->n : nc) * (g->k + 1);
+    int64_t block_flops = 2 * (g->m < job.mc ? g->m : job.mc) * (g->n < nc ? g->n : nc) * (g->k + 1);
     int64_t min_blocks = kBlockMinFlops / (block_flops > 0 ? block_flops : 1) + 1;
     fk_parallel_for(threads, g->batch * job.m_blocks * job.n_blocks, min_blocks, run_blocks, &job);
     if (atomic_load(&job.out_of_memory))
