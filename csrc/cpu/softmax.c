@@ -195,12 +195,12 @@ static fk_rows block_of(const softmax_job *j, int64_t b) {
 /* A thread's run of row blocks: backward when the job has dy. */
 static void run_blocks(void *arg, int64_t begin, int64_t end) {
     const softmax_job *j = (const softmax_job *)arg;
-    if (j->row) { /* 16-bit rows and column forwards keep their exps: on the stack, or one buffer a run */
+    if (j->row) { /* 16-bit rows keep their exps: on the stack, or one buffer a run */
         float stack[FK_KEEP] __attribute__((aligned(64)));
         float *scratch = NULL, *heap = NULL;
-        int64_t floats = scratch_floats(j);
-        if (floats > 0)
-            scratch = floats <= FK_KEEP ? stack : (heap = (float *)malloc((size_t)floats * sizeof(float)));
+        if (needs_scratch(j)) {
+            scratch = j->n <= FK_KEEP ? stack : (heap = (float *)malloc((size_t)j->n * sizeof(float)));
+        }
         for (int64_t b = begin; b < end; b++) j->row(j, b, scratch); /* NULL: recompute the exps */
         free(heap);
         return;
@@ -236,8 +236,8 @@ static void split_blocks(softmax_job *j, int64_t outer, int threads) {
         }
         if (j->inner > 1) {
             int64_t parts = outer >= threads ? 1 : (threads + outer - 1) / outer;
-            int64_t width = ((j->inner + parts - 1) / parts + 15) / 16 * 16, most = j->dy ? FK_COLS_WIDTH : FK_COLS_FWD_WIDTH;
-            j->width = width < most ? width : most;
+            int64_t width = ((j->inner + parts - 1) / parts + 15) / 16 * 16;
+            j->width = width < FK_COLS_WIDTH ? width : FK_COLS_WIDTH;
         }
     }
     j->tiles = (j->inner + j->width - 1) / j->width;

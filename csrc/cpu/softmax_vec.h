@@ -29,7 +29,7 @@
 #define FK_KEEP 16384     /* keys a 16-bit row keeps on the stack; longer rows: one malloc a run */
 #define FK_COLS_FLUSH 256 /* keys a column's fp32 sum takes before it joins the fp64 total */
 #define FK_COLS_WIDTH 256 /* columns a block at most: per-column state of a few KiB stays in L1 */
-#define FK_COLS_FWD_WIDTH 32 /* columns a forward block at most: its keys stay in L2 (D-125) */
+#define FK_COLS_KEYS 16   /* keys of the forward's online max step: 16 x 1 KiB of fp32 keys in L1 */
 #define FK_COLS_CHUNK 512 /* keys a column backward's partial sums take (a multiple of FK_COLS_FLUSH) */
 #define FK_COLS_CHUNKS 64 /* chunks a column at most: longer columns take longer chunks */
 #define FK_COLS_SPLIT_BLOCKS 4 /* column backwards of fewer blocks than 4 a thread share out chunks */
@@ -57,12 +57,10 @@ static void fill_keys(fk_dtype dtype, void *dst, int64_t at, int64_t len, float 
         fk_store_f32(dtype, buf, at + i, len - i < FK_CHUNK ? len - i : FK_CHUNK, dst);
 }
 
-/* Floats of scratch a call of this job keeps its exps in (16-bit rows: softmax forward, log
- * backward; 16-bit column softmax forwards: a block's; fp32 keeps them in its output), 0: none. */
-static inline int64_t scratch_floats(const softmax_job *j) {
-    if (j->dtype == FK_FLOAT32) return 0;
-    if (j->inner > 1) return j->dy || j->is_log ? 0 : j->n * FK_COLS_FWD_WIDTH;
-    return (j->dy ? j->is_log : !j->is_log) ? j->n : 0;
+/* Does a call of this job keep its exps in a scratch buffer (16-bit rows: softmax forward, log
+ * backward; fp32 keeps them in its output)? */
+static inline int needs_scratch(const softmax_job *j) {
+    return j->inner == 1 && j->dtype != FK_FLOAT32 && (j->dy ? j->is_log : !j->is_log);
 }
 
 /* The entry softmax.c calls for a kernel body `body(j, item, scratch, dtype, is_log)`, inlined once
@@ -238,91 +236,65 @@ static inline int64_t scratch_floats(const softmax_job *j) {
     }                                                                                               \
     FK_SPECIALIZE(attrs, softmax_bwd_rows_##isa, bwd_rows_##isa)                                   \
                                                                                                     \
-    /* Columns [i0, i0 + w) of slab o (block b), w <= FK_COLS_FWD_WIDTH (kW vectors, one lane a     \
-     * column; `full`: w is all of them), three passes over its n keys, each key's w columns        \
-     * adjacent: m = max(x * scale); e = exp(x * scale - m), s = sum e (fp32 lanes flushed to fp64  \
-     * every FK_COLS_FLUSH keys), e kept (fp32: in y; 16-bit: in scratch, n x FK_COLS_FWD_WIDTH     \
-     * floats; none: recomputed); y = e / s, or log: x * scale - m - log s. One exp an element      \
-     * (D-125); the block's keys stay in L2 between passes. */                                      \
-    static inline __attribute__((always_inline)) attrs void fwd_cols_block_##isa(                   \
-        const softmax_job *j, int64_t b, float *scratch, const fk_dtype dt, const int is_log,       \
-        const int full) {                                                                           \
-        enum { kW = FK_COLS_FWD_WIDTH / lanes };                                                    \
+    /* Columns [i0, i0 + w) of slab o (block b), w <= FK_COLS_WIDTH, one lane a column, the keys    \
+     * streamed in order (each key's w columns are adjacent): pass 1 an online max and sum, the max \
+     * of each FK_COLS_KEYS keys first, the sum rescaled once per block where it rose; pass 2 the   \
+     * output (one more exp an element: a kept exp would cost a write and a read of memory). */     \
+    static inline __attribute__((always_inline)) attrs void fwd_cols_##isa(                         \
+        const softmax_job *j, int64_t b, float *scratch, const fk_dtype dt, const int is_log) {     \
+        (void)scratch;                                                                              \
+        enum { kVecs = FK_COLS_WIDTH / lanes };                                                     \
         const vf_##isa zero = {0};                                                                  \
         const vd_##isa zd = {0};                                                                    \
         const float scale = (float)j->scale;                                                        \
         const fk_rows blk = block_of(j, b);                                                         \
-        const int64_t n = blk.n, inner = blk.inner, w = full ? kW * lanes : blk.width;              \
-        const int64_t at0 = blk.o * n * inner + blk.i0;                                             \
+        int64_t n = blk.n, inner = blk.inner, i0 = blk.i0, o = blk.o, w = blk.width;                \
+        int64_t nv = (w + lanes - 1) / lanes;                                                       \
         const void *x = j->in;                                                                      \
-        void *y = j->out;                                                                           \
-        float *keep = is_log ? NULL : dt == FK_FLOAT32 ? (float *)y : scratch;                      \
-        vf_##isa m[kW], m2[kW];                                                                     \
-        for (int v = 0; v < kW; v++) m[v] = m2[v] = zero - INFINITY;                                \
-        int64_t key = 0;                                                                            \
-        for (; key + 2 <= n; key += 2) /* two chains of compare and select */                       \
-            for (int v = 0; v < kW; v++) {                                                          \
-                if (!full && v * lanes >= w) break;                                                 \
-                int64_t at = at0 + key * inner + v * lanes, left = w - v * lanes;                   \
-                vf_##isa a = xs_##isa(dt, x, at, left, scale, -INFINITY);                           \
-                vf_##isa c = xs_##isa(dt, x, at + inner, left, scale, -INFINITY);                   \
-                m[v] = select_##isa(a > m[v], a, m[v]), m2[v] = select_##isa(c > m2[v], c, m2[v]);  \
-            }                                                                                       \
-        for (int v = 0; v < kW; v++) {                                                              \
-            if (key < n && (full || v * lanes < w)) {                                               \
-                vf_##isa a = xs_##isa(dt, x, at0 + key * inner + v * lanes, w - v * lanes, scale, -INFINITY); \
-                m[v] = select_##isa(a > m[v], a, m[v]);                                             \
-            }                                                                                       \
-            m[v] = select_##isa(m2[v] > m[v], m2[v], m[v]);                                         \
-        }                                                                                           \
-        vf_##isa ref[kW], part[kW]; /* exps relative to 0 where m is -inf: no -inf - -inf NaN */    \
-        vd_##isa s_lo[kW], s_hi[kW];                                                                \
-        for (int v = 0; v < kW; v++)                                                                \
-            ref[v] = select_##isa(m[v] == -INFINITY, zero, m[v]), part[v] = zero, s_lo[v] = s_hi[v] = zd; \
-        for (int64_t c0 = 0; c0 < n; c0 += FK_COLS_FLUSH) {                                          \
-            int64_t c1 = n - c0 < FK_COLS_FLUSH ? n : c0 + FK_COLS_FLUSH;                           \
-            for (key = c0; key < c1; key++)                                                         \
-                for (int v = 0; v < kW; v++) {                                                      \
-                    if (!full && v * lanes >= w) break;                                             \
-                    int64_t at = at0 + key * inner + v * lanes, left = w - v * lanes;               \
-                    vf_##isa e = exp_##isa(xs_##isa(dt, x, at, left, scale, -INFINITY) - ref[v]);   \
-                    part[v] += e;                                                                   \
-                    if (keep && dt == FK_FLOAT32) put_##isa(dt, e, keep, at, left);                 \
-                    else if (keep) *(vf_##isa *)(keep + key * FK_COLS_FWD_WIDTH + v * lanes) = e;                  \
+        int64_t at0 = o * n * inner + i0;                                                           \
+        vf_##isa m[kVecs], ref[kVecs], part[kVecs];                                                 \
+        vd_##isa s_lo[kVecs], s_hi[kVecs];                                                          \
+        for (int v = 0; v < nv; v++) m[v] = zero - INFINITY, part[v] = zero, s_lo[v] = s_hi[v] = zd; \
+        for (int64_t k0 = 0; k0 < n; k0 += FK_COLS_KEYS) {                                          \
+            int64_t k1 = n - k0 < FK_COLS_KEYS ? n : k0 + FK_COLS_KEYS;                             \
+            vf_##isa bm[kVecs];                                                                     \
+            for (int v = 0; v < nv; v++) bm[v] = m[v];                                              \
+            for (int64_t key = k0; key < k1; key++)                                                 \
+                for (int v = 0; v < nv; v++) {                                                      \
+                    vf_##isa xv = xs_##isa(dt, x, at0 + key * inner + v * lanes, w - v * lanes, scale, -INFINITY); \
+                    bm[v] = select_##isa(xv > bm[v], xv, bm[v]);                                    \
                 }                                                                                   \
-            for (int v = 0; v < kW; v++)                                                            \
-                s_lo[v] += widen_lo_##isa(part[v]), s_hi[v] += widen_hi_##isa(part[v]), part[v] = zero; \
+            for (int v = 0; v < nv; v++) { /* the sums rescaled to the new max; exps relative to 0  \
+                                            * while it is -inf, so -inf - -inf never makes NaN */   \
+                vf_##isa r = exp_##isa(select_##isa(bm[v] > m[v], m[v] - bm[v], zero));             \
+                part[v] *= r, s_lo[v] *= widen_lo_##isa(r), s_hi[v] *= widen_hi_##isa(r);           \
+                m[v] = bm[v];                                                                       \
+                ref[v] = select_##isa(m[v] == -INFINITY, zero, m[v]);                               \
+            }                                                                                       \
+            for (int64_t key = k0; key < k1; key++)                                                 \
+                for (int v = 0; v < nv; v++)                                                        \
+                    part[v] += exp_##isa(xs_##isa(dt, x, at0 + key * inner + v * lanes, w - v * lanes, \
+                                                  scale, -INFINITY) - ref[v]);                      \
+            if (k1 % FK_COLS_FLUSH == 0 || k1 == n)                                                 \
+                for (int v = 0; v < nv; v++)                                                        \
+                    s_lo[v] += widen_lo_##isa(part[v]), s_hi[v] += widen_hi_##isa(part[v]), part[v] = zero; \
         }                                                                                           \
-        float mt[FK_COLS_FWD_WIDTH], ft[FK_COLS_FWD_WIDTH]; /* through memory: see vsum */          \
-        double lo[lanes / 2], hi[lanes / 2];                                                        \
-        for (int v = 0; v < kW; v++) { /* softmax: f = 1 / s; log: f = log s */                     \
-            memcpy(lo, &s_lo[v], sizeof lo), memcpy(hi, &s_hi[v], sizeof hi);                       \
-            memcpy(mt + v * lanes, &m[v], sizeof m[v]);                                             \
+        vf_##isa f[kVecs]; /* softmax: f = 1 / s; log: f = log s */                                 \
+        for (int v = 0; v < nv; v++) {                                                              \
+            vd_##isa lo = s_lo[v], hi = s_hi[v];                                                    \
             for (int l = 0; l < lanes / 2; l++) {                                                   \
-                ft[v * lanes + l] = is_log ? (float)log(lo[l]) : (float)(1.0 / lo[l]);              \
-                ft[v * lanes + l + lanes / 2] = is_log ? (float)log(hi[l]) : (float)(1.0 / hi[l]);  \
+                f[v][l] = is_log ? (float)log(lo[l]) : (float)(1.0 / lo[l]);                        \
+                f[v][l + lanes / 2] = is_log ? (float)log(hi[l]) : (float)(1.0 / hi[l]);            \
             }                                                                                       \
         }                                                                                           \
-        vf_##isa f[kW];                                                                             \
-        for (int v = 0; v < kW; v++) memcpy(&f[v], ft + v * lanes, sizeof f[v]);                    \
         if (j->row_max)                                                                             \
-            for (int64_t c = 0; c < w; c++) ((float *)j->row_max)[blk.o * inner + blk.i0 + c] = mt[c]; \
-        for (key = 0; key < n; key++)                                                               \
-            for (int v = 0; v < kW; v++) {                                                          \
-                if (!full && v * lanes >= w) break;                                                 \
+            for (int c = 0; c < w; c++) ((float *)j->row_max)[o * inner + i0 + c] = m[c / lanes][c % lanes]; \
+        for (int64_t key = 0; key < n; key++)                                                       \
+            for (int v = 0; v < nv; v++) {                                                          \
                 int64_t at = at0 + key * inner + v * lanes, left = w - v * lanes;                   \
-                vf_##isa o;                                                                         \
-                if (is_log) o = xs_##isa(dt, x, at, left, scale, 0.0f) - m[v] - f[v];               \
-                else if (!keep) o = exp_##isa(xs_##isa(dt, x, at, left, scale, -INFINITY) - ref[v]) * f[v]; \
-                else if (dt == FK_FLOAT32) o = xs_##isa(dt, keep, at, left, 1.0f, 0.0f) * f[v];     \
-                else o = *(const vf_##isa *)(keep + key * FK_COLS_FWD_WIDTH + v * lanes) * f[v];                   \
-                put_##isa(dt, o, y, at, left);                                                      \
+                vf_##isa xv = xs_##isa(dt, x, at, left, scale, 0.0f) - m[v];                        \
+                put_##isa(dt, is_log ? xv - f[v] : exp_##isa(xv) * f[v], j->out, at, left);         \
             }                                                                                       \
-    }                                                                                               \
-    static inline __attribute__((always_inline)) attrs void fwd_cols_##isa(                         \
-        const softmax_job *j, int64_t b, float *scratch, const fk_dtype dt, const int is_log) {     \
-        if (block_of(j, b).width == FK_COLS_FWD_WIDTH) fwd_cols_block_##isa(j, b, scratch, dt, is_log, 1); \
-        else fwd_cols_block_##isa(j, b, scratch, dt, is_log, 0);                                    \
     }                                                                                               \
     FK_SPECIALIZE(attrs, softmax_fwd_cols_##isa, fwd_cols_##isa)                                   \
                                                                                                     \
