@@ -246,7 +246,11 @@ static inline int needs_scratch(const softmax_job *j) {
         enum { kVecs = FK_COLS_WIDTH / lanes };                                                     \
         const vf_##isa zero = {0};                                                                  \
         const vd_##isa zd = {0};                                                                    \
-        const float scale = (float)j->scale;                                                        \
+        const float scale = (float)j->scale, kLog2e = 1.44269504088896341f;                         \
+        /* 16-bit: exp(x scale - m) as exp2(x sl - m log2 e), one FMA (D-125); fp32 keeps exp's     \
+         * accuracy (sl's rounding: ~|x scale - m| 2^-24 relative, below a 16-bit ulp) */           \
+        const int fused = dt != FK_FLOAT32;                                                         \
+        const float sl = (float)(j->scale * 1.4426950408889634);                                    \
         const fk_rows blk = block_of(j, b);                                                         \
         int64_t n = blk.n, inner = blk.inner, i0 = blk.i0, o = blk.o, w = blk.width;                \
         int64_t nv = (w + lanes - 1) / lanes;                                                       \
@@ -269,12 +273,14 @@ static inline int needs_scratch(const softmax_job *j) {
                 vf_##isa r = exp_##isa(select_##isa(bm[v] > m[v], m[v] - bm[v], zero));             \
                 part[v] *= r, s_lo[v] *= widen_lo_##isa(r), s_hi[v] *= widen_hi_##isa(r);           \
                 m[v] = bm[v];                                                                       \
-                ref[v] = select_##isa(m[v] == -INFINITY, zero, m[v]);                               \
+                ref[v] = select_##isa(m[v] == -INFINITY, zero, m[v]) * (fused ? kLog2e : 1.0f);     \
             }                                                                                       \
             for (int64_t key = k0; key < k1; key++)                                                 \
-                for (int v = 0; v < nv; v++)                                                        \
-                    part[v] += exp_##isa(xs_##isa(dt, x, at0 + key * inner + v * lanes, w - v * lanes, \
-                                                  scale, -INFINITY) - ref[v]);                      \
+                for (int v = 0; v < nv; v++) {                                                      \
+                    int64_t at = at0 + key * inner + v * lanes, left = w - v * lanes;               \
+                    if (fused) part[v] += exp2_##isa(xs_##isa(dt, x, at, left, 1.0f, -INFINITY) * sl - ref[v]); \
+                    else part[v] += exp_##isa(xs_##isa(dt, x, at, left, scale, -INFINITY) - ref[v]); \
+                }                                                                                   \
             if (k1 % FK_COLS_FLUSH == 0 || k1 == n)                                                 \
                 for (int v = 0; v < nv; v++)                                                        \
                     s_lo[v] += widen_lo_##isa(part[v]), s_hi[v] += widen_hi_##isa(part[v]), part[v] = zero; \
@@ -289,11 +295,16 @@ static inline int needs_scratch(const softmax_job *j) {
         }                                                                                           \
         if (j->row_max)                                                                             \
             for (int c = 0; c < w; c++) ((float *)j->row_max)[o * inner + i0 + c] = m[c / lanes][c % lanes]; \
+        vf_##isa ml[kVecs];                                                                         \
+        for (int v = 0; v < nv; v++) ml[v] = m[v] * kLog2e;                                         \
         for (int64_t key = 0; key < n; key++)                                                       \
             for (int v = 0; v < nv; v++) {                                                          \
                 int64_t at = at0 + key * inner + v * lanes, left = w - v * lanes;                   \
-                vf_##isa xv = xs_##isa(dt, x, at, left, scale, 0.0f) - m[v];                        \
-                put_##isa(dt, is_log ? xv - f[v] : exp_##isa(xv) * f[v], j->out, at, left);         \
+                vf_##isa y;                                                                         \
+                if (is_log) y = xs_##isa(dt, x, at, left, scale, 0.0f) - m[v] - f[v];               \
+                else if (fused) y = exp2_##isa(xs_##isa(dt, x, at, left, 1.0f, 0.0f) * sl - ml[v]) * f[v]; \
+                else y = exp_##isa(xs_##isa(dt, x, at, left, scale, 0.0f) - m[v]) * f[v];           \
+                put_##isa(dt, y, j->out, at, left);                                                 \
             }                                                                                       \
     }                                                                                               \
     FK_SPECIALIZE(attrs, softmax_fwd_cols_##isa, fwd_cols_##isa)                                   \
