@@ -295,6 +295,7 @@ static inline int needs_scratch(const softmax_job *j) {
         }                                                                                           \
         if (j->row_max)                                                                             \
             for (int c = 0; c < w; c++) ((float *)j->row_max)[o * inner + i0 + c] = m[c / lanes][c % lanes]; \
+        void *out = j->out; /* a local: GCC reloaded j->out every vector (D-110) */                 \
         vf_##isa ml[kVecs];                                                                         \
         for (int v = 0; v < nv; v++) ml[v] = m[v] * kLog2e;                                         \
         for (int64_t key = 0; key < n; key++)                                                       \
@@ -304,7 +305,7 @@ static inline int needs_scratch(const softmax_job *j) {
                 if (is_log) y = xs_##isa(dt, x, at, left, scale, 0.0f) - m[v] - f[v];               \
                 else if (fused) y = exp2_##isa(xs_##isa(dt, x, at, left, 1.0f, 0.0f) * sl - ml[v]) * f[v]; \
                 else y = exp_##isa(xs_##isa(dt, x, at, left, scale, 0.0f) - m[v]) * f[v];           \
-                put_##isa(dt, y, j->out, at, left);                                                 \
+                put_##isa(dt, y, out, at, left);                                                    \
             }                                                                                       \
     }                                                                                               \
     FK_SPECIALIZE(attrs, softmax_fwd_cols_##isa, fwd_cols_##isa)                                   \

@@ -18,8 +18,9 @@
  *                              FLT_MIN: subnormals are dropped), above 88 clamped; NaN stays NaN.
  *   exp2_isa(t)                2^t for callers that fold a scale and an offset into t with one FMA
  *                              (16-bit outputs only: t's rounding makes ~|t| 2^-24 relative error):
- *                              n = round(t), 2^(t - n) by its degree-6 Taylor polynomial (1.2e-7),
- *                              times 2^n; below -126 0, above 127 clamped; NaN stays NaN.
+ *                              n = round(t), 2^(t - n) by a degree-5 minimax polynomial (1.8e-7
+ *                              relative, evaluated in fp32), times 2^n; below -126 0, above 127
+ *                              clamped; NaN stays NaN.
  * Included by the .c files that vectorise (their static functions are per translation unit).
  */
 #ifndef FASTKERN_CPU_VEC_H
@@ -199,12 +200,11 @@ static inline int fk_cpu_isa(void) {
         vf_##isa k = t + 12582912.0f; /* 1.5 * 2^23: rounds to integer */                           \
         vf_##isa n = k - 12582912.0f;                                                               \
         vi_##isa ni = (vi_##isa)k - 0x4b400000;                                                     \
-        vf_##isa r = t - n, p = zero + 1.5403530393381608e-4f;                                      \
-        p = p * r + 1.3333558146428443e-3f;                                                         \
-        p = p * r + 9.6181291076284772e-3f;                                                         \
-        p = p * r + 5.5504108664821580e-2f;                                                         \
-        p = p * r + 2.4022650695910071e-1f;                                                         \
-        p = p * r + 6.9314718055994531e-1f;                                                         \
+        vf_##isa r = t - n, p = zero + 1.3264698209e-3f;                                            \
+        p = p * r + 9.6715092659e-3f;                                                               \
+        p = p * r + 5.5507339537e-2f;                                                               \
+        p = p * r + 2.4022242427e-1f;                                                               \
+        p = p * r + 6.9314700365e-1f;                                                               \
         p = p * r + 1.0f;                                                                           \
         vf_##isa y = p * (vf_##isa)((ni + 127) << 23);                                              \
         return (vf_##isa)((vi_##isa)y & ~tiny);                                                     \
@@ -394,12 +394,11 @@ static FK_INLINE FK_ATTRS_AVX512 vf_avx512 exp2_avx512(vf_avx512 v) {
     __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     vf_avx512 r = (vf_avx512)_mm512_sub_ps(t, n);
     const vf_avx512 zero = {0};
-    vf_avx512 p = zero + 1.5403530393381608e-4f;
-    p = p * r + 1.3333558146428443e-3f;
-    p = p * r + 9.6181291076284772e-3f;
-    p = p * r + 5.5504108664821580e-2f;
-    p = p * r + 2.4022650695910071e-1f;
-    p = p * r + 6.9314718055994531e-1f;
+    vf_avx512 p = zero + 1.3264698209e-3f;
+    p = p * r + 9.6715092659e-3f;
+    p = p * r + 5.5507339537e-2f;
+    p = p * r + 2.4022242427e-1f;
+    p = p * r + 6.9314700365e-1f;
     p = p * r + 1.0f;
     return (vf_avx512)_mm512_scalef_ps((__m512)p, n);
 }
