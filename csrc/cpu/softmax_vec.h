@@ -13,9 +13,10 @@
  *            dx = scale (dy - exp y c)). fp32's z and a take exact products and fp64 sums: fp32 sums
  *            (8-key lanes into fp64, or FMA-exact products) put 4-44 rows in 2000 over 2x torch's
  *            error, where dy - c cancels at a row's dominant key.
- * cols (inner > 1): a tile of FK_TILE adjacent columns of one slab, the same passes over its n keys
- *   with one accumulator lane per column (sums flushed to fp64 every FK_COLS_FLUSH keys); the tile
- *   (n x 32 floats: 1 MiB at n = 8192) stays in L2 between passes. The backward sums in chunks of
+ * cols (inner > 1): a block of up to FK_COLS_WIDTH adjacent columns of one slab, one accumulator
+ *   lane per column (sums flushed to fp64 every FK_COLS_FLUSH keys). The forward: an online max and
+ *   sum over its n keys, then the output with a second exp an element (16-bit: exp2 of one FMA,
+ *   D-125); narrow blocks that keep their exps ran slower (D-125). The backward sums in chunks of
  *   keys fixed by n, added in order; with fewer blocks than FK_COLS_SPLIT_BLOCKS a thread, the
  *   threads share out the chunks (sums, then outputs), each reading whole key rows: split by
  *   columns, (8192, 256) dim 0 ran slower on 2 threads than on one (D-90).
@@ -239,7 +240,8 @@ static inline int needs_scratch(const softmax_job *j) {
     /* Columns [i0, i0 + w) of slab o (block b), w <= FK_COLS_WIDTH, one lane a column, the keys    \
      * streamed in order (each key's w columns are adjacent): pass 1 an online max and sum, the max \
      * of each FK_COLS_KEYS keys first, the sum rescaled once per block where it rose; pass 2 the   \
-     * output (one more exp an element: a kept exp would cost a write and a read of memory). */     \
+     * output (one more exp an element: kept exps in 32-column blocks ran 1.5-1.9x slower, D-125).  \
+     * 16-bit: each exp is exp2 of one FMA (D-125). */                                              \
     static inline __attribute__((always_inline)) attrs void fwd_cols_##isa(                         \
         const softmax_job *j, int64_t b, float *scratch, const fk_dtype dt, const int is_log) {     \
         (void)scratch;                                                                              \
@@ -247,8 +249,9 @@ static inline int needs_scratch(const softmax_job *j) {
         const vf_##isa zero = {0};                                                                  \
         const vd_##isa zd = {0};                                                                    \
         const float scale = (float)j->scale, kLog2e = 1.44269504088896341f;                         \
-        /* 16-bit: exp(x scale - m) as exp2(x sl - m log2 e), one FMA (D-125); fp32 keeps exp's     \
-         * accuracy (sl's rounding: ~|x scale - m| 2^-24 relative, below a 16-bit ulp) */           \
+        /* 16-bit: exp(x scale - m) as exp2(x sl - m log2 e), one FMA for mul, sub and exp's own    \
+         * range reduction; sl's rounding costs ~|x scale - m| 2^-24 relative (m log2 e's cancels   \
+         * in e / s), far below a 16-bit ulp, not fp32's: fp32 keeps exp */                         \
         const int fused = dt != FK_FLOAT32;                                                         \
         const float sl = (float)(j->scale * 1.4426950408889634);                                    \
         const fk_rows blk = block_of(j, b);                                                         \
