@@ -578,12 +578,19 @@ def test_dispatch_table_bounds_cuda(case, poison):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("log", [False, True], ids=["softmax", "log"])
 def test_cpu_isa_paths_match_float64(isa, dtype, log, monkeypatch, poison):
-    """Each vectorised CPU rows kernel, forced by FASTKERN_CPU_ISA, under the 2x rule: ragged and
-    chunk-crossing rows, scale and causal masks, special values."""
+    """Each vectorised CPU rows and columns kernel, forced by FASTKERN_CPU_ISA, under the 2x rule:
+    ragged and chunk-crossing rows, columns in whole and part vectors, scales (16-bit column
+    forwards fold theirs into exp2's FMA), causal masks, special values."""
     monkeypatch.setenv("FASTKERN_CPU_ISA", isa)
     for rows, n in [(3, 1), (5, 7), (7, 31), (3, 513), (64, 1000), (2, 4097), (2, 50257)]:
         check((torch.randn(rows, n) * 4).to(dtype), -1, log)
     check((torch.randn(2, 3, 37, 61) * 4).to(dtype), -1, log, scale=0.125, causal=True)
+    for shape, dim, scale in [((600, 37), 0, 1.0), ((5, 300, 70), 1, 0.125), ((1000, 3), 0, -0.7)]:
+        check((torch.randn(shape) * 4).to(dtype), dim, log, scale=scale)
+    x = torch.randn(40, 20) * 4  # columns: NaN, +inf, all -inf
+    x[3, 0], x[5, 1], x[:, 2], x[7, 3] = float("nan"), float("inf"), float("-inf"), float("-inf")
+    y = fk_fn(log)(x.to(dtype), 0).float()
+    assert torch.equal(y.isnan(), torch_fn(log)(x, 0).isnan())
     # 50 rows of 31, each against its own bound (the kernels take rows independently). 16-bit log's
     # gradient comes from the rounded output, and one row in ~2000 is over 2x torch where torch's
     # own error happens to be small (torch's is over 2x ours in ~1 row in 15): at most 1 of 50.

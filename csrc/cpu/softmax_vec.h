@@ -13,9 +13,10 @@
  *            dx = scale (dy - exp y c)). fp32's z and a take exact products and fp64 sums: fp32 sums
  *            (8-key lanes into fp64, or FMA-exact products) put 4-44 rows in 2000 over 2x torch's
  *            error, where dy - c cancels at a row's dominant key.
- * cols (inner > 1): a tile of FK_TILE adjacent columns of one slab, the same passes over its n keys
- *   with one accumulator lane per column (sums flushed to fp64 every FK_COLS_FLUSH keys); the tile
- *   (n x 32 floats: 1 MiB at n = 8192) stays in L2 between passes. The backward sums in chunks of
+ * cols (inner > 1): a block of up to FK_COLS_WIDTH adjacent columns of one slab, one accumulator
+ *   lane per column (sums flushed to fp64 every FK_COLS_FLUSH keys). The forward: an online max and
+ *   sum over its n keys, then the output with a second exp an element (16-bit: exp2 of one FMA,
+ *   D-125); narrow blocks that keep their exps ran slower (D-125). The backward sums in chunks of
  *   keys fixed by n, added in order; with fewer blocks than FK_COLS_SPLIT_BLOCKS a thread, the
  *   threads share out the chunks (sums, then outputs), each reading whole key rows: split by
  *   columns, (8192, 256) dim 0 ran slower on 2 threads than on one (D-90).
@@ -239,14 +240,20 @@ static inline int needs_scratch(const softmax_job *j) {
     /* Columns [i0, i0 + w) of slab o (block b), w <= FK_COLS_WIDTH, one lane a column, the keys    \
      * streamed in order (each key's w columns are adjacent): pass 1 an online max and sum, the max \
      * of each FK_COLS_KEYS keys first, the sum rescaled once per block where it rose; pass 2 the   \
-     * output (one more exp an element: a kept exp would cost a write and a read of memory). */     \
+     * output (one more exp an element: kept exps in 32-column blocks ran 1.5-1.9x slower, D-125).  \
+     * 16-bit: each exp is exp2 of one FMA (D-125). */                                              \
     static inline __attribute__((always_inline)) attrs void fwd_cols_##isa(                         \
         const softmax_job *j, int64_t b, float *scratch, const fk_dtype dt, const int is_log) {     \
         (void)scratch;                                                                              \
         enum { kVecs = FK_COLS_WIDTH / lanes };                                                     \
         const vf_##isa zero = {0};                                                                  \
         const vd_##isa zd = {0};                                                                    \
-        const float scale = (float)j->scale;                                                        \
+        const float scale = (float)j->scale, kLog2e = 1.44269504088896341f;                         \
+        /* 16-bit: exp(x scale - m) as exp2(x sl - m log2 e), one FMA for mul, sub and exp's own    \
+         * range reduction; sl's rounding costs ~|x scale - m| 2^-24 relative (m log2 e's cancels   \
+         * in e / s), far below a 16-bit ulp, not fp32's: fp32 keeps exp */                         \
+        const int fused = dt != FK_FLOAT32;                                                         \
+        const float sl = (float)(j->scale * 1.4426950408889634);                                    \
         const fk_rows blk = block_of(j, b);                                                         \
         int64_t n = blk.n, inner = blk.inner, i0 = blk.i0, o = blk.o, w = blk.width;                \
         int64_t nv = (w + lanes - 1) / lanes;                                                       \
@@ -269,12 +276,14 @@ static inline int needs_scratch(const softmax_job *j) {
                 vf_##isa r = exp_##isa(select_##isa(bm[v] > m[v], m[v] - bm[v], zero));             \
                 part[v] *= r, s_lo[v] *= widen_lo_##isa(r), s_hi[v] *= widen_hi_##isa(r);           \
                 m[v] = bm[v];                                                                       \
-                ref[v] = select_##isa(m[v] == -INFINITY, zero, m[v]);                               \
+                ref[v] = select_##isa(m[v] == -INFINITY, zero, m[v]) * (fused ? kLog2e : 1.0f);     \
             }                                                                                       \
             for (int64_t key = k0; key < k1; key++)                                                 \
-                for (int v = 0; v < nv; v++)                                                        \
-                    part[v] += exp_##isa(xs_##isa(dt, x, at0 + key * inner + v * lanes, w - v * lanes, \
-                                                  scale, -INFINITY) - ref[v]);                      \
+                for (int v = 0; v < nv; v++) {                                                      \
+                    int64_t at = at0 + key * inner + v * lanes, left = w - v * lanes;               \
+                    if (fused) part[v] += exp2_##isa(xs_##isa(dt, x, at, left, 1.0f, -INFINITY) * sl - ref[v]); \
+                    else part[v] += exp_##isa(xs_##isa(dt, x, at, left, scale, -INFINITY) - ref[v]); \
+                }                                                                                   \
             if (k1 % FK_COLS_FLUSH == 0 || k1 == n)                                                 \
                 for (int v = 0; v < nv; v++)                                                        \
                     s_lo[v] += widen_lo_##isa(part[v]), s_hi[v] += widen_hi_##isa(part[v]), part[v] = zero; \
@@ -289,11 +298,17 @@ static inline int needs_scratch(const softmax_job *j) {
         }                                                                                           \
         if (j->row_max)                                                                             \
             for (int c = 0; c < w; c++) ((float *)j->row_max)[o * inner + i0 + c] = m[c / lanes][c % lanes]; \
+        void *out = j->out; /* a local: GCC reloaded j->out every vector (D-110) */                 \
+        vf_##isa ml[kVecs];                                                                         \
+        for (int v = 0; v < nv; v++) ml[v] = m[v] * kLog2e;                                         \
         for (int64_t key = 0; key < n; key++)                                                       \
             for (int v = 0; v < nv; v++) {                                                          \
                 int64_t at = at0 + key * inner + v * lanes, left = w - v * lanes;                   \
-                vf_##isa xv = xs_##isa(dt, x, at, left, scale, 0.0f) - m[v];                        \
-                put_##isa(dt, is_log ? xv - f[v] : exp_##isa(xv) * f[v], j->out, at, left);         \
+                vf_##isa y;                                                                         \
+                if (is_log) y = xs_##isa(dt, x, at, left, scale, 0.0f) - m[v] - f[v];               \
+                else if (fused) y = exp2_##isa(xs_##isa(dt, x, at, left, 1.0f, 0.0f) * sl - ml[v]) * f[v]; \
+                else y = exp_##isa(xs_##isa(dt, x, at, left, scale, 0.0f) - m[v]) * f[v];           \
+                put_##isa(dt, y, out, at, left);                                                    \
             }                                                                                       \
     }                                                                                               \
     FK_SPECIALIZE(attrs, softmax_fwd_cols_##isa, fwd_cols_##isa)                                   \

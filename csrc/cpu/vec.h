@@ -16,6 +16,11 @@
  *                              exp(r) by a degree-6 polynomial, times 2^n from the exponent bits.
  *                              ~1 ulp on [-87.3, 88]; below -87.3 0 (the true value is under
  *                              FLT_MIN: subnormals are dropped), above 88 clamped; NaN stays NaN.
+ *   exp2_isa(t)                2^t for callers that fold a scale and an offset into t with one FMA
+ *                              (16-bit outputs only: t's rounding makes ~|t| 2^-24 relative error):
+ *                              n = round(t), 2^(t - n) by a degree-5 minimax polynomial (1.8e-7
+ *                              relative, evaluated in fp32), times 2^n; below -126 0, above 127
+ *                              clamped; NaN stays NaN.
  * Included by the .c files that vectorise (their static functions are per translation unit).
  */
 #ifndef FASTKERN_CPU_VEC_H
@@ -186,6 +191,25 @@ static inline int fk_cpu_isa(void) {
         return (vf_##isa)((vi_##isa)y & ~tiny);                                                     \
     }                                                                                               \
 
+#define FK_VEC_EXP2(isa, attrs)                                                                    \
+    static FK_INLINE attrs vf_##isa exp2_##isa(vf_##isa t) {                                         \
+        const vf_##isa zero = {0};                                                                  \
+        vi_##isa tiny = t < -126.0f;                                                                \
+        t = select_##isa(tiny, zero - 126.0f, t);                                                   \
+        t = select_##isa(t > 127.0f, zero + 127.0f, t);                                             \
+        vf_##isa k = t + 12582912.0f; /* 1.5 * 2^23: rounds to integer */                           \
+        vf_##isa n = k - 12582912.0f;                                                               \
+        vi_##isa ni = (vi_##isa)k - 0x4b400000;                                                     \
+        vf_##isa r = t - n, p = zero + 1.3264698209e-3f;                                            \
+        p = p * r + 9.6715092659e-3f;                                                               \
+        p = p * r + 5.5507339537e-2f;                                                               \
+        p = p * r + 2.4022242427e-1f;                                                               \
+        p = p * r + 6.9314700365e-1f;                                                               \
+        p = p * r + 1.0f;                                                                           \
+        vf_##isa y = p * (vf_##isa)((ni + 127) << 23);                                              \
+        return (vf_##isa)((vi_##isa)y & ~tiny);                                                     \
+    }
+
 #define FK_VEC_ATTRS(isa_list) __attribute__((target(isa_list), optimize("fp-contract=fast")))
 #define FK_ATTRS_GENERIC __attribute__((optimize("fp-contract=fast")))
 #define FK_ATTRS_AVX2 FK_VEC_ATTRS("avx2,fma,f16c")
@@ -204,6 +228,7 @@ static FK_INLINE FK_ATTRS_GENERIC void bf16_store_generic(vf_generic v, uint16_t
 FK_VEC_MATH(generic, FK_ATTRS_GENERIC, 4)
 FK_VEC_PART(generic, FK_ATTRS_GENERIC, 4)
 FK_VEC_EXP(generic, FK_ATTRS_GENERIC)
+FK_VEC_EXP2(generic, FK_ATTRS_GENERIC)
 static FK_INLINE FK_ATTRS_GENERIC vd_generic widen_lo_generic(vf_generic v) { return (vd_generic){v[0], v[1]}; }
 static FK_INLINE FK_ATTRS_GENERIC vd_generic widen_hi_generic(vf_generic v) { return (vd_generic){v[2], v[3]}; }
 static FK_INLINE FK_ATTRS_GENERIC vf_generic narrow_generic(vd_generic lo, vd_generic hi) {
@@ -243,6 +268,7 @@ static FK_INLINE FK_ATTRS_AVX2 void bf16_store_avx2(vf_avx2 v, uint16_t *h) { bf
 FK_VEC_MATH(avx2, FK_ATTRS_AVX2, 8)
 FK_VEC_PART(avx2, FK_ATTRS_AVX2, 8)
 FK_VEC_EXP(avx2, FK_ATTRS_AVX2)
+FK_VEC_EXP2(avx2, FK_ATTRS_AVX2)
 static FK_INLINE FK_ATTRS_AVX2 vd_avx2 widen_lo_avx2(vf_avx2 v) {
     return (vd_avx2)_mm256_cvtps_pd(_mm256_castps256_ps128((__m256)v));
 }
@@ -359,6 +385,21 @@ static FK_INLINE FK_ATTRS_AVX512 vf_avx512 exp_avx512(vf_avx512 v) {
     p = p * r + 1.6666665459e-1f;
     p = p * r + 5.0000001201e-1f;
     p = p * (r * r) + r + 1.0f;
+    return (vf_avx512)_mm512_scalef_ps((__m512)p, n);
+}
+/* 2^t likewise: -inf gives 0 (2^-160), NaN kept. */
+static FK_INLINE FK_ATTRS_AVX512 vf_avx512 exp2_avx512(vf_avx512 v) {
+    __m512 t = _mm512_max_ps(_mm512_set1_ps(-160.0f), (__m512)v);
+    t = _mm512_min_ps(_mm512_set1_ps(128.0f), t);
+    __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    vf_avx512 r = (vf_avx512)_mm512_sub_ps(t, n);
+    const vf_avx512 zero = {0};
+    vf_avx512 p = zero + 1.3264698209e-3f;
+    p = p * r + 9.6715092659e-3f;
+    p = p * r + 5.5507339537e-2f;
+    p = p * r + 2.4022242427e-1f;
+    p = p * r + 6.9314700365e-1f;
+    p = p * r + 1.0f;
     return (vf_avx512)_mm512_scalef_ps((__m512)p, n);
 }
 #endif
