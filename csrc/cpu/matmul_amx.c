@@ -2,7 +2,7 @@
  * for bf16 operands where the CPU has AMX-BF16 and the kernel grants this process its tile state.
  *
  * Napkin math: one TDPBF16PS multiplies a 16 x 32 bf16 tile by a 32 x 16 one into 16 x 16 fp32
- * sums, 16384 FLOPs, at about one every 16 cycles: ~1000 FLOP a cycle a core, 8x two AVX-512 FMA
+ * sums, 16384 FLOPs, at about one every 16 cycles: ~1000 FLOP a cycle a core, 16x two AVX-512 FMA
  * ports. torch's bf16 CPU matmul uses AMX (oneDNN): 1024^3 1.6 ms on the 2-core dev VM (~1.3
  * TFLOP/s), against 16 ms for matmul.c's fp32 micro-kernel on bf16 converted while packing.
  *
@@ -14,6 +14,7 @@
  *   - a 32 x 32 piece of C is four accumulator tiles (tmm0-3) fed by two A (tmm4-5) and two B
  *     (tmm6-7) tiles a k-step; k goes in chunks of 256 (two A panels' chunk stays in L1 while every
  *     B panel goes by), the accumulators stored into the block's fp32 tile and loaded back between.
+ * Measured (D-120, 2-core VM): 1024^3 1.23x torch's matmul, 0.45-0.77x at the other shapes tried.
  * Products of bf16 are exact in fp32 and the sums are fp32 over all of k, as torch's AMX path sums:
  * against the bf16 output's rounding (2^-9) their error (~k 2^-24) does not show.
  */
