@@ -1,5 +1,8 @@
 /* Matmul / linear on the CPU: C[b] = act(A[b] @ B[b] + bias), optionally writing the
  * pre-activation, for fp32 / fp16 / bf16 (fp32 arithmetic) and fp64 (fp64 arithmetic).
+ * Strategies: bf16 on CPUs with AMX tiles runs the same blocks through matmul_amx.c (bf16 panels,
+ * tile products, 128-row blocks); fp32 / fp16 / bf16 otherwise the fp32 micro-kernels below; fp64
+ * plain rows. FASTKERN_CPU_MATMUL_KERNEL=amx|avx512|avx2|generic picks (pick_kernel).
  *
  * Napkin math: 2 m n k FLOPs. A Zen 4 / Skylake-X core retires two 8-lane (or one 16-lane) fp32 FMA
  * per cycle, ~32 FLOP/cycle, ~100 GFLOP/s at 3 GHz; torch (MKL) reaches ~50 GFLOP/s for fp32 1024^3
@@ -17,7 +20,7 @@
  *     Chunks of kKc are summed into an fp32 block tile, so the sum is blocked (error ~ kKc + k / kKc
  *     roundings instead of k), like MKL's.
  *   - The epilogue adds the bias, stores `pre`, applies GELU (gelu.c's vector bodies) and rounds
- *     to the output dtype, one block row at a time.
+ *     to the output dtype through the vector layer (store_row), one block row at a time.
  * The packing buffers are malloc'ed once per thread per call (k x (kMc + nc) + kMc x nc floats):
  * the one CPU entry point that allocates (fastkern.h says so).
  * fp64 exists so gradcheck can run: plain row-by-row loops (axpy or dot form by B's layout).
