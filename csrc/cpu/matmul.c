@@ -240,7 +240,8 @@ static void run_block(const gemm_job *job, const gemm_buffers *buf, int64_t bb, 
 static void run_blocks(void *ctx, int64_t begin, int64_t end) {
     gemm_job *job = (gemm_job *)ctx;
     const fk_matmul_args *g = job->args;
-    int64_t k = g->k, nc_max = job->nc, mc_max = job->mc, amx = !job->kern.run;
+    int64_t k = g->k, nc_max = job->nc, mc_max = job->mc;
+    const int amx = !job->kern.run;
     /* AMX: bf16 panels of whole 16-lane, 32-k tiles (half a float an element) */
     int64_t a_floats = amx ? mc_max * 16 * fk_amx_steps(k) : k * mc_max;
     int64_t b_floats = amx ? nc_max * 16 * fk_amx_steps(k) : k * nc_max;
