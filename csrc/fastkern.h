@@ -215,10 +215,8 @@ const char *fk_cuda_matmul_plan(const fk_matmul_args *args, int device);
  *   allocated by the caller (zero-filled not required); NULL when that is 0.
  * flags: FK_ATTN_DETERMINISTIC (bitwise reproducible backward, no atomics across CTAs),
  *   FK_ATTN_FORCE_GENERAL (CUDA: the sm_80 kernel even on Hopper; tests and A/Bs),
- *   FK_ATTN_TOP_LEFT (the mask's shift is 0, above),
- *   FK_ATTN_SM80_ATOMIC (CUDA: the sm_80 path's backward at d <= 128 by bwd_atomic_mma_sm80, dQ by fp32
- *   atomics; opt-in until the whole GPU suite and the sanitizers have run on it, docs/decisions.md D-117). */
-enum { FK_ATTN_DETERMINISTIC = 1, FK_ATTN_FORCE_GENERAL = 2, FK_ATTN_TOP_LEFT = 4, FK_ATTN_SM80_ATOMIC = 8 };
+ *   FK_ATTN_TOP_LEFT (the mask's shift is 0, above). */
+enum { FK_ATTN_DETERMINISTIC = 1, FK_ATTN_FORCE_GENERAL = 2, FK_ATTN_TOP_LEFT = 4 };
 typedef struct {
     const void *q, *k, *v;
     void *out;        /* forward output; backward input */

@@ -624,8 +624,8 @@ def _sms():
 
 # csrc/cuda/attention/dispatch.cu's table, row by row (shapes sized for a GPU of 100-150 SMs):
 # (id, qkv(b, sq, sk, h, hkv, d), causal, forced general) -> forward strategy. Backward: bwd_wgmma_sm90
-# on Hopper at d 64 / 128 unless forced, else bwd_mma_sm80 (_bwd_strategy; the opt-in
-# bwd_atomic_mma_sm80 and deterministic mode: tests/test_attention_bwd.py).
+# on Hopper at d 64 / 128 unless forced, else bwd_atomic_mma_sm80 at d <= 128, bwd_mma_sm80 above
+# (_bwd_strategy; deterministic mode: tests/test_attention_bwd.py).
 ATTENTION_ROWS = [
     ("split", (1, 1, 4096, 8, 2, 128), False, False, lambda: "fwd_split_mma_sm80"),
     ("split-forced", (2, 100, 2048, 4, 4, 64), True, True, lambda: "fwd_split_mma_sm80"),
@@ -641,7 +641,9 @@ ATTENTION_ROWS = [
 
 
 def _bwd_strategy(shape, forced):
-    return "bwd_wgmma_sm90" if _hopper() and not forced and shape[5] in (64, 128) else "bwd_mma_sm80"
+    if _hopper() and not forced and shape[5] in (64, 128):
+        return "bwd_wgmma_sm90"
+    return "bwd_atomic_mma_sm80" if shape[5] <= 128 else "bwd_mma_sm80"
 
 
 @needs_cuda

@@ -1,5 +1,4 @@
-"""The sm_80 path's atomic backward (csrc/cuda/attention/bwd_atomic_mma_sm80.cu; opt-in by
-FASTKERN_ATTENTION_SM80_ATOMIC=1 until its GPU validation), forced on Hopper by
+"""The sm_80 path's atomic backward (csrc/cuda/attention/bwd_atomic_mma_sm80.cu), forced on Hopper by
 FASTKERN_ATTENTION_FORCE_GENERAL: its tile edges (128 keys a CTA; 128 queries a step at d <= 64, 64 at
 d <= 128), GQA summed in a CTA, causal (bottom-right), windows, varlen, every head dim it takes,
 misaligned inputs (element loads); deterministic mode keeps the bitwise bwd_mma_sm80. Error rule:
@@ -15,9 +14,8 @@ ATOMIC_PAIRS = [(1, 129), (65, 127), (127, 129), (129, 300), (257, 256), (300, 1
 
 
 @pytest.fixture
-def forced(monkeypatch):  # the sm_80 path, with the atomic backward opted in (D-117)
+def forced(monkeypatch):  # the sm_80 path
     monkeypatch.setenv("FASTKERN_ATTENTION_FORCE_GENERAL", "1")
-    monkeypatch.setenv("FASTKERN_ATTENTION_SM80_ATOMIC", "1")
 
 
 @needs_cuda

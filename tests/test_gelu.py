@@ -213,7 +213,7 @@ def test_chained_calls_read_their_predecessors_output_cuda(shape):
 
 
 @needs_cuda
-def test_runs_on_current_stream_and_device():
+def test_cuda_runs_on_current_stream_and_device():
     x = torch.randn(1 << 20, device="cuda")
     s = torch.cuda.Stream()
     with torch.cuda.stream(s):
@@ -224,7 +224,7 @@ def test_runs_on_current_stream_and_device():
 
 
 @needs_cuda
-def test_over_2_pow_31_elements():
+def test_cuda_over_2_pow_31_elements():
     n = 2**31 + 21
     try:
         x = torch.empty(n, dtype=torch.bfloat16, device="cuda")

@@ -288,7 +288,7 @@ def test_general_kernel_matches_default_cuda(dtype, mnk, monkeypatch):
 @needs_cuda
 @pytest.mark.parametrize("majors", list(itertools.product(("row", "col"), repeat=2)), ids="-".join)
 @pytest.mark.parametrize("k", [24, 200], ids=lambda k: f"k{k}")
-def test_general_kernel_large_tile_edges(majors, k, monkeypatch, poison):
+def test_cuda_general_kernel_large_tile_edges(majors, k, monkeypatch, poison):
     """mma_sm80's 128 x 256 tile (a grid of >= one tile per SM): partial tiles in M, N and K, K
     shorter than the stage ring, every operand major, bias and GELU."""
     monkeypatch.setenv("FASTKERN_MATMUL_FORCE_GENERAL", "1")
@@ -302,8 +302,8 @@ def test_general_kernel_large_tile_edges(majors, k, monkeypatch, poison):
 
 @needs_cuda
 @pytest.mark.parametrize("majors", list(itertools.product(("row", "col", "mis"), repeat=2)), ids="-".join)
-def test_fp32_exact_wide_tiles_at_ragged_edges(majors, poison):
-    """Exact fp32 on a grid that fills every SM twice (where D-121's simt_fp32, at 477105b, takes 128 x
+def test_cuda_fp32_exact_wide_tiles_at_ragged_edges(majors, poison):
+    """Exact fp32 on a grid that fills every SM twice (where simt_fp32 takes 128 x
     256 tiles) with m, n one past and three short of a tile, k five past a step, every operand major,
     bias and GELU."""
     sms = torch.cuda.get_device_properties(0).multi_processor_count
@@ -332,7 +332,7 @@ DISPATCH_ROWS = [
 
 @needs_cuda
 @pytest.mark.parametrize("dtype,view,forced,strategy", DISPATCH_ROWS,
-                         ids=[f"{str(d)[6:]}-{v}-{'forced' if f else 'auto'}" for d, v, f, _ in DISPATCH_ROWS])
+                         ids=[f"cuda-{str(d)[6:]}-{v}-{'forced' if f else 'auto'}" for d, v, f, _ in DISPATCH_ROWS])
 def test_dispatch_table(dtype, view, forced, strategy, monkeypatch):
     if forced:
         monkeypatch.setenv("FASTKERN_MATMUL_FORCE_GENERAL", "1")
@@ -400,7 +400,7 @@ TF32_SHAPES = [((384, 256), (256, 320)), ((257, 203), (203, 130)), ((1000, 1793)
 @needs_cuda
 @pytest.mark.parametrize("majors", list(itertools.product(("row", "col"), repeat=2)), ids="-".join)
 @pytest.mark.parametrize("shapes", TF32_SHAPES, ids=lambda s: "x".join(map(str, s[0] + s[1][-1:])))
-def test_tf32_matches_torch_tf32(shapes, majors, tf32, poison):
+def test_cuda_tf32_matches_torch_tf32(shapes, majors, tf32, poison):
     """fp32 under allow_tf32: the error of torch.matmul under TF32 in the same run is the yardstick
     (tf32's error, not fp32's), both operand majors, bias + each activation, gradients."""
     i = TF32_SHAPES.index(shapes)
@@ -414,7 +414,7 @@ def test_tf32_matches_torch_tf32(shapes, majors, tf32, poison):
 
 
 @needs_cuda
-def test_tf32_linear_bias_gelu(tf32, poison):
+def test_cuda_tf32_linear_bias_gelu(tf32, poison):
     """nn.Linear's weight (N, K) is K-major for B as it is: F.linear + bias + GELU under TF32."""
     x, w, bias = make((4, 96, 200), torch.float32, "cuda"), make((136, 200), torch.float32, "cuda"), \
         make((136,), torch.float32, "cuda")
@@ -424,7 +424,7 @@ def test_tf32_linear_bias_gelu(tf32, poison):
 
 
 @needs_cuda
-def test_tf32_copies_only_operands_that_are_not_k_major(tf32, monkeypatch):
+def test_cuda_tf32_copies_only_operands_that_are_not_k_major(tf32, monkeypatch):
     """On Hopper under TF32, w.t() (F.linear's B) and a row-major a reach the kernel in place; a
     row-major b (x @ w) is copied K-major. Elsewhere (simt_fp32) nothing is copied."""
     calls = []

@@ -362,7 +362,7 @@ def test_column_calls_repeat_bit_for_bit_cuda(shape, dim):
 
 
 @needs_cuda
-def test_over_2_pow_31_elements():
+def test_cuda_over_2_pow_31_elements():
     rows, n = 2**31 // 4096 + 3, 4096
     try:
         x = torch.randn(rows, n, device="cuda", dtype=torch.bfloat16)

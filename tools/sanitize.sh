@@ -60,11 +60,11 @@ gpu_tests() {
       select_tests tests/test_gelu.py \
         "test_matches_float64_reference\[.*-$dt\]|test_views\[.*-$dt\]|chained_calls|special_values"
       select_tests tests/test_matmul.py \
-        "test_dispatch_table|test_operand_layouts\[.*-$dt\]|test_k_zero|test_cuda_hopper_consumer_arrangements\[.*-bf16\]"
+        "test_dispatch_table|test_operand_layouts\[.*-$dt\]|test_k_zero|test_cuda_hopper_consumer_arrangements\[.*-bf16\]|test_fp32_exact_wide_tiles"
       select_tests tests/test_attention.py \
         "test_dispatch_table|test_cuda_values_and_gradients\[(default|force_general)-(1-4097|113-203|128-217|512-256)-(full|causal)-torch.bfloat16\]|test_cuda_head_dims|test_cuda_decoding\[.*-8192\]|test_cuda_windows|test_cuda_sdpa|test_cuda_deterministic|test_cuda_backward_tile_edges"
       select_tests tests/test_attention_bwd.py \
-        "test_cuda_atomic_backward_tile_edges\[(64|96)-|test_cuda_atomic_backward_(varlen|misaligned)|test_cuda_deterministic"
+        "test_cuda_atomic_backward_tile_edges\[[0-9]+-[0-9]+-(64|96)\]|test_cuda_atomic_backward_(varlen|misaligned)|test_cuda_deterministic"
       select_tests tests/test_cross_entropy.py \
         "(test_values_and_grads|test_ignore_index|test_special_values|test_views_and_misaligned)\[.*-cuda-(float32|bfloat16)\]|test_padded_rows_in_and_out\[cuda\]" ;;
     # racecheck / synccheck: a row length for each register, CTA, shared-memory and cluster strategy
@@ -76,11 +76,11 @@ gpu_tests() {
         "test_rows\[3-(1000|4097|8192|12001|16384|65543|300000|1000003)-softmax-$dt\]|test_dims\[\((3, 1000, 4|2000, 5, 8|6000, 2, 8|20000, 2, 4)\)-(0|1)-softmax-$dt\]|test_looped_columns_cuda\[softmax-torch.float32\]"
       select_tests tests/test_gelu.py "test_matches_float64_reference\[bias-\(33, 1000\)-tanh-$dt\]"
       select_tests tests/test_matmul.py \
-        "test_dispatch_table|test_cuda_hopper_consumer_arrangements\[[0-9]+x[0-9]+x(40|72)-[a-z-]+-bf16\]"
+        "test_dispatch_table|test_cuda_hopper_consumer_arrangements\[[0-9]+x[0-9]+x(40|72)-[a-z-]+-bf16\]|test_cuda_fp32_exact_wide_tiles_at_ragged_edges\[row-col\]|test_cuda_general_kernel_large_tile_edges\[k200-row-col\]"
       select_tests tests/test_attention.py \
         "test_cuda_head_dims\[(default-(64|128)|force_general-(64|96|256))\]|test_cuda_values_and_gradients\[(default|force_general)-113-203-causal-torch.bfloat16\]|test_cuda_windows_and_varlen\[default-\(100, 30\)\]|test_cuda_backward_tile_edges\[129-300-64\]"
       select_tests tests/test_attention_bwd.py \
-        "test_cuda_atomic_backward_tile_edges\[(64-129-300|128-127-129)\]|test_cuda_atomic_backward_varlen\[96\]"
+        "test_cuda_atomic_backward_tile_edges\[(129-300-64|127-129-128)\]|test_cuda_atomic_backward_varlen\[96\]"
       select_tests tests/test_cross_entropy.py "test_values_and_grads\[(33-1000|7-4097|4-50257)-mean-cuda-bfloat16\]" ;;
   esac
 }

@@ -88,8 +88,7 @@ constexpr int split_slots(int bucket) { return bucket <= 128 ? 3 : 2; }
 constexpr int bwd_wgmma_block_m(int d) { return d == 64 ? 128 : 64; }
 constexpr int bwd_atomic_block_m(int d) { return d == 64 ? 128 : 64; }
 
-// The atomic backwards' fp32 workspace (bwd_wgmma_sm90 keeps its own copy of the layout and its prep / convert
-// kernels until bwd_atomic_mma_sm80 is validated on a GPU, D-117; bwd_atomic_mma_sm80: bwd_workspace.cu):
+// The atomic backwards' fp32 workspace (bwd_wgmma_sm90, bwd_atomic_mma_sm80; bwd_workspace.cu):
 // lse log2 e and D = rowsum(dO O), (batch, heads, m_tiles x 64) each (padding rows: +inf, 0), then
 // dQ, a 64 x cols tile per (batch, head, 64 query rows) in accumulator order: the tile-local float
 // index of (row, col), cl = col % 64, is (col / 64) x 4096 + (cl / 8) x 512 + 4 t + 2 ((row / 8) &

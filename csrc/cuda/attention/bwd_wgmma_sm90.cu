@@ -17,8 +17,8 @@
 // Shared memory: K + V + 2 stages x (Q + dO + lse + D) + dS + dQ = 64 + 2 x 33 + 16 + 32 = 178 KB
 // (D 128), 32 + 2 x 33 + 32 + 32 = 162 KB (D 64); one CTA an SM.
 //
-// Algorithm: attention_bwd_prep_sm90 writes lse log2 e and D = rowsum(dO O) per row, padded to
-// query tiles (padding: +inf, 0), and zeroes the fp32 dQ workspace. One CTA per (128 keys, kv
+// Algorithm: attention_bwd_prep (bwd_workspace.cu) writes lse log2 e and D = rowsum(dO O) per
+// row, padded to query tiles (padding: +inf, 0), and zeroes the fp32 dQ workspace. One CTA per (128 keys, kv
 // head, sequence); warpgroup 0, the producer, loads K and V once, then for each head of the kv
 // head's group (GQA summed in the CTA) and each query tile (kBM) the mask lets see the keys: Q, dO
 // (TMA) and lse, D (1-d bulk copies) through a two-stage mbarrier ring. Consumer warpgroup c owns
@@ -28,7 +28,7 @@
 // 128-byte swizzle) and dQ = dS K (wgmma SS) splits the head dim (D 128) or the queries (D 64)
 // between the warpgroups; dQ goes to shared memory in accumulator order and one thread adds it to
 // the fp32 workspace by a bulk reduction (cp.reduce.async.bulk .add.f32);
-// attention_bwd_dq_convert_sm90 writes dq = scale dQ.
+// attention_bwd_dq_convert (bwd_workspace.cu) writes dq = scale dQ.
 // Why: the sm_80 kernel does 7 products where this does 5, with mma.sync (155 TFLOP/s, H200).
 #include "../hopper.cuh"
 #include "../matmul/wgmma_ops.cuh"
@@ -46,7 +46,6 @@ constexpr int kBoxCols = 64;   // a 128-byte swizzled TMA box is 64 columns wide
 // Queries a ring stage: 128 at D 64 (each warpgroup's dQ takes 64 of them), 64 at D 128 (one m64
 // wgmma of dQ, the warpgroups splitting the head dim).
 template <int D> constexpr int kBM = bwd_wgmma_block_m(D);
-constexpr int kRowTile = 64;   // rows of a workspace dQ tile (one m64 accumulator), the prep and the conversion
 constexpr int kBN = 128;       // keys a CTA: two consumer warpgroups of 64
 constexpr int kConsumers = 2;
 constexpr int kThreads = 128 * (1 + kConsumers);
@@ -81,20 +80,6 @@ template <typename T, int D> struct Smem {
 template <int D> constexpr int kSmemBytes = sizeof(Smem<__half, D>) + 1024;  // + room to align to 1024
 static_assert(kSmemBytes<128> <= 227 * 1024 && kSmemBytes<64> <= 227 * 1024, "fits Hopper's shared memory");
 
-// The workspace (fp32): lse log2 e and D, (batch, heads, m_tiles x 64) each, then dQ, a 64 x D tile
-// per (batch, head, 64 query rows) in accumulator order; sq rounded up to kBM (a D 64 ring stage's
-// 128 queries are two consecutive tiles).
-struct Work {
-    float *lse2, *dvec, *dq;
-    int m_tiles;  // 64-row tiles a head
-};
-
-// Accumulator order, the tile-local float index of dQ element (row, col) with cl = col % 64:
-// (col / 64) x 64 x 64 + (cl / 8) x 512 + 4 t + 2 ((row / 8) & 1) + (col & 1), t = 32 (row / 16)
-// + 4 (row % 8) + (cl % 8) / 2: region col / 64 (the warpgroup's half of D 128; 0 at D 64), n8
-// block, thread t, register 2 hr + e of the m64n64 layout (thread t holds rows 16 (t / 32) +
-// (t % 32) / 4 + 8 hr, columns 8 q + 2 (t % 4) + e). store_dq writes it, the dq conversion reads it.
-
 // The CTA's job: keys [n0, n0 + kBN) of kv head g of sequence b; query tiles [t_lo, t_lo + nq) of
 // each of the group's heads: iteration it is head g x group + it / nq, tile t_lo + it % nq.
 // ([[maybe_unused]] here and below: other targets compile the kernel body out.)
@@ -116,7 +101,7 @@ template <int D> [[maybe_unused]] __device__ __forceinline__ Job job_of(const Pa
 template <typename T, int D>
 __device__ __forceinline__ void producer(Smem<T, D> &s, const CUtensorMap *map_q, const CUtensorMap *map_k,
                                          const CUtensorMap *map_v, const CUtensorMap *map_do, const Params &p,
-                                         const Work &ws, const Job &j) {
+                                         const BwdWork &ws, const Job &j) {
     constexpr int kM = kBM<D>;
     constexpr uint32_t kKVBytes = kBN * D * 2, kStageBytes = 2 * kM * D * 2 + 2 * kM * 4;
     mbar_arrive_expect_tx(&s.kv_full, 2 * kKVBytes);
@@ -136,7 +121,7 @@ __device__ __forceinline__ void producer(Smem<T, D> &s, const CUtensorMap *map_q
             tma_load_4d(s.dout[st.slot] + box * kM * kBoxCols, map_do, &s.full[st.slot], box * kBoxCols, m0, h,
                         j.b);
         }
-        const int64_t row = ((int64_t)j.b * p.heads + h) * ws.m_tiles * kRowTile + m0;
+        const int64_t row = ((int64_t)j.b * p.heads + h) * ws.m_tiles * kBwdRowTile + m0;
         bulk_load(s.lse2[st.slot], ws.lse2 + row, kM * 4, &s.full[st.slot]);
         bulk_load(s.dvec[st.slot], ws.dvec + row, kM * 4, &s.full[st.slot]);
         st.next();
@@ -283,7 +268,7 @@ __device__ __forceinline__ void epilogue(const Params &p, const Job &j, const fl
 
 // Warpgroup c's loop over the CTA's iterations; thread 0 of warpgroup 0 issues the dQ reductions.
 template <typename T, int D>
-__device__ __forceinline__ void consumer(Smem<T, D> &s, const Params &p, const Work &ws, const Job &j) {
+__device__ __forceinline__ void consumer(Smem<T, D> &s, const Params &p, const BwdWork &ws, const Job &j) {
     const int c = threadIdx.x / 128 - 1, t = threadIdx.x % 128;
     const bool reducer = threadIdx.x == 128;
     const int key0 = j.n0 + 64 * c + 16 * (t / 32) + (t % 32) / 4;  // this thread's key rows: key0, key0 + 8
@@ -329,7 +314,7 @@ __device__ __forceinline__ void consumer(Smem<T, D> &s, const Params &p, const W
         named_barrier_sync(kDqReady, kConsumers * 128);
         if (reducer) {
             // D 128: the warpgroups' column halves of one tile; D 64: their 64-query tiles, adjacent
-            float *tile = ws.dq + (((int64_t)j.b * p.heads + h) * ws.m_tiles + m0 / kRowTile) * kRowTile * D;
+            float *tile = ws.dq + (((int64_t)j.b * p.heads + h) * ws.m_tiles + m0 / kBwdRowTile) * kBwdRowTile * D;
             bulk_reduce_add_f32(tile, s.dq, kM * D * 4);
             bulk_commit_group();
         }
@@ -342,7 +327,7 @@ template <typename T, int D>
 __global__ void __launch_bounds__(kThreads, 1)
     attention_bwd_wgmma_sm90(const __grid_constant__ CUtensorMap map_q, const __grid_constant__ CUtensorMap map_k,
                              const __grid_constant__ CUtensorMap map_v, const __grid_constant__ CUtensorMap map_do,
-                             const Params p, const Work ws) {
+                             const Params p, const BwdWork ws) {
 #if FK_SM90A
     extern __shared__ unsigned char smem_raw[];
     auto &s = *reinterpret_cast<Smem<T, D> *>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
@@ -366,89 +351,17 @@ __global__ void __launch_bounds__(kThreads, 1)
 #endif
 }
 
-// lse log2 e and D = rowsum(dO O) per (sequence, head, row of m_tiles x 64), and the row's D
-// floats of the dQ workspace zeroed (the main kernel's reductions add into it; the padded rows
-// cover its tiles once). D / 8 lanes a row, 16-byte loads of O and dO; the padding rows get +inf
-// and 0 (P = 0 there). (Before: a warp a row, 2-byte loads, and a separate memset of the workspace.)
-template <typename T, int D>
-__global__ void __launch_bounds__(256) attention_bwd_prep_sm90(const Params p, const Work ws) {
-    constexpr int kLanes = D / 8, kRowsPerCta = 256 / kLanes;
-    const int part = threadIdx.x % kLanes;
-    const int64_t pad = (int64_t)ws.m_tiles * kRowTile, row = (int64_t)blockIdx.x * kRowsPerCta + threadIdx.x / kLanes;
-    grid_dependency_sync();
-    if (row >= p.batch * p.heads * pad) return;  // whole warps: rows come in 64s
-    const int i = (int)(row % pad), h = (int)(row / pad % p.heads), b = (int)(row / pad / p.heads);
-    float sum = 0.0f;
-    if (i < p.sq) {
-        const T *o_row = static_cast<const T *>(p.out) + b * p.o_batch + i * p.o_row + h * p.o_head;
-        const T *do_row = static_cast<const T *>(p.dout) + b * p.do_batch + i * p.do_row + h * p.do_head;
-        const Pack<T> o = load_pack(o_row + 8 * part), g = load_pack(do_row + 8 * part);
-#pragma unroll
-        for (int k = 0; k < 8; k++) sum += pack_f32(o, k) * pack_f32(g, k);
-    }
-#pragma unroll
-    for (int offset = kLanes / 2; offset > 0; offset >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, offset);
-    float4 *dq = reinterpret_cast<float4 *>(ws.dq + row * D);
-#pragma unroll
-    for (int f = part; f < D / 4; f += kLanes) dq[f] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-    if (part == 0) {
-        ws.dvec[row] = sum;
-        ws.lse2[row] = i < p.sq ? p.lse[((int64_t)b * p.heads + h) * p.sq + i] * kLog2e : INFINITY;
-    }
-}
-
-// dq (dense (batch, sq, heads, d), a fresh tensor) = scale x the fp32 workspace: one CTA a 64 x D
-// tile (block x = (sequence x heads + head) x m_tiles + tile). Each thread reads float4 f of the
-// tile in accumulator order, which holds (row, col), (row, col + 1), (row + 8, col), (row + 8,
-// col + 1), and puts the converted pairs into a row-major shared tile (rows padded by 16 bytes:
-// both phases are bank-conflict-free); the tile then leaves in 16-byte row-major stores. (Direct
-// 4-byte stores of the pairs: 163 us for (16, 1024, 32, 64), 41% of copy speed, H100 profile.)
-template <typename T, int D>
-__global__ void __launch_bounds__(256) attention_bwd_dq_convert_sm90(const Params p, const Work ws) {
-    constexpr int kRow = D + 8;  // elements a shared row
-    __shared__ alignas(16) T out[kRowTile * kRow];
-    grid_dependency_sync();
-    const int64_t job = blockIdx.x, bh = job / ws.m_tiles;
-    const int tile = (int)(job % ws.m_tiles), h = (int)(bh % p.heads);
-    const int64_t b = bh / p.heads, row_stride = p.heads * D;
-    const int rows = (int)min((int64_t)kRowTile, p.sq - (int64_t)tile * kRowTile);
-    if (rows <= 0) return;  // a padding tile (sq rounded up to a D 64 ring stage's 128 queries)
-    const float4 *src = reinterpret_cast<const float4 *>(ws.dq + job * kRowTile * D);
-#pragma unroll
-    for (int f = threadIdx.x; f < kRowTile * D / 4; f += 256) {
-        const float4 v = src[f];
-        const int t = f % 128, row = 16 * (t / 32) + (t % 32) / 4;
-        const int col = 64 * (f / 1024) + 8 * (f / 128 % 8) + 2 * (t % 4);
-        *reinterpret_cast<uint32_t *>(out + row * kRow + col) = pack2<T>(v.x * p.scale, v.y * p.scale);
-        *reinterpret_cast<uint32_t *>(out + (row + 8) * kRow + col) = pack2<T>(v.z * p.scale, v.w * p.scale);
-    }
-    __syncthreads();
-    T *dst = static_cast<T *>(p.dq) + (b * p.sq + (int64_t)tile * kRowTile) * row_stride + (int64_t)h * D;
-#pragma unroll
-    for (int c = threadIdx.x; c < kRowTile * D / 8; c += 256) {
-        const int row = c / (D / 8), col = 8 * (c % (D / 8));
-        if (row < rows)
-            *reinterpret_cast<uint4 *>(dst + row * row_stride + col) =
-                *reinterpret_cast<const uint4 *>(out + row * kRow + col);
-    }
-}
-
 // ---- host: tensor maps and launch ---------------------------------------------------------------
 
 template <typename T, int D> fk_status launch(const Params &p, fk_dtype dtype, int device, cudaStream_t stream) {
-    Work ws;
-    ws.m_tiles = (int)((p.sq + kBM<D> - 1) / kBM<D> * (kBM<D> / kRowTile));
-    const int64_t rows = p.batch * p.heads * ws.m_tiles * kRowTile;
-    ws.lse2 = p.dvec, ws.dvec = p.dvec + rows, ws.dq = p.dvec + 2 * rows;  // p.dvec: the workspace
+    const BwdWork ws = bwd_work(p, kBM<D>);
     CUtensorMap map_q, map_k, map_v, map_do;
     if (!encode_map_4d(&map_q, dtype, p.q, D, p.sq, p.heads, p.batch, p.q_row, p.q_head, p.q_batch, kBM<D>) ||
         !encode_map_4d(&map_do, dtype, p.dout, D, p.sq, p.heads, p.batch, p.do_row, p.do_head, p.do_batch, kBM<D>) ||
         !encode_map_4d(&map_k, dtype, p.k, D, p.sk, p.kv_heads, p.batch, p.k_row, p.k_head, p.k_batch, kBN) ||
         !encode_map_4d(&map_v, dtype, p.v, D, p.sk, p.kv_heads, p.batch, p.v_row, p.v_head, p.v_batch, kBN))
         return fk_fail(FK_ERR_RUNTIME, "attention_bwd: cuTensorMapEncodeTiled failed");
-    constexpr int kPrepRows = 256 / (D / 8);
-    fk_status st = Launch(dim3((unsigned)((rows + kPrepRows - 1) / kPrepRows)), dim3(256), 0, stream, device)(
-        "attention_bwd_prep", attention_bwd_prep_sm90<T, D>, p, ws);
+    fk_status st = launch_bwd_prep(ws, D, p, dtype, device, stream);
     if (st != FK_OK) return st;
     constexpr auto kernel = attention_bwd_wgmma_sm90<T, D>;
     cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes<D>);
@@ -457,14 +370,13 @@ template <typename T, int D> fk_status launch(const Params &p, fk_dtype dtype, i
     st = Launch(grid, dim3(kThreads), kSmemBytes<D>, stream, device)("attention_bwd", kernel, map_q, map_k, map_v,
                                                                      map_do, p, ws);
     if (st != FK_OK) return st;
-    return Launch(dim3((unsigned)(rows / kRowTile)), dim3(256), 0, stream, device)(
-        "attention_bwd_dq_convert", attention_bwd_dq_convert_sm90<T, D>, p, ws);
+    return launch_bwd_dq_convert(ws, D, p, dtype, device, stream);
 }
 
 }  // namespace
 
-// Instances: attention_bwd_wgmma_sm90, attention_bwd_prep_sm90 and attention_bwd_dq_convert_sm90,
-// each x {__half, __nv_bfloat16} x D {64, 128} = 12.
+// Instances: attention_bwd_wgmma_sm90 x {__half, __nv_bfloat16} x D {64, 128} = 4 (its prep and dQ
+// conversion: bwd_workspace.cu).
 fk_status launch_bwd_wgmma_sm90(const Plan &plan, const Params &p, fk_dtype dtype, int device, cudaStream_t stream) {
     if (dtype == FK_BFLOAT16)
         return plan.d_bucket == 64 ? launch<__nv_bfloat16, 64>(p, dtype, device, stream)

@@ -21,9 +21,9 @@
 // bwd  16-bit  sm_90   d 64 or 128, sq, sk > 0, not varlen, q / k / v / bwd_wgmma_sm90    TMA + wgmma, 5
 //                      dout / out TMA-describable (as fwd_wgmma_sm90), built             products not 7
 //                      for sm_90a, not FK_ATTN_FORCE_GENERAL
-// bwd  16-bit  sm_80+  FK_ATTN_SM80_ATOMIC (opt-in until its GPU     bwd_atomic_mma_   5 products, dQ by
-//                      validation, D-117), d <= 128                   sm80              atomics
-// bwd  16-bit  sm_80+  otherwise                                      bwd_mma_sm80      the general kernel
+// bwd  16-bit  sm_80+  d <= 128                                       bwd_atomic_mma_   5 products, dQ by
+//                                                                     sm80              atomics (D-117)
+// bwd  16-bit  sm_80+  otherwise (d > 128)                            bwd_mma_sm80      the general kernel
 // any  fp32 / fp64     -                                              (TypeError)
 // any  any     < sm_80 -                                              (RuntimeError)
 //
@@ -108,7 +108,7 @@ Plan plan_attention(const fk_attention_args &x, int backward, int sms, int major
             plan.workspace_bytes = bwd_workspace_bytes(x.batch, x.heads, x.sq, bwd_wgmma_block_m((int)x.d), (int)x.d);
             return plan;
         }
-        if (!(x.flags & FK_ATTN_DETERMINISTIC) && (x.flags & FK_ATTN_SM80_ATOMIC) && x.d <= 128) {
+        if (!(x.flags & FK_ATTN_DETERMINISTIC) && x.d <= 128) {
             plan.strategy = Strategy::kBwdAtomicMmaSm80;
             plan.workspace_bytes = bwd_workspace_bytes(x.batch, x.heads, x.sq, bwd_atomic_block_m(plan.d_bucket),
                                                        plan.d_bucket);

@@ -4,7 +4,9 @@
 // fp32    sm_90    TF32 allowed, built for sm_90a,    wgmma_sm90    128 x 128, persistent    tf32 wgmma (K-major
 //                  not forced general, both operands                                         only; ops/matmul.py
 //                  K-major and TMA-describable                                               copies the others)
-// fp32    any      otherwise                          simt_fp32     128 x 128               exact
+// fp32    any      otherwise                          simt_fp32     128 x 256 when its grid  exact (tile: D-121,
+//                                                                   fills the SMs twice,     chosen in its
+//                                                                   else 128 x 128           launcher)
 // 16-bit  sm_90    built for sm_90a, not forced       wgmma_sm90    128 x 128, persistent    TMA + wgmma
 //                  general, operands TMA-describable
 //                  (16-byte aligned base and strides)

@@ -20,7 +20,7 @@ import torch
 from .. import _backend as B
 from .._backend import _C
 
-_DETERMINISTIC, _FORCE_GENERAL, _TOP_LEFT, _SM80_ATOMIC = 1, 2, 4, 8  # fastkern.h's FK_ATTN_* flags
+_DETERMINISTIC, _FORCE_GENERAL, _TOP_LEFT = 1, 2, 4  # fastkern.h's FK_ATTN_* flags
 
 _SIGNATURE = ("Tensor? cu_seqlens_q, Tensor? cu_seqlens_k, int max_seqlen_q, int max_seqlen_k, "
               "float scale, int window_left, int window_right, bool top_left, bool deterministic")
@@ -115,8 +115,6 @@ def _flags(q, top_left, deterministic):
         flags |= _DETERMINISTIC
     if os.environ.get("FASTKERN_ATTENTION_FORCE_GENERAL") == "1":
         flags |= _FORCE_GENERAL
-    if os.environ.get("FASTKERN_ATTENTION_SM80_ATOMIC") == "1":  # opt-in for now (D-117)
-        flags |= _SM80_ATOMIC
     return flags
 
 
