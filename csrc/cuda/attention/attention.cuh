@@ -86,8 +86,9 @@ struct Plan {
 // The split (flash-decoding) forward's tile, every D bucket: 64 query rows x 32 keys; its K / V ring
 // has 3 stages at D <= 128 (64 KB of shared memory: 3 CTAs an SM), 2 at D 256 (96 KB: 2).
 constexpr int kSplitBM = 64, kSplitBN = 32;
-// fwd_mma_sm80's key tile (whole form) per head-dim bucket: 64 at D 64 (with Q in registers: 0.96 /
-// 0.90x FLASH full / causal vs FA2's 128's 0.92 / 0.80x, D-129) and D 128; D 256 runs the split shape.
+// fwd_mma_sm80's key tile (whole form) per head-dim bucket: 64 at D 64 (Q in registers; FA2's 128
+// keys spill: 0.92 / 0.80x FLASH full / causal against 0.96 / 0.89x, D-129) and at D 128 (32: -3%);
+// D 256 runs the split shape.
 constexpr int fwd_block_n(int bucket) { return bucket <= 64 ? FK_ATTN_FWD_BN_D64 : bucket <= 128 ? FK_ATTN_FWD_BN : kSplitBN; }
 constexpr int split_stages(int bucket) { return bucket <= 128 ? 3 : 2; }
 constexpr int split_slots(int bucket) { return bucket <= 128 ? 3 : 2; }

@@ -13,18 +13,18 @@
 // arithmetic for every ldmatrix and cp.async, 64-bit mask tests each tile). Now: ldmatrix
 // addresses are one XOR from a lane offset, a cp.async chunk two fixed offsets, the mask test one
 // compare against the warp's common key range, Q's fragments stay in registers at D 64.
-// Measured (H200, bf16, same process as SDPA FLASH, D-129): (16, 1024, 32, 64) full / causal
-// MEAS_D64, (4, 4096, 16, 128) MEAS_D128A, (8, 2048, 16, 128) MEAS_D128B; decoding B 8 H 32/8
-// Sq 1 Sk 8192 ~75 us a call (the K / V read alone: 64 us at copy bandwidth; 97 before D-107).
+// Measured (H200, bf16, TFLOP/s and x SDPA FLASH in the same process, D-129): (16, 1024, 32, 64)
+// full / causal 268 / 192 (0.97 / 0.88x), (4, 4096, 16, 128) 316 / 281 (0.94 / 0.93x), (8, 2048,
+// 16, 128) 307 / 251 (0.94 / 0.90x); decoding B 8 H 32/8 Sq 1 Sk 8192 ~75 us a call (the K / V
+// read alone: 64 us at copy bandwidth; 97 before D-107).
 //
 // Algorithm: one CTA per (query tile of BM rows, head, sequence[, key range]); 4 warps each own
 // 32 query rows (D 256: 16); query tiles launch last first (the longest under a causal band). Q is
 // loaded once into shared memory (D 64: then into registers); K / V tiles of BN keys stream through
 // a two-slot cp.async ring (tile t + 1 lands while tile t computes). Per tile: S = Q Kᵀ (fp32
-// accumulators; a warp skips tiles none of its rows sees), the mask on tiles that cross its band or
-// the sequence end,
-// the online softmax in registers (exp2, scale x log2(e) folded into one FFMA; running max and sum
-// per row, O rescaled), then O += P V with P converted in registers into the A operand. Key tiles
+// accumulators), the mask on tiles that cross its band or the sequence end, the online softmax in
+// registers (exp2, scale x log2(e) folded into one FFMA; running max and sum per row, O
+// rescaled), then O += P V with P converted in registers into the A operand. Key tiles
 // outside the mask band are never visited (the loop bounds come from the mask). Epilogue: O / sum,
 // lse = (max + log2(sum)) ln 2 (max in log2 units); a row with no visible key: out 0, lse +inf; O
 // goes through the warp's own rows of the Q tile and out in 16-byte row chunks (16-byte rows).
@@ -161,27 +161,22 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks) attention_fwd_
     const bool active = m0 + wm0 < rows;            // warps past the sequence skip the math
     const int r0 = m0 + wm0 + (lane >> 2);          // rows held: r0 + 16 mt + 8 hr
     // A held row's visible keys (rows past the sequence: every key; computed from zero rows of Q,
-    // never stored); the range every row of the warp sees [w_lo, w_hi): key tiles inside it take no
-    // mask; and the range any row sees [u_lo, u_hi): tiles outside it add nothing to the warp's rows
-    // (p 0, alpha 1; causal: the CTA's last tile for its first warps), which skip them.
+    // never stored), and the range every row of the warp sees: key tiles inside it take no mask.
     auto row_keys = [&](int r) {
         return r < rows ? key_range(p, s, row_query(r), row_query(r) + 1) : Range{0, s.sk};
     };
-    int w_lo = 0, w_hi = s.sk, u_lo = s.sk, u_hi = 0;
+    int w_lo = 0, w_hi = s.sk;
 #pragma unroll
     for (int mt = 0; mt < kMT; mt++)
 #pragma unroll
         for (int hr = 0; hr < 2; hr++) {
             const Range kr = row_keys(r0 + 16 * mt + 8 * hr);
             w_lo = max(w_lo, kr.lo), w_hi = min(w_hi, kr.hi);
-            u_lo = min(u_lo, kr.lo), u_hi = max(u_hi, kr.hi);
         }
 #pragma unroll
     for (int o = 1; o < 32; o *= 2) {
         w_lo = max(w_lo, __shfl_xor_sync(0xffffffffu, w_lo, o));
         w_hi = min(w_hi, __shfl_xor_sync(0xffffffffu, w_hi, o));
-        u_lo = min(u_lo, __shfl_xor_sync(0xffffffffu, u_lo, o));
-        u_hi = max(u_hi, __shfl_xor_sync(0xffffffffu, u_hi, o));
     }
     // The lanes' ldmatrix offsets for each operand's first block (ldsm_x4: the others are a column
     // XOR and a row add away). Q (A): rows lane % 16, column 8 (lane / 16); K (B, rows n): 8 x 8
@@ -212,7 +207,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks) attention_fwd_
         __syncthreads();  // tile t (and Q) landed; the slot of tile t - 1 is free again
         if (t + kStages - 1 < t_hi) load_kv((int)((unsigned)(t - t_lo + kStages - 1) % kStages), t + kStages - 1);
         cp_async_commit();
-        if (!active || t * BN + BN <= u_lo || t * BN >= u_hi) continue;
+        if (!active) continue;
         const T *ks = sk_tile + slot * KVTile::kElems, *vs = sv_tile + slot * KVTile::kElems;
 
         // S = Q Kᵀ for this warp's kMT x 16 rows x BN keys.
