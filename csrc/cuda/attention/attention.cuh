@@ -46,8 +46,14 @@ struct Params {
 // A/B switches (FASTKERN_NVCC_FLAGS=-D...): the key tile of the forward and of the dQ kernel at
 // D <= 128, and whether the Hopper forward's persistent CTAs claim their tiles from a counter (else
 // a static walk).
-#ifndef FK_ATTN_FWD_BN
+#ifndef FK_ATTN_FWD_BN  // D 128
 #define FK_ATTN_FWD_BN 64
+#endif
+#ifndef FK_ATTN_FWD_BN_D64
+#define FK_ATTN_FWD_BN_D64 64
+#endif
+#ifndef FK_ATTN_FWD_Q_REGS  // fwd_mma_sm80 at D 64: Q's fragments in registers for the whole key loop
+#define FK_ATTN_FWD_Q_REGS 1
 #endif
 #ifndef FK_ATTN_DQ_BN
 #define FK_ATTN_DQ_BN 64
@@ -80,6 +86,10 @@ struct Plan {
 // The split (flash-decoding) forward's tile, every D bucket: 64 query rows x 32 keys; its K / V ring
 // has 3 stages at D <= 128 (64 KB of shared memory: 3 CTAs an SM), 2 at D 256 (96 KB: 2).
 constexpr int kSplitBM = 64, kSplitBN = 32;
+// fwd_mma_sm80's key tile (whole form) per head-dim bucket: 64 at D 64 (Q in registers; FA2's 128
+// keys spill: 0.92 / 0.80x FLASH full / causal against 0.96 / 0.89x, D-129) and at D 128 (32: -3%);
+// D 256 runs the split shape.
+constexpr int fwd_block_n(int bucket) { return bucket <= 64 ? FK_ATTN_FWD_BN_D64 : bucket <= 128 ? FK_ATTN_FWD_BN : kSplitBN; }
 constexpr int split_stages(int bucket) { return bucket <= 128 ? 3 : 2; }
 constexpr int split_slots(int bucket) { return bucket <= 128 ? 3 : 2; }
 

@@ -72,9 +72,8 @@ bool nothing_to_do(const fk_attention_args &x, int backward) {
 
 int d_bucket(int64_t d) { return d <= 64 ? 64 : d <= 128 ? 128 : 256; }
 
-// The forward kernel's query tile (fwd_mma_sm80.cu FwdCfg) and key tile per bucket.
+// The forward kernel's query tile (fwd_mma_sm80.cu FwdCfg; its key tile: attention.cuh fwd_block_n).
 int fwd_block_m(int bucket) { return bucket <= 128 ? 128 : 64; }
-int fwd_block_n(int bucket) { return bucket <= 128 ? FK_ATTN_FWD_BN : 32; }
 
 // Floats of the split forward's partial lse, rounded up to 16 bytes (the partial outputs follow it
 // and take 8-byte stores).
