@@ -339,7 +339,11 @@ __device__ __forceinline__ void consumer(Smem<T, kPP> &s, const CUtensorMap *map
                     epilogue<act.value, pre.value, T, kRB>(s.out + c * kRB, s.bias[c], map_c, map_pre, p, acc[h], w,
                                                            kPP ? h : c, c, t);
             };
-            if (!kBackward<act.value> && p.pre) run(std::true_type{}); else run(std::false_type{});
+            if constexpr (kBackward<decltype(act)::value>) {
+                run(std::false_type{});
+            } else {
+                if (p.pre) run(std::true_type{}); else run(std::false_type{});
+            }
         });
         if (kPP) st.skip(k_tiles);  // the other consumer's next tile
     }
