@@ -317,26 +317,49 @@ def _hopper():
     return CUDA and torch.cuda.get_device_capability() == (9, 0) and "sm_90a" in fastkern.BUILD_INFO["archs"]
 
 
-# csrc/cuda/matmul/dispatch.cu's table, row by row: (dtype, operand view, forced general) -> strategy.
+def _sms():
+    return torch.cuda.get_device_properties(0).multi_processor_count if CUDA else 132
+
+
+def _wgmma_plan(m, n, k, batch=1):
+    """wgmma_sm90's plan name for 16-bit operands (dispatch.cu's two 16-bit sm_90 rows): 128 x 64
+    tiles where 128 x 128 tiles number at most half the SMs, K split over 2-CTA clusters when twice
+    those tiles still fit the SMs and K has 4 steps of 64 or more (D-128)."""
+    sms, rows, steps = _sms(), -(-m // 128) * batch, -(-k // 64)
+    if 2 * rows * -(-n // 128) > sms:
+        return "wgmma_sm90"
+    return "wgmma_sm90 128x64 split-k" if 2 * rows * -(-n // 64) <= sms and steps >= 4 else "wgmma_sm90 128x64"
+
+
+# csrc/cuda/matmul/dispatch.cu's table, row by row: (dtype, operand view, forced general, size) ->
+# strategy. "large": 128 x 128 tiles for more than half the SMs; "small": 6 of them, k 3 steps;
+# "small-long-k": the same with k 16 steps.
 DISPATCH_ROWS = [
-    (torch.float32, "row", False, lambda: "simt_fp32"),
-    (torch.float32, "col", True, lambda: "simt_fp32"),
-    (torch.bfloat16, "row", False, lambda: "wgmma_sm90" if _hopper() else "mma_sm80"),
-    (torch.float16, "col", False, lambda: "wgmma_sm90" if _hopper() else "mma_sm80"),
+    (torch.float32, "row", False, "small", lambda: "simt_fp32"),
+    (torch.float32, "col", True, "small", lambda: "simt_fp32"),
+    (torch.bfloat16, "row", False, "small", lambda: "wgmma_sm90 128x64" if _hopper() else "mma_sm80"),
+    (torch.float16, "col", False, "small-long-k",
+     lambda: "wgmma_sm90 128x64 split-k" if _hopper() else "mma_sm80"),
+    (torch.bfloat16, "row", False, "large", lambda: "wgmma_sm90" if _hopper() else "mma_sm80"),
+    (torch.float16, "col", False, "large", lambda: "wgmma_sm90" if _hopper() else "mma_sm80"),
     # a 1793-wide operand is copied into 16-byte aligned rows, so it takes the fast kernel too
-    (torch.bfloat16, "ragged", False, lambda: "wgmma_sm90" if _hopper() else "mma_sm80"),
-    (torch.bfloat16, "row", True, lambda: "mma_sm80"),
-    (torch.float16, "ragged", True, lambda: "mma_sm80"),
+    (torch.bfloat16, "ragged", False, "large", lambda: "wgmma_sm90" if _hopper() else "mma_sm80"),
+    (torch.bfloat16, "row", True, "small", lambda: "mma_sm80"),
+    (torch.float16, "ragged", True, "large", lambda: "mma_sm80"),
 ]
 
 
 @needs_cuda
-@pytest.mark.parametrize("dtype,view,forced,strategy", DISPATCH_ROWS,
-                         ids=[f"cuda-{str(d)[6:]}-{v}-{'forced' if f else 'auto'}" for d, v, f, _ in DISPATCH_ROWS])
-def test_dispatch_table(dtype, view, forced, strategy, monkeypatch):
+@pytest.mark.parametrize("dtype,view,forced,size,strategy", DISPATCH_ROWS,
+                         ids=[f"cuda-{str(d)[6:]}-{v}-{s}-{'forced' if f else 'auto'}"
+                              for d, v, f, s, _ in DISPATCH_ROWS])
+def test_dispatch_table(dtype, view, forced, size, strategy, monkeypatch):
     if forced:
         monkeypatch.setenv("FASTKERN_MATMUL_FORCE_GENERAL", "1")
-    m, n, k = (257, 1793, 1793) if view == "ragged" else (384, 256, 192)
+    tall = 128 * (_sms() // 2 + 1)  # one column of 128 x 128 tiles, more than half the SMs
+    m, n, k = {"small": (384, 256, 192), "small-long-k": (384, 256, 1000), "large": (tall, 256, 192)}[size]
+    if view == "ragged":
+        m, n, k = (tall // 2 + 1, 1793, 1793)
     a = make((m, k), dtype, "cuda")
     b = make((k, n), dtype, "cuda")
     if view == "col":
@@ -361,6 +384,30 @@ def _hopper_arrangement_shapes():
     m, n, k, _ = shapes[2]
     shapes.append((m, n + 1, k, "cooperative"))  # C's rows unaligned: element stores
     return shapes
+
+
+# (m, n, k, batch) around the small-problem tiles (128 x 64, K split over 2 CTAs): m and n one short
+# of, past and inside a tile (m = 37 leaves a split tile's second row block empty), C rows 16-byte
+# aligned (n = 184: TMA stores) or not (185: element stores), k from 1 step to 17, an odd step count
+# split 2 + 3, a batch.
+SMALL_SHAPES = [(251, 185, 189, 1), (251, 184, 257, 1), (37, 185, 300, 1), (129, 64, 1000, 1), (200, 63, 16, 1),
+                (130, 120, 260, 3)]
+
+
+@needs_cuda
+@pytest.mark.parametrize("majors", list(itertools.product(("row", "col"), repeat=2)), ids="-".join)
+@pytest.mark.parametrize("shape", SMALL_SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_cuda_hopper_small_problem_edges(shape, majors, poison):
+    """wgmma_sm90's small-problem row (D-128) at ragged edges, every operand major, bias, GELU, and
+    gradients (the pre-activation pass, and backward GEMMs of other shapes) for two of the shapes."""
+    m, n, k, batch = shape
+    lead = (batch,) if batch > 1 else ()
+    a = layout(make(lead + (m, k), torch.bfloat16, "cuda"), majors[0])
+    b = layout(make(lead + (k, n), torch.bfloat16, "cuda"), majors[1])
+    bias = make((n,), torch.bfloat16, "cuda")
+    if _hopper():
+        assert mm_ops._plan(a, b, bias, "gelu") == _wgmma_plan(m, n, k, batch)
+    check(a, b, bias, "gelu", grads=shape in SMALL_SHAPES[1:3])
 
 
 @needs_cuda

@@ -7,6 +7,10 @@
 // fp32    any      otherwise                          simt_fp32     128 x 256 when its grid  exact (tile: D-121,
 //                                                                   fills the SMs twice,     chosen in its
 //                                                                   else 128 x 128           launcher)
+// 16-bit  sm_90    built for sm_90a, not forced       wgmma_sm90    128 x 64, one CTA a      small problems:
+//                  general, operands TMA-describable,  "128x64"      tile; K split over 2-CTA fill the SMs
+//                  128 x 128 tiles <= SMs / 2          "split-k"     clusters when 2 x tiles  (D-128)
+//                                                                    <= SMs and K >= 256
 // 16-bit  sm_90    built for sm_90a, not forced       wgmma_sm90    128 x 128, persistent    TMA + wgmma
 //                  general, operands TMA-describable
 //                  (16-byte aligned base and strides)
@@ -61,6 +65,20 @@ Plan plan_matmul(const fk_matmul_args &x, int device) {
                    operand_aligned(x.b, b_kmajor(x) ? x.b_col : x.b_row, x.b_batch, 2);
     if (hopper && plan.aligned) {
         plan.strategy = Strategy::kWgmmaSm90;
+        // Where 128 x 128 tiles would leave most SMs idle, each SM's k-loop is the time: 512^3 is 16
+        // tiles, 8 k-steps each. 128 x 64 tiles double the CTAs, a K split over 2-CTA clusters
+        // doubles them again where K has 4 k-steps or more (D-128).
+        const int64_t rows = (x.m + 127) / 128 * x.batch, k_steps = (x.k + 63) / 64;
+        const int64_t wide = rows * ((x.n + 127) / 128), narrow = rows * ((x.n + 63) / 64), sms = sm_count(device);
+        if (2 * wide <= sms) {
+#if FK_MM_SPLIT_FIRST  // A/B variant (D-128): split 128 x 128 tiles first, narrow them only if still few
+            plan.split_k = k_steps >= 4 ? 2 : 1;
+            plan.tile = plan.split_k == 1 || 4 * wide <= sms ? 1 : 0;
+#else
+            plan.tile = 1;
+            plan.split_k = 2 * narrow <= sms && k_steps >= 4 ? 2 : 1;
+#endif
+        }
         return plan;
     }
     plan.strategy = Strategy::kMmaSm80;
@@ -70,6 +88,13 @@ Plan plan_matmul(const fk_matmul_args &x, int device) {
     const bool large_fills = ((x.m + 127) / 128) * ((x.n + 255) / 256) * x.batch * 8 >= sm_count(device) * 7;
     plan.tile = plan.aligned && large_fits && large_fills ? 0 : 1;
     return plan;
+}
+
+// The plan's name: the strategy's, and wgmma_sm90's small-problem variants (dispatch.cu's table).
+const char *plan_name(const Plan &p) {
+    if (p.strategy != Strategy::kWgmmaSm90 || (p.tile == 0 && p.split_k == 1)) return strategy_name(p.strategy);
+    if (p.tile == 0) return "wgmma_sm90 split-k";
+    return p.split_k > 1 ? "wgmma_sm90 128x64 split-k" : "wgmma_sm90 128x64";
 }
 
 fk_status check_args(const fk_matmul_args &x) {
@@ -110,7 +135,7 @@ Params params_of(const fk_matmul_args &x) {
 extern "C" const char *fk_cuda_matmul_plan(const fk_matmul_args *args, int device) {
     fk::DeviceGuard guard(device);
     if (guard.error != cudaSuccess) return "none";
-    return fk::mm::strategy_name(fk::mm::plan_matmul(*args, device).strategy);
+    return fk::mm::plan_name(fk::mm::plan_matmul(*args, device));
 }
 
 extern "C" fk_status fk_cuda_matmul(const fk_matmul_args *args, int device, void *stream) {

@@ -21,6 +21,12 @@
 // (bias, pre-activation, GELU; compiled once per activation, D-112) writes 64-row blocks into
 // swizzled shared staging, stored by TMA, or, where C's rows are not 16-byte aligned, by coalesced
 // element stores (D-113).
+// Small problems (dispatch.cu's row, 16-bit, D-128): where 128 x 128 tiles number at most half the
+// SMs, each SM's k-loop is the time (512^3: 16 tiles of 8 k-steps, 2.8 us of wgmma on 16 SMs against
+// cuBLAS's 3.5 us in all). There the tile is 128 x 64 (wgmma m64n64k16, cooperative), and where twice
+// those tiles still fit the SMs, K is split over a 2-CTA cluster: rank r takes half the k-steps, and
+// row block c's partial accumulators (fp32) go by st.async into rank c's staging buffers (as large as
+// 64 x kBN fp32), where consumer c adds them and runs the epilogue. 512^3: 64 CTAs of 4 k-steps.
 // TF32 (fp32 operands): the same kernel in bytes, cooperative. A 128-byte swizzled row holds 32 fp32
 // instead of 64 halves, so a stage is still 32 KB (BK = 32) and a wgmma m64n128k8 step still 32
 // bytes along it; the TMA rounds fp32 to tf32 on load (TFLOAT32 maps, round to nearest like cuBLAS).
@@ -35,7 +41,9 @@
 namespace fk::mm {
 namespace {
 
-constexpr int kBM = 128, kBN = 128;
+// Output tiles are kBM x kBN: 128 x 128, or 128 x 64 for problems whose 128 x 128 tiles leave most
+// SMs idle (dispatch.cu's small-problem row, D-128; 16-bit, cooperative).
+constexpr int kBM = 128;
 constexpr int kConsumers = 2, kThreads = 128 * (1 + kConsumers);
 // kPP (ping-pong, 16-bit only): each consumer owns whole tiles (two 64-row blocks), the two taking
 // turns, so one's epilogue runs under the other's mainloop. Else cooperative: each consumer owns 64
@@ -51,46 +59,64 @@ template <typename T> constexpr int kStepK = 32 / (int)sizeof(T);
 template <typename T> constexpr int kChunk = 16 / (int)sizeof(T);
 // Staging: 16 KB per 64-row block of 16-bit C (64 KB ping-pong, 32 KB cooperative), 32 KB of fp32.
 template <typename T, bool kPP> constexpr int kStages = kPP || sizeof(T) == 4 ? 5 : 6;
-constexpr int kStageBytes = (kBM + kBN) * 128;        // 32 KB for every T
+template <int kBN> constexpr int kStageBytes = (kBM + kBN) * 128;  // 32 KB (24 KB at kBN 64) for every T
 
 // Named barriers: 0 is __syncthreads; consumer warpgroup c syncs its 128 threads on kConsumer0 + c;
 // ping-pong consumer c may start a mainloop once the other has arrived on kOrder0 + c.
 enum NamedBarrier { kConsumer0 = 1, kOrder0 = 3 };
 
-template <typename T, bool kPP> struct Smem {
+template <typename T, bool kPP, int kBN> struct Smem {
     static constexpr int kStages = ::fk::mm::kStages<T, kPP>;
     alignas(1024) T a[kStages][kBM * kBK<T>];
     alignas(1024) T b[kStages][kBN * kBK<T>];
-    alignas(1024) T out[kConsumers * kRowBlocks<kPP>][64 * kBN];  // a 64 x 128 block as swizzled 64 x kBK boxes
+    // A 64 x kBN block as swizzled 64 x kBK boxes. Split K: also the fp32 partial tile (64 x kBN)
+    // the peer CTA sends in (as much as 16-bit staging for two consumers), read before any staging.
+    alignas(1024) T out[kConsumers * kRowBlocks<kPP>][64 * kBN];
     alignas(16) T bias[kConsumers][kBN];                             // each consumer's tile of the bias
     uint64_t full[kStages], empty[kStages];
+    uint64_t partial_full;  // split K: the peer's partial tile has landed in `out`
 };
-template <typename T, bool kPP> constexpr int kSmemBytes = sizeof(Smem<T, kPP>) + 1024;  // + room to align
-static_assert(kSmemBytes<__half, true> <= 227 * 1024 && kSmemBytes<__half, false> <= 227 * 1024 &&
-                  kSmemBytes<float, false> <= 227 * 1024,
+template <typename T, bool kPP, int kBN> constexpr int kSmemBytes = sizeof(Smem<T, kPP, kBN>) + 1024;  // + room to align
+static_assert(kSmemBytes<__half, true, 128> <= 227 * 1024 && kSmemBytes<__half, false, 128> <= 227 * 1024 &&
+                  kSmemBytes<float, false, 128> <= 227 * 1024,
               "the operand ring and staging fit Hopper's shared memory");
+template <typename T, bool kPP, int kBN> constexpr bool kPartialFits = sizeof(Smem<T, kPP, kBN>::out) >= 64 * kBN * 4;
+static_assert(kPartialFits<__half, false, 128> && kPartialFits<__half, false, 64> && kPartialFits<float, false, 128>,
+              "a split-K partial tile fits the staging buffers");
 
 // Tile `tile` of the persistent walk: its batch, then grouped (tm, tn).
 struct Work {
     int64_t batch, m0, n0;
 };
-__device__ __forceinline__ Work work_of(int64_t tile, int tiles_m, int tiles_n) {
+template <int kBN> __device__ __forceinline__ Work work_of(int64_t tile, int tiles_m, int tiles_n) {
     const int64_t per_batch = (int64_t)tiles_m * tiles_n;
     const TileIndex t = grouped_tile((int)(tile % per_batch), tiles_m, tiles_n, 8);
     return {tile / per_batch, (int64_t)t.tm * kBM, (int64_t)t.tn * kBN};
 }
 
-template <typename T, bool kPP, bool kAKMajor, bool kBKMajor>
-__device__ __forceinline__ void producer(Smem<T, kPP> &s, const CUtensorMap *map_a, const CUtensorMap *map_b,
-                                         const Params &p, int tiles_m, int tiles_n, int k_tiles) {
+// Which output tiles and k-tiles a CTA takes. Split K (p.split_k = 2, a 2-CTA cluster a tile, one
+// tile a cluster): cluster rank r takes k-tiles [r k_tiles / 2, (r + 1) k_tiles / 2).
+struct Walk {
+    int64_t first, step;  // tiles first, first + step, ...
+    int kt_begin, kt_end;
+};
+__device__ __forceinline__ Walk walk_of(const Params &p, int k_tiles) {
+    const int split = p.split_k, rank = split > 1 ? (int)cluster_ctarank() : 0;
+    return {blockIdx.x / split, gridDim.x / split, (int)((int64_t)k_tiles * rank / split),
+            (int)((int64_t)k_tiles * (rank + 1) / split)};
+}
+
+template <typename T, bool kPP, int kBN, bool kAKMajor, bool kBKMajor>
+__device__ __forceinline__ void producer(Smem<T, kPP, kBN> &s, const CUtensorMap *map_a, const CUtensorMap *map_b,
+                                         const Params &p, int tiles_m, int tiles_n, const Walk &wk) {
     RingStage<kStages<T, kPP>> st;
     const int64_t total = (int64_t)tiles_m * tiles_n * p.batch;
-    for (int64_t tile = blockIdx.x; tile < total; tile += gridDim.x) {
-        const Work w = work_of(tile, tiles_m, tiles_n);
+    for (int64_t tile = wk.first; tile < total; tile += wk.step) {
+        const Work w = work_of<kBN>(tile, tiles_m, tiles_n);
         const int ca = p.a_batch ? (int)w.batch : 0, cb = p.b_batch ? (int)w.batch : 0;
-        for (int kt = 0; kt < k_tiles; kt++, st.next()) {
+        for (int kt = wk.kt_begin; kt < wk.kt_end; kt++, st.next()) {
             mbar_wait(&s.empty[st.slot], st.phase ^ 1);  // the first pass finds every slot free
-            mbar_arrive_expect_tx(&s.full[st.slot], kStageBytes);
+            mbar_arrive_expect_tx(&s.full[st.slot], kStageBytes<kBN>);
             const int k0 = kt * kBK<T>;
             if constexpr (kAKMajor) {
                 tma_load_3d(s.a[st.slot], map_a, &s.full[st.slot], k0, (int)w.m0, ca);
@@ -132,15 +158,15 @@ template <typename T> __device__ __forceinline__ int staged_at(int r, int col) {
 // accumulators before both passes (per-element global loads, twice with a pre-activation, were where
 // ncu found the epilogue waiting; D-119).
 // Row block rb (64 rows from w.m0 + 64 rb) through `buffers`, consumer c's kBuffers staging buffers.
-template <int kAct, bool kPre, typename T, int kBuffers>
+template <int kAct, bool kPre, typename T, int kBN, int kBuffers>
 __device__ __forceinline__ void epilogue(T (*buffers)[64 * kBN], T *bias_s, const CUtensorMap *map_c,
                                          const CUtensorMap *map_pre, const Params &p, float (&acc)[kBN / 2],
                                          const Work &w, int rb, int c, int t) {
-    static_assert(kBN == 128, "a bias column a consumer thread");
+    static_assert(kBN <= 128, "at most a bias column a consumer thread");
     const int row0 = (t / 32) * 16 + (t % 32) / 4;
     if (p.bias) {  // the last reads of the previous block's bias were before its last barrier
         const int64_t n = w.n0 + t;
-        bias_s[t] = n < p.n ? static_cast<const T *>(p.bias)[n] : from_f32<T>(0.0f);
+        if (t < kBN) bias_s[t] = n < p.n ? static_cast<const T *>(p.bias)[n] : from_f32<T>(0.0f);
         named_barrier_sync(kConsumer0 + c, 128);
 #pragma unroll
         for (int j = 0; j < kBN / 8; j++) {  // added to the accumulators once, for both passes
@@ -186,33 +212,59 @@ __device__ __forceinline__ void epilogue(T (*buffers)[64 * kBN], T *bias_s, cons
         }
         named_barrier_sync(kConsumer0 + c, 128);
         T *dst = static_cast<T *>(pass == 0 ? p.pre : p.c) + w.batch * p.c_batch;
-        const int64_t col = w.n0 + t, row_end = p.m - (w.m0 + rb * 64);
+        constexpr int kRowsAtOnce = 128 / kBN;  // a column a thread, 128 / kBN rows at once
+        const int64_t col = w.n0 + t % kBN, row_end = p.m - (w.m0 + rb * 64);
         if (col < p.n) {
 #pragma unroll 8
-            for (int r = 0; r < 64 && r < row_end; r++)
-                dst[(w.m0 + rb * 64 + r) * p.c_row + col] = out[staged_at<T>(r, t)];
+            for (int r = t / kBN; r < 64 && r < row_end; r += kRowsAtOnce)
+                dst[(w.m0 + rb * 64 + r) * p.c_row + col] = out[staged_at<T>(r, t % kBN)];
         }
     }
 }
 
-template <typename T, bool kPP, bool kAKMajor, bool kBKMajor>
-__device__ __forceinline__ void consumer(Smem<T, kPP> &s, const CUtensorMap *map_c, const CUtensorMap *map_pre,
-                                         const Params &p, int tiles_m, int tiles_n, int k_tiles) {
+// Split K: the partial tile of consumer c (fp32, 64 x kBN) into the `out` buffers of cluster rank
+// `to`, 16 bytes a store (thread t's accumulators i..i+3 at float4 (i / 4) x 128 + t), counted on that
+// CTA's partial_full. The caller has waited on the cluster barrier: the peer's mbarrier is ready.
+template <typename T, bool kPP, int kBN>
+__device__ __forceinline__ void send_partial(Smem<T, kPP, kBN> &s, const float (&acc)[kBN / 2], uint32_t to, int t) {
+    const uint32_t dst = mapa_shared_cluster(s.out, to), bar = mapa_shared_cluster(&s.partial_full, to);
+#pragma unroll
+    for (int i = 0; i < kBN / 2; i += 4)
+        st_async_v4(dst + (uint32_t)(((i / 4) * 128 + t) * 16), acc[i], acc[i + 1], acc[i + 2], acc[i + 3], bar);
+}
+// ... and its sum into the receiving consumer's accumulators, once all of it has landed.
+template <typename T, bool kPP, int kBN>
+__device__ __forceinline__ void add_partial(Smem<T, kPP, kBN> &s, float (&acc)[kBN / 2], int t) {
+    mbar_wait(&s.partial_full, 0);
+    const float4 *in = reinterpret_cast<const float4 *>(&s.out[0][0]);
+#pragma unroll
+    for (int i = 0; i < kBN / 2; i += 4) {
+        const float4 v = in[(i / 4) * 128 + t];
+        acc[i] += v.x, acc[i + 1] += v.y, acc[i + 2] += v.z, acc[i + 3] += v.w;
+    }
+}
+
+template <typename T, bool kPP, int kBN, bool kAKMajor, bool kBKMajor>
+__device__ __forceinline__ void consumer(Smem<T, kPP, kBN> &s, const CUtensorMap *map_c, const CUtensorMap *map_pre,
+                                         const Params &p, int tiles_m, int tiles_n, const Walk &wk) {
     constexpr int kRB = kRowBlocks<kPP>;
     const int c = threadIdx.x / 128 - 1, t = threadIdx.x % 128;
+    const int k_tiles = wk.kt_end - wk.kt_begin;  // this CTA's
+    const uint32_t rank = p.split_k > 1 ? cluster_ctarank() : 0;
+    bool cluster_waited = false;
     RingStage<kStages<T, kPP>> st;
     float acc[kRB][kBN / 2];
     const int64_t total = (int64_t)tiles_m * tiles_n * p.batch;
     // Ping-pong: consumer c takes the CTA's tiles c, c + 2, ... and skips the other's ring stages.
-    const int64_t first = blockIdx.x + (kPP ? (int64_t)c * gridDim.x : 0);
-    const int64_t step = (int64_t)gridDim.x * (kPP ? kConsumers : 1);
+    const int64_t first = wk.first + (kPP ? (int64_t)c * wk.step : 0);
+    const int64_t step = wk.step * (kPP ? kConsumers : 1);
     if (kPP && c == 1) st.skip(k_tiles);
     for (int64_t tile = first; tile < total; tile += step) {
-        const Work w = work_of(tile, tiles_m, tiles_n);
+        const Work w = work_of<kBN>(tile, tiles_m, tiles_n);
         // Ping-pong: the mainloops take turns. Besides keeping the tensor cores to one consumer, the
         // turn makes the parity waits sound: the other's stages of every slot have completed before
         // this consumer waits on the slot again (a wait a whole tile ahead matched an old phase).
-        if (kPP && tile != blockIdx.x) named_barrier_sync(kOrder0 + c, 2 * 128);
+        if (kPP && tile != wk.first) named_barrier_sync(kOrder0 + c, 2 * 128);
         int previous = -1;
 #pragma unroll
         for (int h = 0; h < kRB; h++) wgmma_fence_operands(acc[h]);
@@ -233,6 +285,8 @@ __device__ __forceinline__ void consumer(Smem<T, kPP> &s, const CUtensorMap *map
                                                  : smem_desc_sw128(s.b[st.slot] + kk * 16 * 64, kBoxBytes, 1024);
                     if constexpr (std::is_same_v<T, float>) {
                         wgmma_m64n128k8_tf32(acc[h], da, db, kt > 0 || kk > 0);
+                    } else if constexpr (kBN == 64) {
+                        wgmma_m64n64k16<T, !kAKMajor, !kBKMajor>(acc[h], da, db, kt > 0 || kk > 0);
                     } else {
                         wgmma_m64n128k16<T, !kAKMajor, !kBKMajor>(acc[h], da, db, kt > 0 || kk > 0);
                     }
@@ -254,12 +308,21 @@ __device__ __forceinline__ void consumer(Smem<T, kPP> &s, const CUtensorMap *map
 #pragma unroll
                 for (int i = 0; i < kBN / 2; i++) acc[h][i] = 0.0f;
         }
+        if (!kPP && p.split_k > 1) {  // split K: rank c finishes row block c, the other rank's consumer c sends
+            if (rank != (uint32_t)c) {
+                barrier_cluster_wait();
+                cluster_waited = true;
+                send_partial(s, acc[0], (uint32_t)c, t);
+                continue;  // its one tile (one a cluster)
+            }
+            add_partial(s, acc[0], t);
+        }
         // compiled per activation and per pre-activation store (the buffers' order depends on it)
         with_activation(p.activation, [&](auto act) {
             auto run = [&](auto pre) {
 #pragma unroll
                 for (int h = 0; h < kRB; h++)
-                    epilogue<act.value, pre.value, T, kRB>(s.out + c * kRB, s.bias[c], map_c, map_pre, p, acc[h], w,
+                    epilogue<act.value, pre.value, T, kBN, kRB>(s.out + c * kRB, s.bias[c], map_c, map_pre, p, acc[h], w,
                                                            kPP ? h : c, c, t);
             };
             if (p.pre) run(std::true_type{}); else run(std::false_type{});
@@ -267,33 +330,41 @@ __device__ __forceinline__ void consumer(Smem<T, kPP> &s, const CUtensorMap *map
         if (kPP) st.skip(k_tiles);  // the other consumer's next tile
     }
     if (p.tma_store && t == 0) bulk_wait_group<0>();  // the last stores finish before the CTA exits
+    if (p.split_k > 1 && !cluster_waited) barrier_cluster_wait();  // the kernel's arrival, paired
 }
 
-template <typename T, bool kPP, bool kAKMajor, bool kBKMajor>
+template <typename T, bool kPP, int kBN, bool kAKMajor, bool kBKMajor>
 __global__ void __launch_bounds__(kThreads, 1)
     matmul_wgmma_sm90(const __grid_constant__ CUtensorMap map_a, const __grid_constant__ CUtensorMap map_b,
                       const __grid_constant__ CUtensorMap map_c, const __grid_constant__ CUtensorMap map_pre, Params p) {
-    static_assert(!std::is_same_v<T, float> || (kAKMajor && kBKMajor && !kPP), "tf32: K-major, cooperative");
+    static_assert(!std::is_same_v<T, float> || (kAKMajor && kBKMajor && !kPP && kBN == 128),
+                  "tf32: K-major, cooperative, 128 x 128");
 #if FK_SM90A
     extern __shared__ unsigned char smem_raw[];
-    auto &s = *reinterpret_cast<Smem<T, kPP> *>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
+    auto &s = *reinterpret_cast<Smem<T, kPP, kBN> *>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
     if (threadIdx.x == 0) {
         for (int i = 0; i < kStages<T, kPP>; i++)  // a stage is released by each consumer reading it
             mbar_init(&s.full[i], 1), mbar_init(&s.empty[i], kPP ? 1 : kConsumers);
+        if (p.split_k > 1) mbar_init(&s.partial_full, 1);
         fence_barrier_init();
         prefetch_tensormap(&map_a);
         prefetch_tensormap(&map_b);
     }
     __syncthreads();
+    if (p.split_k > 1) {  // partial_full takes thread 0's arrival and the peer's bytes; then peers may send
+        if (threadIdx.x == 0) mbar_arrive_expect_tx(&s.partial_full, 64 * kBN * 4);
+        barrier_cluster_arrive_relaxed();
+    }
     grid_dependency_sync();
     const int tiles_m = (int)((p.m + kBM - 1) / kBM), tiles_n = (int)((p.n + kBN - 1) / kBN);
-    const int k_tiles = (int)((p.k + kBK<T> - 1) / kBK<T>);
+    const Walk wk = walk_of(p, (int)((p.k + kBK<T> - 1) / kBK<T>));
     if (threadIdx.x < 128) {
         setmaxnreg_dec<kRegsProducer>();
-        if (threadIdx.x == 0) producer<T, kPP, kAKMajor, kBKMajor>(s, &map_a, &map_b, p, tiles_m, tiles_n, k_tiles);
+        if (threadIdx.x == 0) producer<T, kPP, kBN, kAKMajor, kBKMajor>(s, &map_a, &map_b, p, tiles_m, tiles_n, wk);
+        if (p.split_k > 1) barrier_cluster_wait();  // the kernel's arrival, paired
     } else {
         setmaxnreg_inc<kRegsConsumer>();
-        consumer<T, kPP, kAKMajor, kBKMajor>(s, &map_c, &map_pre, p, tiles_m, tiles_n, k_tiles);
+        consumer<T, kPP, kBN, kAKMajor, kBKMajor>(s, &map_c, &map_pre, p, tiles_m, tiles_n, wk);
     }
 #endif
 }
@@ -329,60 +400,73 @@ bool encode(CUtensorMap *map, fk_dtype dtype, MapUse use, const void *base, int6
 }
 
 template <typename T, bool kAKMajor, bool kBKMajor>
-fk_status launch(const Params &p, fk_dtype dtype, int device, cudaStream_t stream) {
+fk_status launch(const Plan &plan, const Params &p, fk_dtype dtype, int device, cudaStream_t stream) {
     constexpr MapUse kIn = MapUse::kOperand, kOut = MapUse::kOutput;
+    // plan.tile 1: 128 x 64 tiles (16-bit only); plan.split_k 2: K split over 2-CTA clusters, one tile
+    // a cluster (dispatch.cu's small-problem row, D-128).
+    const bool narrow = sizeof(T) == 2 && plan.tile == 1;
+    const int bn = narrow ? 64 : 128, split = sizeof(T) == 2 && plan.split_k == 2 ? 2 : 1;
     CUtensorMap map_a, map_b, map_c = {}, map_pre = {};
     const bool ok_a = kAKMajor ? encode(&map_a, dtype, kIn, p.a, p.k, p.m, p.a_row, p.batch, p.a_batch, kBM)
                                : encode(&map_a, dtype, kIn, p.a, p.m, p.k, p.a_col, p.batch, p.a_batch, 64);
-    const bool ok_b = kBKMajor ? encode(&map_b, dtype, kIn, p.b, p.k, p.n, p.b_col, p.batch, p.b_batch, kBN)
+    const bool ok_b = kBKMajor ? encode(&map_b, dtype, kIn, p.b, p.k, p.n, p.b_col, p.batch, p.b_batch, bn)
                                : encode(&map_b, dtype, kIn, p.b, p.n, p.k, p.b_row, p.batch, p.b_batch, 64);
     if (!ok_a || !ok_b) return fk_fail(FK_ERR_RUNTIME, "matmul: cuTensorMapEncodeTiled failed");
     // C (and pre) through TMA stores when their rows are 16-byte aligned; else element stores.
     Params q = p;
+    q.split_k = split;
     constexpr int kElem = (int)sizeof(T);
     q.tma_store = aligned16(p.c) && (p.pre == nullptr || aligned16(p.pre)) && (p.c_row * kElem) % 16 == 0 &&
                   (p.c_batch * kElem) % 16 == 0 &&
                   encode(&map_c, dtype, kOut, p.c, p.n, p.m, p.c_row, p.batch, p.c_batch, 64) &&
                   (p.pre == nullptr || encode(&map_pre, dtype, kOut, p.pre, p.n, p.m, p.c_row, p.batch, p.c_batch, 64));
-    const int64_t tiles = ((p.m + kBM - 1) / kBM) * ((p.n + kBN - 1) / kBN) * p.batch;
+    const int64_t tiles = ((p.m + kBM - 1) / kBM) * ((p.n + bn - 1) / bn) * p.batch;
     const int sms = sm_count(device);
-    const unsigned grid = (unsigned)std::min<int64_t>(tiles, sms);
+    // Persistent (one CTA an SM), or with split K a cluster for every tile (the kernel's partial_full
+    // serves one tile).
+    const unsigned grid = (unsigned)(split > 1 ? tiles * split : std::min<int64_t>(tiles, sms));
     auto go = [&](auto kernel, int smem) {
         cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
         if (e != cudaSuccess) return cuda_status(e, "matmul");
-        return Launch(dim3(grid), dim3(kThreads), smem, stream, device)("matmul", kernel, map_a, map_b, map_c,
-                                                                         map_pre, q);
+        return Launch(dim3(grid), dim3(kThreads), smem, stream, device, split)("matmul", kernel, map_a, map_b,
+                                                                                map_c, map_pre, q);
     };
-    // Ping-pong where every CTA has two tiles or more and C takes TMA stores. Else cooperative: with
-    // one tile a CTA both consumers work on it (512^3: 0.57x cuBLAS ping-pong, 0.65x cooperative),
-    // and element-stored C ran slower ping-pong (the LM head's linear 3.73x cuBLAS, against 4.32x; D-114).
     if constexpr (sizeof(T) == 2) {
-        if (q.tma_store && tiles >= 2 * (int64_t)sms)
-            return go(matmul_wgmma_sm90<T, true, kAKMajor, kBKMajor>, kSmemBytes<T, true>);
+        if (narrow) return go(matmul_wgmma_sm90<T, false, 64, kAKMajor, kBKMajor>, kSmemBytes<T, false, 64>);
+        // Ping-pong where every CTA has two tiles or more and C takes TMA stores. Else cooperative:
+        // with one tile a CTA both consumers work on it (512^3: 0.57x cuBLAS ping-pong, 0.65x
+        // cooperative), and element-stored C ran slower ping-pong (the LM head's linear 3.73x
+        // cuBLAS, against 4.32x; D-114).
+        if (q.tma_store && split == 1 && tiles >= 2 * (int64_t)sms)
+            return go(matmul_wgmma_sm90<T, true, 128, kAKMajor, kBKMajor>, kSmemBytes<T, true, 128>);
     }
-    return go(matmul_wgmma_sm90<T, false, kAKMajor, kBKMajor>, kSmemBytes<T, false>);
+    return go(matmul_wgmma_sm90<T, false, 128, kAKMajor, kBKMajor>, kSmemBytes<T, false, 128>);
 }
 
 template <typename T>
-fk_status launch_majors(const Params &p, fk_dtype dtype, bool a_kmajor, bool b_kmajor, int device, cudaStream_t s) {
+fk_status launch_majors(const Plan &plan, const Params &p, fk_dtype dtype, bool a_kmajor, bool b_kmajor, int device,
+                        cudaStream_t s) {
     if (a_kmajor)
-        return b_kmajor ? launch<T, true, true>(p, dtype, device, s) : launch<T, true, false>(p, dtype, device, s);
-    return b_kmajor ? launch<T, false, true>(p, dtype, device, s) : launch<T, false, false>(p, dtype, device, s);
+        return b_kmajor ? launch<T, true, true>(plan, p, dtype, device, s)
+                        : launch<T, true, false>(plan, p, dtype, device, s);
+    return b_kmajor ? launch<T, false, true>(plan, p, dtype, device, s)
+                    : launch<T, false, false>(plan, p, dtype, device, s);
 }
 
 }  // namespace
 
-// 2 16-bit dtypes x 4 operand majors x (ping-pong, cooperative) + fp32 (tf32) with both operands
-// K-major, cooperative = 17 instances.
-fk_status launch_wgmma_sm90(const Plan &, const Params &p, fk_dtype dtype, bool a_kmajor, bool b_kmajor,
+// 2 16-bit dtypes x 4 operand majors x (128 x 128 ping-pong, 128 x 128 cooperative, 128 x 64
+// cooperative) + fp32 (tf32) with both operands K-major, 128 x 128 cooperative = 25 instances (split K
+// is a run-time branch of the cooperative ones).
+fk_status launch_wgmma_sm90(const Plan &plan, const Params &p, fk_dtype dtype, bool a_kmajor, bool b_kmajor,
                             int device, cudaStream_t stream) {
     if (dtype == FK_FLOAT32) {
         if (!a_kmajor || !b_kmajor)  // dispatch.cu sends fp32 here only with both operands K-major
             return fk_fail(FK_ERR_RUNTIME, "matmul: the tf32 kernel needs K-major operands");
-        return launch<float, true, true>(p, dtype, device, stream);
+        return launch<float, true, true>(plan, p, dtype, device, stream);
     }
-    if (dtype == FK_BFLOAT16) return launch_majors<__nv_bfloat16>(p, dtype, a_kmajor, b_kmajor, device, stream);
-    return launch_majors<__half>(p, dtype, a_kmajor, b_kmajor, device, stream);
+    if (dtype == FK_BFLOAT16) return launch_majors<__nv_bfloat16>(plan, p, dtype, a_kmajor, b_kmajor, device, stream);
+    return launch_majors<__half>(plan, p, dtype, a_kmajor, b_kmajor, device, stream);
 }
 
 }  // namespace fk::mm
