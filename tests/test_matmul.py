@@ -322,24 +322,27 @@ def _sms():
 
 
 def _wgmma_plan(m, n, k, batch=1):
-    """wgmma_sm90's plan name for 16-bit operands (dispatch.cu's two 16-bit sm_90 rows): 128 x 64
-    tiles where 128 x 128 tiles number at most half the SMs, K split over 2-CTA clusters when twice
-    those tiles still fit the SMs and K has 4 steps of 64 or more (D-128)."""
-    sms, rows, steps = _sms(), -(-m // 128) * batch, -(-k // 64)
-    if 2 * rows * -(-n // 128) > sms:
+    """wgmma_sm90's plan name for 16-bit operands (dispatch.cu's 16-bit sm_90 rows): where 128 x 128
+    tiles number at most half the SMs, K split over 2-CTA clusters when K has 4 steps of 64 or more,
+    and 128 x 64 tiles unless split 128 x 128 tiles already fill half the SMs (D-128)."""
+    sms, wide, steps = _sms(), -(-m // 128) * batch * -(-n // 128), -(-k // 64)
+    if 2 * wide > sms:
         return "wgmma_sm90"
-    return "wgmma_sm90 128x64 split-k" if 2 * rows * -(-n // 64) <= sms and steps >= 4 else "wgmma_sm90 128x64"
+    split = steps >= 4
+    narrow = not split or 4 * wide <= sms
+    return "wgmma_sm90" + (" 128x64" if narrow else "") + (" split-k" if split else "")
 
 
 # csrc/cuda/matmul/dispatch.cu's table, row by row: (dtype, operand view, forced general, size) ->
 # strategy. "large": 128 x 128 tiles for more than half the SMs; "small": 6 of them, k 3 steps;
-# "small-long-k": the same with k 16 steps.
+# "small-long-k": the same with k 16 steps; "mid-long-k": a third of the SMs' tiles, k 16 steps.
 DISPATCH_ROWS = [
     (torch.float32, "row", False, "small", lambda: "simt_fp32"),
     (torch.float32, "col", True, "small", lambda: "simt_fp32"),
     (torch.bfloat16, "row", False, "small", lambda: "wgmma_sm90 128x64" if _hopper() else "mma_sm80"),
     (torch.float16, "col", False, "small-long-k",
      lambda: "wgmma_sm90 128x64 split-k" if _hopper() else "mma_sm80"),
+    (torch.bfloat16, "row", False, "mid-long-k", lambda: "wgmma_sm90 split-k" if _hopper() else "mma_sm80"),
     (torch.bfloat16, "row", False, "large", lambda: "wgmma_sm90" if _hopper() else "mma_sm80"),
     (torch.float16, "col", False, "large", lambda: "wgmma_sm90" if _hopper() else "mma_sm80"),
     # a 1793-wide operand is copied into 16-byte aligned rows, so it takes the fast kernel too
@@ -357,7 +360,8 @@ def test_dispatch_table(dtype, view, forced, size, strategy, monkeypatch):
     if forced:
         monkeypatch.setenv("FASTKERN_MATMUL_FORCE_GENERAL", "1")
     tall = 128 * (_sms() // 2 + 1)  # one column of 128 x 128 tiles, more than half the SMs
-    m, n, k = {"small": (384, 256, 192), "small-long-k": (384, 256, 1000), "large": (tall, 256, 192)}[size]
+    m, n, k = {"small": (384, 256, 192), "small-long-k": (384, 256, 1000), "large": (tall, 256, 192),
+               "mid-long-k": (128 * (_sms() // 12), 512, 1000)}[size]
     if view == "ragged":
         m, n, k = (tall // 2 + 1, 1793, 1793)
     a = make((m, k), dtype, "cuda")
@@ -386,12 +390,14 @@ def _hopper_arrangement_shapes():
     return shapes
 
 
-# (m, n, k, batch) around the small-problem tiles (128 x 64, K split over 2 CTAs): m and n one short
-# of, past and inside a tile (m = 37 leaves a split tile's second row block empty), C rows 16-byte
-# aligned (n = 184: TMA stores) or not (185: element stores), k from 1 step to 17, an odd step count
-# split 2 + 3, a batch.
+# (m, n, k, batch) around the small-problem tiles (128 x 64, K split over 2 CTAs of 128 x 64 or 128
+# x 128 tiles): m and n one short of, past and inside a tile (m = 37 leaves a split tile's second row
+# block empty), C rows 16-byte aligned (n = 184, 504: TMA stores) or not (185, 503: element stores),
+# k from 1 step to 17, an odd step count split 2 + 3, a batch; the last two take 128 x 128 tiles
+# split (a third of the SMs' tiles: 4 tile columns).
+_MID = 128 * (_sms() // 12) - 5
 SMALL_SHAPES = [(251, 185, 189, 1), (251, 184, 257, 1), (37, 185, 300, 1), (129, 64, 1000, 1), (200, 63, 16, 1),
-                (130, 120, 260, 3)]
+                (130, 120, 260, 3), (_MID, 503, 323, 1), (_MID, 504, 1000, 1)]
 
 
 @needs_cuda
@@ -407,7 +413,7 @@ def test_cuda_hopper_small_problem_edges(shape, majors, poison):
     bias = make((n,), torch.bfloat16, "cuda")
     if _hopper():
         assert mm_ops._plan(a, b, bias, "gelu") == _wgmma_plan(m, n, k, batch)
-    check(a, b, bias, "gelu", grads=shape in SMALL_SHAPES[1:3])
+    check(a, b, bias, "gelu", grads=shape in SMALL_SHAPES[1:3] + SMALL_SHAPES[6:7])
 
 
 @needs_cuda

@@ -7,10 +7,11 @@
 // fp32    any      otherwise                          simt_fp32     128 x 256 when its grid  exact (tile: D-121,
 //                                                                   fills the SMs twice,     chosen in its
 //                                                                   else 128 x 128           launcher)
-// 16-bit  sm_90    built for sm_90a, not forced       wgmma_sm90    128 x 64, one CTA a      small problems:
-//                  general, operands TMA-describable,  "128x64"      tile; K split over 2-CTA fill the SMs
-//                  128 x 128 tiles <= SMs / 2          "split-k"     clusters when 2 x tiles  (D-128)
-//                                                                    <= SMs and K >= 256
+// 16-bit  sm_90    built for sm_90a, not forced       wgmma_sm90    K split over 2-CTA       small problems:
+//                  general, operands TMA-describable,  "split-k",    clusters where K >= 193, more CTAs (D-128)
+//                  128 x 128 tiles <= SMs / 2          "128x64"      one tile a cluster;
+//                                                                    128 x 64 where unsplit
+//                                                                    or tiles <= SMs / 4
 // 16-bit  sm_90    built for sm_90a, not forced       wgmma_sm90    128 x 128, persistent    TMA + wgmma
 //                  general, operands TMA-describable
 //                  (16-byte aligned base and strides)
@@ -65,18 +66,15 @@ Plan plan_matmul(const fk_matmul_args &x, int device) {
                    operand_aligned(x.b, b_kmajor(x) ? x.b_col : x.b_row, x.b_batch, 2);
     if (hopper && plan.aligned) {
         plan.strategy = Strategy::kWgmmaSm90;
-        // Where 128 x 128 tiles would leave most SMs idle, each SM's k-loop is the time: 512^3 is 16
-        // tiles, 8 k-steps each. 128 x 64 tiles double the CTAs, a K split over 2-CTA clusters
-        // doubles them again where K has 4 k-steps or more (D-128).
+        // Where 128 x 128 tiles would leave most SMs idle, each SM's k-loop is the time (1000^3: 64
+        // tiles of 16 k-steps). A K split over 2-CTA clusters doubles the CTAs where K has 4 k-steps
+        // or more, 128 x 64 tiles double them where split tiles would still fill <= half (D-128).
         const int64_t rows = (x.m + 127) / 128 * x.batch, k_steps = (x.k + 63) / 64;
-        const int64_t wide = rows * ((x.n + 127) / 128), narrow = rows * ((x.n + 63) / 64), sms = sm_count(device);
+        const int64_t wide = rows * ((x.n + 127) / 128), sms = sm_count(device);
         if (2 * wide <= sms) {
-#if FK_MM_SPLIT_FIRST  // A/B variant (D-128): split 128 x 128 tiles first, narrow them only if still few
             plan.split_k = k_steps >= 4 ? 2 : 1;
+#ifndef FK_MM_NO_NARROW
             plan.tile = plan.split_k == 1 || 4 * wide <= sms ? 1 : 0;
-#else
-            plan.tile = 1;
-            plan.split_k = 2 * narrow <= sms && k_steps >= 4 ? 2 : 1;
 #endif
         }
         return plan;

@@ -329,7 +329,8 @@ __device__ __forceinline__ void consumer(Smem<T, kPP, kBN> &s, const CUtensorMap
         });
         if (kPP) st.skip(k_tiles);  // the other consumer's next tile
     }
-    if (p.tma_store && t == 0) bulk_wait_group<0>();  // the last stores finish before the CTA exits
+    // The last stores have read the staging before the CTA exits; their writes complete with the grid.
+    if (p.tma_store && t == 0) bulk_wait_group_read<0>();
     if (p.split_k > 1 && !cluster_waited) barrier_cluster_wait();  // the kernel's arrival, paired
 }
 
@@ -349,6 +350,8 @@ __global__ void __launch_bounds__(kThreads, 1)
         fence_barrier_init();
         prefetch_tensormap(&map_a);
         prefetch_tensormap(&map_b);
+        if (p.tma_store) prefetch_tensormap(&map_c);
+        if (p.tma_store && p.pre) prefetch_tensormap(&map_pre);
     }
     __syncthreads();
     if (p.split_k > 1) {  // partial_full takes thread 0's arrival and the peer's bytes; then peers may send
