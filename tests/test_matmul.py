@@ -322,15 +322,13 @@ def _sms():
 
 
 def _wgmma_plan(m, n, k, batch=1):
-    """wgmma_sm90's plan name for 16-bit operands (dispatch.cu's 16-bit sm_90 rows): where 128 x 128
-    tiles number at most half the SMs, K split over 2-CTA clusters when K has 4 steps of 64 or more,
-    and 128 x 64 tiles unless split 128 x 128 tiles already fill half the SMs (D-128)."""
+    """wgmma_sm90's plan name for 16-bit operands (dispatch.cu's 16-bit sm_90 rows): K split over
+    2-CTA clusters where 128 x 128 tiles number at most half the SMs and K has 4 steps of 64 or more,
+    in 128 x 64 tiles where 128 x 128 tiles number at most a quarter (D-128)."""
     sms, wide, steps = _sms(), -(-m // 128) * batch * -(-n // 128), -(-k // 64)
-    if 2 * wide > sms:
+    if 2 * wide > sms or steps < 4:
         return "wgmma_sm90"
-    split = steps >= 4
-    narrow = not split or 4 * wide <= sms
-    return "wgmma_sm90" + (" 128x64" if narrow else "") + (" split-k" if split else "")
+    return "wgmma_sm90 128x64 split-k" if 4 * wide <= sms else "wgmma_sm90 split-k"
 
 
 # csrc/cuda/matmul/dispatch.cu's table, row by row: (dtype, operand view, forced general, size) ->
@@ -339,7 +337,7 @@ def _wgmma_plan(m, n, k, batch=1):
 DISPATCH_ROWS = [
     (torch.float32, "row", False, "small", lambda: "simt_fp32"),
     (torch.float32, "col", True, "small", lambda: "simt_fp32"),
-    (torch.bfloat16, "row", False, "small", lambda: "wgmma_sm90 128x64" if _hopper() else "mma_sm80"),
+    (torch.bfloat16, "row", False, "small", lambda: "wgmma_sm90" if _hopper() else "mma_sm80"),
     (torch.float16, "col", False, "small-long-k",
      lambda: "wgmma_sm90 128x64 split-k" if _hopper() else "mma_sm80"),
     (torch.bfloat16, "row", False, "mid-long-k", lambda: "wgmma_sm90 split-k" if _hopper() else "mma_sm80"),
@@ -390,11 +388,11 @@ def _hopper_arrangement_shapes():
     return shapes
 
 
-# (m, n, k, batch) around the small-problem tiles (128 x 64, K split over 2 CTAs of 128 x 64 or 128
-# x 128 tiles): m and n one short of, past and inside a tile (m = 37 leaves a split tile's second row
-# block empty), C rows 16-byte aligned (n = 184, 504: TMA stores) or not (185, 503: element stores),
-# k from 1 step to 17, an odd step count split 2 + 3, a batch; the last two take 128 x 128 tiles
-# split (a third of the SMs' tiles: 4 tile columns).
+# (m, n, k, batch) around the small-problem row (K split over 2 CTAs, 128 x 64 tiles or 128 x 128):
+# m and n one short of, past and inside a tile (m = 37 leaves a split tile's second row block empty),
+# C rows 16-byte aligned (n = 184, 504: TMA stores) or not (185, 503: element stores), k of 1 and 3
+# steps (not split), 4 to 16 steps, an odd count split 2 + 3, a batch; the last two take 128 x 128
+# tiles (a third of the SMs' tiles: 4 tile columns).
 _MID = 128 * (_sms() // 12) - 5
 SMALL_SHAPES = [(251, 185, 189, 1), (251, 184, 257, 1), (37, 185, 300, 1), (129, 64, 1000, 1), (200, 63, 16, 1),
                 (130, 120, 260, 3), (_MID, 503, 323, 1), (_MID, 504, 1000, 1)]

@@ -8,10 +8,9 @@
 //                                                                   fills the SMs twice,     chosen in its
 //                                                                   else 128 x 128           launcher)
 // 16-bit  sm_90    built for sm_90a, not forced       wgmma_sm90    K split over 2-CTA       small problems:
-//                  general, operands TMA-describable,  "split-k",    clusters where K >= 193, more CTAs (D-128)
-//                  128 x 128 tiles <= SMs / 2          "128x64"      one tile a cluster;
-//                                                                    128 x 64 where unsplit
-//                                                                    or tiles <= SMs / 4
+//                  general, operands TMA-describable,  "split-k",    clusters, a tile each;   more CTAs (D-128)
+//                  128 x 128 tiles <= SMs / 2,         "128x64       128 x 64 where 128 x 128
+//                  K >= 193 (4 k-steps)                split-k"      tiles <= SMs / 4
 // 16-bit  sm_90    built for sm_90a, not forced       wgmma_sm90    128 x 128, persistent    TMA + wgmma
 //                  general, operands TMA-describable
 //                  (16-byte aligned base and strides)
@@ -67,15 +66,13 @@ Plan plan_matmul(const fk_matmul_args &x, int device) {
     if (hopper && plan.aligned) {
         plan.strategy = Strategy::kWgmmaSm90;
         // Where 128 x 128 tiles would leave most SMs idle, each SM's k-loop is the time (1000^3: 64
-        // tiles of 16 k-steps). A K split over 2-CTA clusters doubles the CTAs where K has 4 k-steps
-        // or more, 128 x 64 tiles double them where split tiles would still fill <= half (D-128).
+        // tiles of 16 k-steps): a K split over 2-CTA clusters doubles the CTAs where K has 4 k-steps
+        // or more, 128 x 64 tiles double them again where split tiles still fill <= half (D-128).
         const int64_t rows = (x.m + 127) / 128 * x.batch, k_steps = (x.k + 63) / 64;
         const int64_t wide = rows * ((x.n + 127) / 128), sms = sm_count(device);
-        if (2 * wide <= sms) {
-            plan.split_k = k_steps >= 4 ? 2 : 1;
-#ifndef FK_MM_NO_NARROW
-            plan.tile = plan.split_k == 1 || 4 * wide <= sms ? 1 : 0;
-#endif
+        if (2 * wide <= sms && k_steps >= 4) {
+            plan.split_k = 2;
+            plan.tile = 4 * wide <= sms ? 1 : 0;
         }
         return plan;
     }
@@ -90,9 +87,8 @@ Plan plan_matmul(const fk_matmul_args &x, int device) {
 
 // The plan's name: the strategy's, and wgmma_sm90's small-problem variants (dispatch.cu's table).
 const char *plan_name(const Plan &p) {
-    if (p.strategy != Strategy::kWgmmaSm90 || (p.tile == 0 && p.split_k == 1)) return strategy_name(p.strategy);
-    if (p.tile == 0) return "wgmma_sm90 split-k";
-    return p.split_k > 1 ? "wgmma_sm90 128x64 split-k" : "wgmma_sm90 128x64";
+    if (p.strategy != Strategy::kWgmmaSm90 || p.split_k == 1) return strategy_name(p.strategy);
+    return p.tile == 1 ? "wgmma_sm90 128x64 split-k" : "wgmma_sm90 split-k";
 }
 
 fk_status check_args(const fk_matmul_args &x) {

@@ -19,7 +19,6 @@ struct Params {
     int activation;
     bool pair_stores;  // c (and pre) take 4-byte (16-bit) / 8-byte (fp32) stores of column pairs
     bool tma_store;    // wgmma_sm90: c (and pre) stored by TMA from shared memory
-    int split_k = 1;   // wgmma_sm90: CTAs of a cluster sharing one tile's K (1 or 2)
 };
 
 // ---- PTX wrappers (sm_80+) ----------------------------------------------------------------------
@@ -193,7 +192,7 @@ const char *strategy_name(Strategy s);
 struct Plan {
     Strategy strategy = Strategy::kNone;
     int tile = 0;     // the strategy's tile variant (its launcher's table)
-    int split_k = 1;  // wgmma_sm90: 2 splits each tile's K over a 2-CTA cluster
+    int split_k = 1;  // wgmma_sm90: 2 splits each tile's K over a 2-CTA cluster (tile 1: 128 x 64)
     bool aligned = false;
 };
 

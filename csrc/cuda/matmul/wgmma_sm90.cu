@@ -22,11 +22,11 @@
 // swizzled shared staging, stored by TMA, or, where C's rows are not 16-byte aligned, by coalesced
 // element stores (D-113).
 // Small problems (dispatch.cu's row, 16-bit, D-128): where 128 x 128 tiles number at most half the
-// SMs, each SM's k-loop is the time (512^3: 16 tiles of 8 k-steps, 2.8 us of wgmma on 16 SMs against
-// cuBLAS's 3.5 us in all). There the tile is 128 x 64 (wgmma m64n64k16, cooperative), and where twice
-// those tiles still fit the SMs, K is split over a 2-CTA cluster: rank r takes half the k-steps, and
-// row block c's partial accumulators (fp32) go by st.async into rank c's staging buffers (as large as
-// 64 x kBN fp32), where consumer c adds them and runs the epilogue. 512^3: 64 CTAs of 4 k-steps.
+// SMs and K has 4 k-steps or more, K is split over a 2-CTA cluster a tile (kSplit): rank r takes half
+// the k-steps, row block c's partial accumulators (fp32) go by st.async into rank c's staging buffers
+// (64 x kBN fp32 fit them), and consumer c adds them and runs the epilogue; where 128 x 128 tiles are
+// <= SMs / 4 the tile is also 128 x 64 (wgmma m64n64k16). 1000^3: 128 CTAs of 8 k-steps, 0.76-0.78x ->
+// 0.81x cuBLAS; 512^3: 64 CTAs of 4 k-steps, 0.64-0.77x -> 0.76-0.77x (H200, D-128).
 // TF32 (fp32 operands): the same kernel in bytes, cooperative. A 128-byte swizzled row holds 32 fp32
 // instead of 64 halves, so a stage is still 32 KB (BK = 32) and a wgmma m64n128k8 step still 32
 // bytes along it; the TMA rounds fp32 to tf32 on load (TFLOAT32 maps, round to nearest like cuBLAS).
@@ -76,7 +76,7 @@ template <typename T, bool kPP, int kBN> struct Smem {
     uint64_t full[kStages], empty[kStages];
     uint64_t partial_full;  // split K: the peer's partial tile has landed in `out`
 };
-template <typename T, bool kPP, int kBN> constexpr int kSmemBytes = sizeof(Smem<T, kPP, kBN>) + 1024;  // + room to align
+template <typename T, bool kPP, int kBN> constexpr int kSmemBytes = sizeof(Smem<T, kPP, kBN>) + 1024;  // + to align
 static_assert(kSmemBytes<__half, true, 128> <= 227 * 1024 && kSmemBytes<__half, false, 128> <= 227 * 1024 &&
                   kSmemBytes<float, false, 128> <= 227 * 1024,
               "the operand ring and staging fit Hopper's shared memory");
@@ -94,23 +94,24 @@ template <int kBN> __device__ __forceinline__ Work work_of(int64_t tile, int til
     return {tile / per_batch, (int64_t)t.tm * kBM, (int64_t)t.tn * kBN};
 }
 
-// Which output tiles and k-tiles a CTA takes. Split K (p.split_k = 2, a 2-CTA cluster a tile, one
-// tile a cluster): cluster rank r takes k-tiles [r k_tiles / 2, (r + 1) k_tiles / 2).
+// Which output tiles and k-tiles a CTA takes: persistent, or with split K (kSplit: a 2-CTA cluster a
+// tile, one tile a cluster) cluster rank r takes k-tiles [r k_tiles / 2, (r + 1) k_tiles / 2).
 struct Walk {
     int64_t first, step;  // tiles first, first + step, ...
     int kt_begin, kt_end;
 };
-__device__ __forceinline__ Walk walk_of(const Params &p, int k_tiles) {
-    const int split = p.split_k, rank = split > 1 ? (int)cluster_ctarank() : 0;
-    return {blockIdx.x / split, gridDim.x / split, (int)((int64_t)k_tiles * rank / split),
-            (int)((int64_t)k_tiles * (rank + 1) / split)};
+template <bool kSplit> __device__ __forceinline__ Walk walk_of(int k_tiles) {
+    if constexpr (!kSplit) return {blockIdx.x, gridDim.x, 0, k_tiles};
+    const int rank = (int)cluster_ctarank();
+    return {blockIdx.x / 2, gridDim.x / 2, k_tiles * rank / 2, k_tiles * (rank + 1) / 2};
 }
 
-template <typename T, bool kPP, int kBN, bool kAKMajor, bool kBKMajor>
+template <typename T, bool kPP, int kBN, bool kSplit, bool kAKMajor, bool kBKMajor>
 __device__ __forceinline__ void producer(Smem<T, kPP, kBN> &s, const CUtensorMap *map_a, const CUtensorMap *map_b,
-                                         const Params &p, int tiles_m, int tiles_n, const Walk &wk) {
+                                         const Params &p, int tiles_m, int tiles_n, int k_tiles) {
     RingStage<kStages<T, kPP>> st;
     const int64_t total = (int64_t)tiles_m * tiles_n * p.batch;
+    const Walk wk = walk_of<kSplit>(k_tiles);
     for (int64_t tile = wk.first; tile < total; tile += wk.step) {
         const Work w = work_of<kBN>(tile, tiles_m, tiles_n);
         const int ca = p.a_batch ? (int)w.batch : 0, cb = p.b_batch ? (int)w.batch : 0;
@@ -244,17 +245,17 @@ __device__ __forceinline__ void add_partial(Smem<T, kPP, kBN> &s, float (&acc)[k
     }
 }
 
-template <typename T, bool kPP, int kBN, bool kAKMajor, bool kBKMajor>
+template <typename T, bool kPP, int kBN, bool kSplit, bool kAKMajor, bool kBKMajor>
 __device__ __forceinline__ void consumer(Smem<T, kPP, kBN> &s, const CUtensorMap *map_c, const CUtensorMap *map_pre,
-                                         const Params &p, int tiles_m, int tiles_n, const Walk &wk) {
+                                         const Params &p, int tiles_m, int tiles_n, int k_tiles_all) {
     constexpr int kRB = kRowBlocks<kPP>;
     const int c = threadIdx.x / 128 - 1, t = threadIdx.x % 128;
-    const int k_tiles = wk.kt_end - wk.kt_begin;  // this CTA's
-    const uint32_t rank = p.split_k > 1 ? cluster_ctarank() : 0;
-    bool cluster_waited = false;
+    static_assert(!(kSplit && kPP), "split K is cooperative");
     RingStage<kStages<T, kPP>> st;
     float acc[kRB][kBN / 2];
     const int64_t total = (int64_t)tiles_m * tiles_n * p.batch;
+    const Walk wk = walk_of<kSplit>(k_tiles_all);
+    const int k_tiles = wk.kt_end - wk.kt_begin;  // this CTA's
     // Ping-pong: consumer c takes the CTA's tiles c, c + 2, ... and skips the other's ring stages.
     const int64_t first = wk.first + (kPP ? (int64_t)c * wk.step : 0);
     const int64_t step = wk.step * (kPP ? kConsumers : 1);
@@ -308,12 +309,11 @@ __device__ __forceinline__ void consumer(Smem<T, kPP, kBN> &s, const CUtensorMap
 #pragma unroll
                 for (int i = 0; i < kBN / 2; i++) acc[h][i] = 0.0f;
         }
-        if (!kPP && p.split_k > 1) {  // split K: rank c finishes row block c, the other rank's consumer c sends
-            if (rank != (uint32_t)c) {
-                barrier_cluster_wait();
-                cluster_waited = true;
+        if constexpr (kSplit) {  // rank c finishes row block c, the other rank's consumer c sends its partial
+            if (cluster_ctarank() != (uint32_t)c) {
+                barrier_cluster_wait();  // pairs with the kernel's arrival: the peer's mbarrier is ready
                 send_partial(s, acc[0], (uint32_t)c, t);
-                continue;  // its one tile (one a cluster)
+                return;  // its one tile
             }
             add_partial(s, acc[0], t);
         }
@@ -322,23 +322,22 @@ __device__ __forceinline__ void consumer(Smem<T, kPP, kBN> &s, const CUtensorMap
             auto run = [&](auto pre) {
 #pragma unroll
                 for (int h = 0; h < kRB; h++)
-                    epilogue<act.value, pre.value, T, kBN, kRB>(s.out + c * kRB, s.bias[c], map_c, map_pre, p, acc[h], w,
-                                                           kPP ? h : c, c, t);
+                    epilogue<act.value, pre.value, T, kBN, kRB>(s.out + c * kRB, s.bias[c], map_c, map_pre, p,
+                                                                acc[h], w, kPP ? h : c, c, t);
             };
             if (p.pre) run(std::true_type{}); else run(std::false_type{});
         });
         if (kPP) st.skip(k_tiles);  // the other consumer's next tile
     }
-    // The last stores have read the staging before the CTA exits; their writes complete with the grid.
-    if (p.tma_store && t == 0) bulk_wait_group_read<0>();
-    if (p.split_k > 1 && !cluster_waited) barrier_cluster_wait();  // the kernel's arrival, paired
+    if (p.tma_store && t == 0) bulk_wait_group<0>();  // the last stores finish before the CTA exits
+    if constexpr (kSplit) barrier_cluster_wait();  // the kernel's arrival, paired
 }
 
-template <typename T, bool kPP, int kBN, bool kAKMajor, bool kBKMajor>
+template <typename T, bool kPP, int kBN, bool kSplit, bool kAKMajor, bool kBKMajor>
 __global__ void __launch_bounds__(kThreads, 1)
     matmul_wgmma_sm90(const __grid_constant__ CUtensorMap map_a, const __grid_constant__ CUtensorMap map_b,
                       const __grid_constant__ CUtensorMap map_c, const __grid_constant__ CUtensorMap map_pre, Params p) {
-    static_assert(!std::is_same_v<T, float> || (kAKMajor && kBKMajor && !kPP && kBN == 128),
+    static_assert(!std::is_same_v<T, float> || (kAKMajor && kBKMajor && !kPP && kBN == 128 && !kSplit),
                   "tf32: K-major, cooperative, 128 x 128");
 #if FK_SM90A
     extern __shared__ unsigned char smem_raw[];
@@ -346,28 +345,27 @@ __global__ void __launch_bounds__(kThreads, 1)
     if (threadIdx.x == 0) {
         for (int i = 0; i < kStages<T, kPP>; i++)  // a stage is released by each consumer reading it
             mbar_init(&s.full[i], 1), mbar_init(&s.empty[i], kPP ? 1 : kConsumers);
-        if (p.split_k > 1) mbar_init(&s.partial_full, 1);
+        if constexpr (kSplit) mbar_init(&s.partial_full, 1);
         fence_barrier_init();
         prefetch_tensormap(&map_a);
         prefetch_tensormap(&map_b);
-        if (p.tma_store) prefetch_tensormap(&map_c);
-        if (p.tma_store && p.pre) prefetch_tensormap(&map_pre);
     }
     __syncthreads();
-    if (p.split_k > 1) {  // partial_full takes thread 0's arrival and the peer's bytes; then peers may send
+    if constexpr (kSplit) {  // partial_full takes thread 0's arrival and the peer's bytes; then peers may send
         if (threadIdx.x == 0) mbar_arrive_expect_tx(&s.partial_full, 64 * kBN * 4);
         barrier_cluster_arrive_relaxed();
     }
     grid_dependency_sync();
     const int tiles_m = (int)((p.m + kBM - 1) / kBM), tiles_n = (int)((p.n + kBN - 1) / kBN);
-    const Walk wk = walk_of(p, (int)((p.k + kBK<T> - 1) / kBK<T>));
+    const int k_tiles = (int)((p.k + kBK<T> - 1) / kBK<T>);
     if (threadIdx.x < 128) {
         setmaxnreg_dec<kRegsProducer>();
-        if (threadIdx.x == 0) producer<T, kPP, kBN, kAKMajor, kBKMajor>(s, &map_a, &map_b, p, tiles_m, tiles_n, wk);
-        if (p.split_k > 1) barrier_cluster_wait();  // the kernel's arrival, paired
+        if (threadIdx.x == 0)
+            producer<T, kPP, kBN, kSplit, kAKMajor, kBKMajor>(s, &map_a, &map_b, p, tiles_m, tiles_n, k_tiles);
+        if constexpr (kSplit) barrier_cluster_wait();  // the kernel's arrival, paired
     } else {
         setmaxnreg_inc<kRegsConsumer>();
-        consumer<T, kPP, kBN, kAKMajor, kBKMajor>(s, &map_c, &map_pre, p, tiles_m, tiles_n, wk);
+        consumer<T, kPP, kBN, kSplit, kAKMajor, kBKMajor>(s, &map_c, &map_pre, p, tiles_m, tiles_n, k_tiles);
     }
 #endif
 }
@@ -405,10 +403,10 @@ bool encode(CUtensorMap *map, fk_dtype dtype, MapUse use, const void *base, int6
 template <typename T, bool kAKMajor, bool kBKMajor>
 fk_status launch(const Plan &plan, const Params &p, fk_dtype dtype, int device, cudaStream_t stream) {
     constexpr MapUse kIn = MapUse::kOperand, kOut = MapUse::kOutput;
-    // plan.tile 1: 128 x 64 tiles (16-bit only); plan.split_k 2: K split over 2-CTA clusters, one tile
-    // a cluster (dispatch.cu's small-problem row, D-128).
-    const bool narrow = sizeof(T) == 2 && plan.tile == 1;
-    const int bn = narrow ? 64 : 128, split = sizeof(T) == 2 && plan.split_k == 2 ? 2 : 1;
+    // plan.split_k 2 (16-bit): K split over 2-CTA clusters, one tile a cluster, 128 x 64 tiles where
+    // plan.tile is 1 (dispatch.cu's small-problem row, D-128).
+    const bool split = sizeof(T) == 2 && plan.split_k == 2, narrow = split && plan.tile == 1;
+    const int bn = narrow ? 64 : 128;
     CUtensorMap map_a, map_b, map_c = {}, map_pre = {};
     const bool ok_a = kAKMajor ? encode(&map_a, dtype, kIn, p.a, p.k, p.m, p.a_row, p.batch, p.a_batch, kBM)
                                : encode(&map_a, dtype, kIn, p.a, p.m, p.k, p.a_col, p.batch, p.a_batch, 64);
@@ -417,7 +415,6 @@ fk_status launch(const Plan &plan, const Params &p, fk_dtype dtype, int device, 
     if (!ok_a || !ok_b) return fk_fail(FK_ERR_RUNTIME, "matmul: cuTensorMapEncodeTiled failed");
     // C (and pre) through TMA stores when their rows are 16-byte aligned; else element stores.
     Params q = p;
-    q.split_k = split;
     constexpr int kElem = (int)sizeof(T);
     q.tma_store = aligned16(p.c) && (p.pre == nullptr || aligned16(p.pre)) && (p.c_row * kElem) % 16 == 0 &&
                   (p.c_batch * kElem) % 16 == 0 &&
@@ -425,25 +422,25 @@ fk_status launch(const Plan &plan, const Params &p, fk_dtype dtype, int device, 
                   (p.pre == nullptr || encode(&map_pre, dtype, kOut, p.pre, p.n, p.m, p.c_row, p.batch, p.c_batch, 64));
     const int64_t tiles = ((p.m + kBM - 1) / kBM) * ((p.n + bn - 1) / bn) * p.batch;
     const int sms = sm_count(device);
-    // Persistent (one CTA an SM), or with split K a cluster for every tile (the kernel's partial_full
-    // serves one tile).
-    const unsigned grid = (unsigned)(split > 1 ? tiles * split : std::min<int64_t>(tiles, sms));
+    // Persistent (one CTA an SM), or split: a cluster for every tile (partial_full serves one tile).
+    const unsigned grid = (unsigned)(split ? 2 * tiles : std::min<int64_t>(tiles, sms));
     auto go = [&](auto kernel, int smem) {
         cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
         if (e != cudaSuccess) return cuda_status(e, "matmul");
-        return Launch(dim3(grid), dim3(kThreads), smem, stream, device, split)("matmul", kernel, map_a, map_b,
-                                                                                map_c, map_pre, q);
+        return Launch(dim3(grid), dim3(kThreads), smem, stream, device, split ? 2 : 1)("matmul", kernel, map_a,
+                                                                                        map_b, map_c, map_pre, q);
     };
     if constexpr (sizeof(T) == 2) {
-        if (narrow) return go(matmul_wgmma_sm90<T, false, 64, kAKMajor, kBKMajor>, kSmemBytes<T, false, 64>);
+        if (narrow) return go(matmul_wgmma_sm90<T, false, 64, true, kAKMajor, kBKMajor>, kSmemBytes<T, false, 64>);
+        if (split) return go(matmul_wgmma_sm90<T, false, 128, true, kAKMajor, kBKMajor>, kSmemBytes<T, false, 128>);
         // Ping-pong where every CTA has two tiles or more and C takes TMA stores. Else cooperative:
         // with one tile a CTA both consumers work on it (512^3: 0.57x cuBLAS ping-pong, 0.65x
         // cooperative), and element-stored C ran slower ping-pong (the LM head's linear 3.73x
         // cuBLAS, against 4.32x; D-114).
-        if (q.tma_store && split == 1 && tiles >= 2 * (int64_t)sms)
-            return go(matmul_wgmma_sm90<T, true, 128, kAKMajor, kBKMajor>, kSmemBytes<T, true, 128>);
+        if (q.tma_store && tiles >= 2 * (int64_t)sms)
+            return go(matmul_wgmma_sm90<T, true, 128, false, kAKMajor, kBKMajor>, kSmemBytes<T, true, 128>);
     }
-    return go(matmul_wgmma_sm90<T, false, 128, kAKMajor, kBKMajor>, kSmemBytes<T, false, 128>);
+    return go(matmul_wgmma_sm90<T, false, 128, false, kAKMajor, kBKMajor>, kSmemBytes<T, false, 128>);
 }
 
 template <typename T>
@@ -458,9 +455,9 @@ fk_status launch_majors(const Plan &plan, const Params &p, fk_dtype dtype, bool 
 
 }  // namespace
 
-// 2 16-bit dtypes x 4 operand majors x (128 x 128 ping-pong, 128 x 128 cooperative, 128 x 64
-// cooperative) + fp32 (tf32) with both operands K-major, 128 x 128 cooperative = 25 instances (split K
-// is a run-time branch of the cooperative ones).
+// 2 16-bit dtypes x 4 operand majors x (128 x 128 ping-pong, 128 x 128 cooperative, and split K:
+// 128 x 128 and 128 x 64 cooperative) + fp32 (tf32) with both operands K-major, 128 x 128
+// cooperative = 33 instances.
 fk_status launch_wgmma_sm90(const Plan &plan, const Params &p, fk_dtype dtype, bool a_kmajor, bool b_kmajor,
                             int device, cudaStream_t stream) {
     if (dtype == FK_FLOAT32) {
