@@ -167,24 +167,16 @@ fk_status fk_cuda_cross_entropy_bwd(const void *grad, const void *x, const int64
  *   bias: n elements of `dtype`, or NULL. activation: FK_ACT_NONE / FK_ACT_GELU (erf) /
  *   FK_ACT_GELU_TANH. pre: NULL, or laid out as C: receives A @ B + bias before the activation
  *   (what the activation's backward recomputes from).
- *   GELU's backward in the epilogue (CUDA only; FusedMLP's dg = dY W2 GEMM): activation
- *   FK_ACT_GELU_BACKWARD / FK_ACT_GELU_TANH_BACKWARD makes `pre` an input, the pre-activation h
- *   laid out as C, and C = (A @ B) * gelu'(h); `post` (laid out as C, required then) receives
- *   gelu(h), what dW2 = dY^T gelu(h) reads. bias must be NULL. post is NULL with the other codes.
  *   flags: FK_MM_TF32 lets fp32 inputs use TF32 tensor cores (torch's allow_tf32); FK_MM_FORCE_GENERAL
  *   makes CUDA take the general sm_80 kernel (tests, A/Bs) even on Hopper.
- * All pointers are of `dtype`; c / pre / post never alias a / b / bias or each other. m, n or k may be
- * 0 (k == 0: C = act(bias)).
+ * All pointers are of `dtype`; c / pre never alias a / b / bias. m, n or k may be 0 (k == 0: C = act(bias)).
  * fk_cpu_matmul is the one CPU entry point that allocates: each thread mallocs its packing buffers
  * (~k x 400 + 37K floats) and frees them before returning (FK_ERR_RUNTIME if malloc fails). */
-typedef enum {
-    FK_ACT_NONE = 0, FK_ACT_GELU = 1, FK_ACT_GELU_TANH = 2,
-    FK_ACT_GELU_BACKWARD = 3, FK_ACT_GELU_TANH_BACKWARD = 4
-} fk_activation;
+typedef enum { FK_ACT_NONE = 0, FK_ACT_GELU = 1, FK_ACT_GELU_TANH = 2 } fk_activation;
 enum { FK_MM_TF32 = 1, FK_MM_FORCE_GENERAL = 2 };
 typedef struct {
     const void *a, *b, *bias;
-    void *c, *pre, *post;
+    void *c, *pre;
     int64_t batch, m, n, k;
     int64_t a_batch, a_row, a_col;
     int64_t b_batch, b_row, b_col;

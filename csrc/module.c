@@ -319,20 +319,20 @@ static PyObject *py_cross_entropy_bwd(PyObject *self, PyObject *const *args, Py_
  * stream is parsed too when `stream` is not NULL. */
 static int parse_matmul(const char *op, PyObject *const *args, Py_ssize_t nargs, fk_matmul_args *g,
                         int *device, unsigned long long *stream) {
-    unsigned long long a, b, bias, c, pre, post;
+    unsigned long long a, b, bias, c, pre;
     long long batch, m, n, k, a_batch, a_row, a_col, b_batch, b_row, b_col, c_batch, c_row;
     int dtype, activation, flags;
-    int ok = parse(op, args, nargs, stream ? "KKKKKKLLLLLLLLLLLLiiiiK" : "KKKKKKLLLLLLLLLLLLiiii", &a, &b,
-                   &bias, &c, &pre, &post, &batch, &m, &n, &k, &a_batch, &a_row, &a_col, &b_batch, &b_row,
+    int ok = parse(op, args, nargs, stream ? "KKKKKLLLLLLLLLLLLiiiiK" : "KKKKKLLLLLLLLLLLLiiii", &a, &b,
+                   &bias, &c, &pre, &batch, &m, &n, &k, &a_batch, &a_row, &a_col, &b_batch, &b_row,
                    &b_col, &c_batch, &c_row, &dtype, &activation, &flags, device, stream);
     if (!ok) return 0;
-    *g = (fk_matmul_args){PTR(a), PTR(b), PTR(bias), PTR(c), PTR(pre), PTR(post), batch, m, n, k, a_batch,
+    *g = (fk_matmul_args){PTR(a), PTR(b), PTR(bias), PTR(c), PTR(pre), batch, m, n, k, a_batch,
                           a_row, a_col, b_batch, b_row, b_col, c_batch, c_row, (fk_dtype)dtype,
                           activation, flags};
     return 1;
 }
 
-/* matmul(a, b, bias, c, pre, post, batch, m, n, k, a_batch, a_row, a_col, b_batch, b_row, b_col,
+/* matmul(a, b, bias, c, pre, batch, m, n, k, a_batch, a_row, a_col, b_batch, b_row, b_col,
  *        c_batch, c_row, dtype, activation, flags, device, stream) */
 static PyObject *py_matmul(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     (void)self;

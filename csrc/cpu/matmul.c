@@ -348,9 +348,6 @@ static fk_status check_args(const fk_matmul_args *g) {
     if (g->batch < 0 || g->m < 0 || g->n < 0 || g->k < 0)
         return fk_fail(FK_ERR_VALUE, "matmul: negative size (batch %lld, m %lld, n %lld, k %lld)",
                        (long long)g->batch, (long long)g->m, (long long)g->n, (long long)g->k);
-    if (g->activation == FK_ACT_GELU_BACKWARD || g->activation == FK_ACT_GELU_TANH_BACKWARD)
-        return fk_fail(FK_ERR_VALUE, "matmul: the GELU-backward epilogue (activation %d) is CUDA-only "
-                       "(the CPU forms the product, then runs GELU's backward)", g->activation);
     if (g->activation < FK_ACT_NONE || g->activation > FK_ACT_GELU_TANH)
         return fk_fail(FK_ERR_VALUE, "matmul: activation must be 0 (none), 1 (gelu) or 2 "
                        "(gelu_tanh), got %d", g->activation);

@@ -114,12 +114,6 @@ __device__ __forceinline__ void bulk_load(void *dst, const void *src, uint32_t b
                  : "memory");
 #endif
 }
-// Asks L2 for `bytes` (a multiple of 16, src 16-byte aligned) of global memory; nothing waits on it.
-__device__ __forceinline__ void bulk_prefetch_l2(const void *src, uint32_t bytes) {
-#if FK_SM90A
-    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;\n" ::"l"(src), "r"(bytes) : "memory");
-#endif
-}
 // 1-d bulk reduction: dst[i] += src[i] (fp32, `bytes` a multiple of 16, 16-byte aligned) from smem
 // into global memory, element-wise atomic, in this thread's bulk group.
 __device__ __forceinline__ void bulk_reduce_add_f32(float *dst, const float *src, uint32_t bytes) {

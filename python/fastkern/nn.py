@@ -5,8 +5,8 @@ import torch.nn.functional as F
 
 from . import _backend as B
 from .ops.cross_entropy import cross_entropy
-from .ops.gelu import gelu
-from .ops.matmul import _mm, linear, matmul, matmul_gelu_backward
+from .ops.gelu import _gelu_backward, _gelu_backward_op, gelu
+from .ops.matmul import _mm, linear, matmul
 from .ops.softmax import log_softmax, softmax
 
 
@@ -108,10 +108,9 @@ _MLP_ACTIVATIONS = {"none": "gelu", "tanh": "gelu_tanh"}
 
 class _FusedMLPFunction(torch.autograd.Function):
     """y = gelu(x W1^T + b1) W2^T + b2 saving x and h = x W1^T + b1 only (not gelu(h)): the first
-    matmul writes gelu(h) and h in one kernel. The backward's dY W2 GEMM reads h in its epilogue
-    and writes d_h = (dY W2) * gelu'(h) and the recomputed gelu(h) that dW2 = dY^T gelu(h) reads
-    (matmul_gelu_backward; D-127), so GELU's backward and its recompute take no passes of their own;
-    db1 is d_h's column sum."""
+    matmul writes gelu(h) and h in one kernel, and the backward recomputes gelu(h) for
+    dW2 = dY^T gelu(h) (into a temporary for now; a fused recompute-in-the-GEMM epilogue would
+    avoid that buffer) and forms d_h = (dY W2) * gelu'(h) with the GELU backward kernel."""
 
     @staticmethod
     def forward(ctx, x, w1, b1, w2, b2, approximate):
@@ -128,22 +127,21 @@ class _FusedMLPFunction(torch.autograd.Function):
         need_x, need_w1, need_b1, need_w2, need_b2 = ctx.needs_input_grad[:5]
         x2, dy2 = x.reshape(-1, x.shape[-1]), dy.reshape(-1, dy.shape[-1])
         dx = dw1 = db1 = dw2 = db2 = None
-        need_b1 = need_b1 and ctx.has_b1
+        if need_w2:
+            dw2 = _mm(dy2.t(), gelu(h, ctx.approximate))[0]  # recomputed gelu(h): a temporary
         if need_b2 and ctx.has_b2:
             db2 = dy2.sum(0)
         if need_x or need_w1 or need_b1:
-            dh, a = matmul_gelu_backward(dy2, w2, h, ctx.approximate)  # a = gelu(h), recomputed
-            if need_w2:
-                dw2 = _mm(dy2.t(), a)[0]
-            if need_b1:
-                db1 = dh.sum(0)
+            dg = _mm(dy2, w2)[0]
+            need_b1 = need_b1 and ctx.has_b1
+            zero = h.new_zeros(h.shape[-1]) if need_b1 else None  # makes the kernel sum db1
+            backward = _gelu_backward if B.plain_eager(dg, h) else _gelu_backward_op
+            dh, db1 = backward(dg, h, zero, ctx.approximate, need_b1)
             if need_w1:
                 dw1 = _mm(dh.t(), x2)[0]
             if need_x:
                 dx = _mm(dh, w1)[0].view(x.shape)
-        elif need_w2:
-            dw2 = _mm(dy2.t(), gelu(h, ctx.approximate))[0]
-        return dx, dw1, db1, dw2, db2, None
+        return dx, dw1, (db1 if need_b1 else None), dw2, db2, None
 
 
 class FusedMLP(torch.nn.Module):

@@ -85,14 +85,8 @@ fk_status check_args(const fk_matmul_args &x) {
     if (x.b_col != 1 && x.b_row != 1)
         return fk_fail(FK_ERR_VALUE, "matmul: b must be row- or column-major (strides %lld, %lld)",
                        (long long)x.b_row, (long long)x.b_col);
-    if (x.activation < FK_ACT_NONE || x.activation > FK_ACT_GELU_TANH_BACKWARD)
+    if (x.activation < FK_ACT_NONE || x.activation > FK_ACT_GELU_TANH)
         return fk_fail(FK_ERR_VALUE, "matmul: activation code %d is unknown", x.activation);
-    const bool backward = x.activation == FK_ACT_GELU_BACKWARD || x.activation == FK_ACT_GELU_TANH_BACKWARD;
-    if (backward && (!x.pre || !x.post || x.bias))
-        return fk_fail(FK_ERR_VALUE, "matmul: the GELU-backward epilogue (activation %d) reads pre, writes "
-                       "post and takes no bias", x.activation);
-    if (!backward && x.post)
-        return fk_fail(FK_ERR_VALUE, "matmul: post is written only by the GELU-backward epilogue");
     const int64_t tiles = ((x.m + 63) / 64) * ((x.n + 63) / 64);
     if (tiles > INT32_MAX)
         return fk_fail(FK_ERR_VALUE, "matmul: %lld x %lld output is too large", (long long)x.m, (long long)x.n);
@@ -104,11 +98,10 @@ Params params_of(const fk_matmul_args &x) {
     auto pair_ok = [&](const void *p) {
         return p == nullptr || (reinterpret_cast<uintptr_t>(p) % (2 * elem) == 0);
     };
-    return Params{x.a, x.b, x.bias, x.c, x.pre, x.post, x.batch, x.m, x.n, x.k,
+    return Params{x.a, x.b, x.bias, x.c, x.pre, x.batch, x.m, x.n, x.k,
                   x.a_batch, x.a_row, x.a_col, x.b_batch, x.b_row, x.b_col, x.c_batch, x.c_row,
                   x.activation,
-                  pair_ok(x.c) && pair_ok(x.pre) && pair_ok(x.post) && x.c_row % 2 == 0 && x.c_batch % 2 == 0,
-                  false};
+                  pair_ok(x.c) && pair_ok(x.pre) && x.c_row % 2 == 0 && x.c_batch % 2 == 0, false};
 }
 
 }  // namespace

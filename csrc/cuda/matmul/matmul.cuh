@@ -11,14 +11,14 @@ namespace fk::mm {
 // fk_matmul_args as the kernels take it (by value): C[b] = act(A[b] @ B[b] + bias).
 struct Params {
     const void *a, *b, *bias;
-    void *c, *pre, *post;  // GELU-backward epilogue: pre is read (h), post receives gelu(h)
+    void *c, *pre;
     int64_t batch, m, n, k;
     int64_t a_batch, a_row, a_col;
     int64_t b_batch, b_row, b_col;
     int64_t c_batch, c_row;
     int activation;
-    bool pair_stores;  // c (and pre, post) take 4-byte (16-bit) / 8-byte (fp32) stores of column pairs
-    bool tma_store;    // wgmma_sm90: c (and pre / post) stored by TMA from shared memory
+    bool pair_stores;  // c (and pre) take 4-byte (16-bit) / 8-byte (fp32) stores of column pairs
+    bool tma_store;    // wgmma_sm90: c (and pre) stored by TMA from shared memory
 };
 
 // ---- PTX wrappers (sm_80+) ----------------------------------------------------------------------
@@ -115,18 +115,6 @@ template <int kAct, typename T> __device__ __forceinline__ float activate(float 
     return v;
 }
 
-// GELU's backward epilogue (FK_ACT_GELU_BACKWARD, FK_ACT_GELU_TANH_BACKWARD): C = acc * gelu'(h)
-// and post = gelu(h), h read from `pre`. kForward<kAct> is the GELU it differentiates.
-template <int kAct> constexpr bool kBackward = kAct == FK_ACT_GELU_BACKWARD || kAct == FK_ACT_GELU_TANH_BACKWARD;
-template <int kAct> constexpr int kForward = kAct == FK_ACT_GELU_BACKWARD        ? FK_ACT_GELU
-                                             : kAct == FK_ACT_GELU_TANH_BACKWARD ? FK_ACT_GELU_TANH
-                                                                                 : kAct;
-// gelu'(h) for a backward code (same fast / accurate forms as activate; the compiler shares the
-// exponential and reciprocal with activate<kForward> on the same h).
-template <int kAct, typename T> __device__ __forceinline__ float activate_grad(float h) {
-    return gelu_grad<kForward<kAct> == FK_ACT_GELU_TANH, !std::is_same_v<T, float>>(h);
-}
-
 // Runs f(std::integral_constant<int, FK_ACT_*>) for the run-time code: an epilogue is compiled once
 // per activation as straight-line code. A per-element switch made the Hopper kernel's epilogue
 // ~3700 instructions of branches that stalled on instruction fetch even with no activation (D-112).
@@ -135,52 +123,49 @@ template <typename F> __device__ __forceinline__ void with_activation(int activa
         f(std::integral_constant<int, FK_ACT_GELU>{});
     } else if (activation == FK_ACT_GELU_TANH) {
         f(std::integral_constant<int, FK_ACT_GELU_TANH>{});
-    } else if (activation == FK_ACT_GELU_BACKWARD) {
-        f(std::integral_constant<int, FK_ACT_GELU_BACKWARD>{});
-    } else if (activation == FK_ACT_GELU_TANH_BACKWARD) {
-        f(std::integral_constant<int, FK_ACT_GELU_TANH_BACKWARD>{});
     } else {
         f(std::integral_constant<int, FK_ACT_NONE>{});
     }
 }
 
-// dst[at], dst[at + 1] = v0, v1 in T (the second only when `two`), one pair store where allowed.
-template <typename T>
-__device__ __forceinline__ void put_pair(const Params &p, T *dst, int64_t at, bool two, float v0, float v1) {
-    if (two && p.pair_stores) {
-        if constexpr (std::is_same_v<T, float>) {
-            *reinterpret_cast<float2 *>(dst + at) = make_float2(v0, v1);
-        } else {
-            T pair[2] = {from_f32<T>(v0), from_f32<T>(v1)};
-            *reinterpret_cast<uint32_t *>(dst + at) = *reinterpret_cast<uint32_t *>(pair);
-        }
-    } else {
-        dst[at] = from_f32<T>(v0);
-        if (two) dst[at + 1] = from_f32<T>(v1);
-    }
-}
-
 // Writes the accumulators v0, v1 of row `row`, columns col and col + 1 (col + 1 may lie past n):
-// bias added, pre-activation stored when asked, activation kAct applied, stored in T. A backward
-// code reads h from `pre` instead and writes acc * gelu'(h) to C, gelu(h) to `post`.
+// bias added, pre-activation stored when asked, activation kAct applied, stored in T.
 template <int kAct, typename T>
-__device__ __forceinline__ void store_pair(const Params &p, T *c, T *pre, T *post, const T *bias, int64_t row,
+__device__ __forceinline__ void store_pair(const Params &p, T *c, T *pre, const T *bias, int64_t row,
                                            int64_t col, float v0, float v1) {
     if (row >= p.m || col >= p.n) return;
     const bool two = col + 1 < p.n;
-    const int64_t at = row * p.c_row + col;
-    if constexpr (kBackward<kAct>) {
-        const float h0 = to_f32(pre[at]), h1 = two ? to_f32(pre[at + 1]) : 0.0f;
-        put_pair(p, post, at, two, activate<kForward<kAct>, T>(h0), activate<kForward<kAct>, T>(h1));
-        put_pair(p, c, at, two, v0 * activate_grad<kAct, T>(h0), v1 * activate_grad<kAct, T>(h1));
-        return;
-    }
     if (bias) {
         v0 += to_f32(bias[col]);
         if (two) v1 += to_f32(bias[col + 1]);
     }
-    if (pre) put_pair(p, pre, at, two, v0, v1);
-    put_pair(p, c, at, two, activate<kAct, T>(v0), activate<kAct, T>(v1));
+    const int64_t at = row * p.c_row + col;
+    if (pre) {
+        if (two && p.pair_stores) {
+            if constexpr (std::is_same_v<T, float>) {
+                *reinterpret_cast<float2 *>(pre + at) = make_float2(v0, v1);
+            } else {
+                T pair[2] = {from_f32<T>(v0), from_f32<T>(v1)};
+                *reinterpret_cast<uint32_t *>(pre + at) = *reinterpret_cast<uint32_t *>(pair);
+            }
+        } else {
+            pre[at] = from_f32<T>(v0);
+            if (two) pre[at + 1] = from_f32<T>(v1);
+        }
+    }
+    v0 = activate<kAct, T>(v0);
+    v1 = activate<kAct, T>(v1);
+    if (two && p.pair_stores) {
+        if constexpr (std::is_same_v<T, float>) {
+            *reinterpret_cast<float2 *>(c + at) = make_float2(v0, v1);
+        } else {
+            T pair[2] = {from_f32<T>(v0), from_f32<T>(v1)};
+            *reinterpret_cast<uint32_t *>(c + at) = *reinterpret_cast<uint32_t *>(pair);
+        }
+    } else {
+        c[at] = from_f32<T>(v0);
+        if (two) c[at + 1] = from_f32<T>(v1);
+    }
 }
 
 // Output tile (tm, tn) of CTA `pid` in a grid of tiles_m x tiles_n: tiles taken in groups of

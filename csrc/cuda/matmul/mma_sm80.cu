@@ -200,7 +200,6 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks) matmul_mma_sm8
 
         T *c = static_cast<T *>(p.c) + batch * p.c_batch;
         T *pre = p.pre ? static_cast<T *>(p.pre) + batch * p.c_batch : nullptr;
-        T *post = p.post ? static_cast<T *>(p.post) + batch * p.c_batch : nullptr;
         const T *bias = static_cast<const T *>(p.bias);
         with_activation(p.activation, [&](auto act) {
 #pragma unroll
@@ -209,8 +208,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks) matmul_mma_sm8
                 for (int nt = 0; nt < Cfg::kNTiles; nt++) {
                     const int64_t row = m0 + wm0 + mt * 16 + (lane >> 2);
                     const int64_t col = n0 + wn0 + nt * 8 + 2 * (lane & 3);
-                    store_pair<act.value, T>(p, c, pre, post, bias, row, col, acc[mt][nt][0], acc[mt][nt][1]);
-                    store_pair<act.value, T>(p, c, pre, post, bias, row + 8, col, acc[mt][nt][2], acc[mt][nt][3]);
+                    store_pair<act.value, T>(p, c, pre, bias, row, col, acc[mt][nt][0], acc[mt][nt][1]);
+                    store_pair<act.value, T>(p, c, pre, bias, row + 8, col, acc[mt][nt][2], acc[mt][nt][3]);
                 }
         });
     }

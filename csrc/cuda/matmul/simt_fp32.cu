@@ -152,7 +152,6 @@ __global__ void __launch_bounds__(kThreads, kBN == 128 ? 2 : 1) matmul_simt_fp32
 
         float *c = static_cast<float *>(p.c) + batch * p.c_batch;
         float *pre = p.pre ? static_cast<float *>(p.pre) + batch * p.c_batch : nullptr;
-        float *post = p.post ? static_cast<float *>(p.post) + batch * p.c_batch : nullptr;
         const float *bias = static_cast<const float *>(p.bias);
         with_activation(p.activation, [&](auto act) {
 #pragma unroll
@@ -161,7 +160,7 @@ __global__ void __launch_bounds__(kThreads, kBN == 128 ? 2 : 1) matmul_simt_fp32
 #pragma unroll
                 for (int j = 0; j < kTN; j += 2) {
                     const int64_t col = n0 + 64 * (j / 4) + tn * 4 + j % 4;
-                    store_pair<act.value, float>(p, c, pre, post, bias, row, col, totals[(kTN * i + j) * kThreads + tid],
+                    store_pair<act.value, float>(p, c, pre, bias, row, col, totals[(kTN * i + j) * kThreads + tid],
                                                  totals[(kTN * i + j + 1) * kThreads + tid]);
                 }
             }

@@ -20,10 +20,7 @@
 // transpose bits), keeps one wgmma group in flight and releases the previous stage. The epilogue
 // (bias, pre-activation, GELU; compiled once per activation, D-112) writes 64-row blocks into
 // swizzled shared staging, stored by TMA, or, where C's rows are not 16-byte aligned, by coalesced
-// element stores (D-113). GELU's backward (FusedMLP's dY W2, D-127) reads h through the staging
-// too and writes acc gelu'(h) and gelu(h): 16384 x 4096 bf16 adds 128 MB read and 128 MB written
-// to the GEMM's 128 MB (~55 us at ~4.7 TB/s, under a ~200 us mainloop), replacing two passes of
-// 640 MB.
+// element stores (D-113).
 // TF32 (fp32 operands): the same kernel in bytes, cooperative. A 128-byte swizzled row holds 32 fp32
 // instead of 64 halves, so a stage is still 32 KB (BK = 32) and a wgmma m64n128k8 step still 32
 // bytes along it; the TMA rounds fp32 to tf32 on load (TFLOAT32 maps, round to nearest like cuBLAS).
@@ -122,56 +119,6 @@ template <typename T> __device__ __forceinline__ int staged_at(int r, int col) {
     return (col / kBox) * 64 * kBox + r * kBox + (((cc / kCh) ^ (r % 8)) * kCh) + cc % kCh;
 }
 
-// GELU-backward epilogue: the pre-activation h of row block rb (64 x 128 from (w.m0 + 64 rb, w.n0))
-// into `out` in the staging layout, zeros past the matrix edges. Where h's rows are 16-byte aligned
-// (as C's, tma_store): 16-byte cp.async copies, consecutive threads on consecutive chunks of a row
-// (coalesced, and no registers held: the ping-pong consumer keeps 128 accumulators live); else
-// element loads. The caller waits (cp_async_wait) and syncs.
-template <typename T, bool kPP>
-__device__ __forceinline__ void load_pre(T *out, const Params &p, const Work &w, int rb, int t) {
-    // a thread's chunks share a column: rows r0, r0 + kRowStep, ... (few live registers beside the
-    // accumulators: the ping-pong consumer spilled around each copy with per-chunk 64-bit indices)
-    constexpr int kCh = kChunk<T>, kChunksRow = kBN / kCh, kRowStep = 128 / kChunksRow;
-    const int r0 = t / kChunksRow, cc = (t % kChunksRow) * kCh;
-    const int64_t col = w.n0 + cc, row0 = w.m0 + rb * 64 + r0;
-    const int64_t left = col < p.n ? p.n - col : 0;  // h's elements in the chunk: 0 .. kCh
-    const int in_chunk = (int)(left < kCh ? left : kCh);
-    const T *base = static_cast<const T *>(p.pre) + w.batch * p.c_batch;
-    const T *src = base + (in_chunk ? row0 * p.c_row + col : 0);
-#pragma unroll
-    for (int i = 0; i < 64 / kRowStep; i++) {
-        T *dst = out + staged_at<T>(r0 + i * kRowStep, cc);
-        const bool in = in_chunk && row0 + i * kRowStep < p.m;
-        const T *at = in ? src + (int64_t)i * kRowStep * p.c_row : base;
-        if (kPP || p.tma_store) {  // (ping-pong only with TMA stores: no element loads compiled)
-            cp_async_16(dst, at, in ? in_chunk * (int)sizeof(T) : 0);
-        } else {
-#pragma unroll
-            for (int q = 0; q < kCh; q++) dst[q] = in && q < in_chunk ? at[q] : from_f32<T>(0.0f);
-        }
-    }
-    cp_async_commit();
-}
-
-// The pair (h0, h1) of 16-bit or fp32 elements at `at` in staging, as floats.
-template <typename T> __device__ __forceinline__ float2 staged_pair(const T *at) {
-    if constexpr (std::is_same_v<T, float>) {
-        return *reinterpret_cast<const float2 *>(at);
-    } else {
-        return make_float2(to_f32(at[0]), to_f32(at[1]));
-    }
-}
-
-// GELU-backward epilogue: the consumer's threads ask L2 for the h rows of the tile they start (rows
-// r0 .. r0 + rows - 1 of it), a mainloop before the epilogue reads them.
-template <typename T> __device__ __forceinline__ void prefetch_pre(const Params &p, const Work &w, int r0, int rows, int t) {
-    const int64_t row = w.m0 + r0 + t;
-    const int64_t cols = p.n - w.n0 < kBN ? p.n - w.n0 : kBN;
-    const uint32_t bytes = (uint32_t)(cols * (int64_t)sizeof(T)) & ~15u;
-    if (t < rows && row < p.m && bytes)
-        bulk_prefetch_l2(static_cast<const T *>(p.pre) + w.batch * p.c_batch + row * p.c_row + w.n0, bytes);
-}
-
 // Each consumer writes its 64 x 128 tile (bias added, GELU applied, in T) into its staging buffer,
 // then stores it: by TMA (one thread; clipped at the matrix edges; the warpgroup moves on while the
 // copy drains), or, where C's rows are not 16-byte aligned (n = 1793), by the whole warpgroup, a
@@ -184,25 +131,14 @@ template <typename T> __device__ __forceinline__ void prefetch_pre(const Params 
 // The bias is loaded once a block, a column a thread, into the consumer's `bias_s`, and added to the
 // accumulators before both passes (per-element global loads, twice with a pre-activation, were where
 // ncu found the epilogue waiting; D-119).
-// GELU's backward (kAct a backward code, D-127): h is loaded into the first pass's buffer (load_pre);
-// the first pass turns each h into gelu(h) in place (stored to `post` through map_pre, which launch()
-// encodes for post) and multiplies the accumulator by gelu'(h), so the second stores dh = acc gelu'(h).
 // Row block rb (64 rows from w.m0 + 64 rb) through `buffers`, consumer c's kBuffers staging buffers.
 template <int kAct, bool kPre, typename T, int kBuffers>
 __device__ __forceinline__ void epilogue(T (*buffers)[64 * kBN], T *bias_s, const CUtensorMap *map_c,
                                          const CUtensorMap *map_pre, const Params &p, float (&acc)[kBN / 2],
                                          const Work &w, int rb, int c, int t) {
     static_assert(kBN == 128, "a bias column a consumer thread");
-    constexpr bool kBwd = kBackward<kAct>, kTwoPasses = kPre || kBwd;  // pre / post first, then C
     const int row0 = (t / 32) * 16 + (t % 32) / 4;
-    if constexpr (kBwd) {  // h into the first pass's buffer, once its previous store has read it
-        if (p.tma_store && t == 0) bulk_wait_group_read<kBuffers - 1>();
-        named_barrier_sync(kConsumer0 + c, 128);
-        load_pre<T, kBuffers == 2>(buffers[0], p, w, rb, t);
-        cp_async_wait<0>();
-        named_barrier_sync(kConsumer0 + c, 128);
-    }
-    if (!kBwd && p.bias) {  // the last reads of the previous block's bias were before its last barrier
+    if (p.bias) {  // the last reads of the previous block's bias were before its last barrier
         const int64_t n = w.n0 + t;
         bias_s[t] = n < p.n ? static_cast<const T *>(p.bias)[n] : from_f32<T>(0.0f);
         named_barrier_sync(kConsumer0 + c, 128);
@@ -215,30 +151,19 @@ __device__ __forceinline__ void epilogue(T (*buffers)[64 * kBN], T *bias_s, cons
         }
     }
 #pragma unroll
-    for (int pass = 0; pass < 2; pass++) {  // 0: the pre-activation or gelu(h) (when asked), 1: C
-        if (pass == 0 && !kTwoPasses) continue;
-        T *out = buffers[kBuffers == 1 ? 0 : kTwoPasses ? pass : rb];
-        if (!kBwd || pass == 1) {  // (kBwd's first pass: load_pre waited; a thread rewrites its own h)
-            if (p.tma_store && t == 0) bulk_wait_group_read<kBuffers - 1>();  // its previous store has read it
-            named_barrier_sync(kConsumer0 + c, 128);  // (element stores: every thread has read it)
-        }
+    for (int pass = 0; pass < 2; pass++) {  // 0: the pre-activation (when asked), 1: C
+        if (pass == 0 && !kPre) continue;
+        T *out = buffers[kBuffers == 1 ? 0 : kPre ? pass : rb];
+        if (p.tma_store && t == 0) bulk_wait_group_read<kBuffers - 1>();  // its previous store has read it
+        named_barrier_sync(kConsumer0 + c, 128);  // (element stores: every thread has read it)
 #pragma unroll
         for (int j = 0; j < kBN / 8; j++) {
             const int col = 8 * j + 2 * (t % 4);
 #pragma unroll
             for (int h = 0; h < 2; h++) {
                 float v0 = acc[4 * j + 2 * h], v1 = acc[4 * j + 2 * h + 1];
+                if (pass == 1) v0 = activate<kAct, T>(v0), v1 = activate<kAct, T>(v1);
                 const int at = staged_at<T>(row0 + 8 * h, col);
-                if constexpr (kBwd) {
-                    if (pass == 0) {
-                        const float2 hv = staged_pair(out + at);
-                        acc[4 * j + 2 * h] *= activate_grad<kAct, T>(hv.x);
-                        acc[4 * j + 2 * h + 1] *= activate_grad<kAct, T>(hv.y);
-                        v0 = activate<kForward<kAct>, T>(hv.x), v1 = activate<kForward<kAct>, T>(hv.y);
-                    }
-                } else if (pass == 1) {
-                    v0 = activate<kAct, T>(v0), v1 = activate<kAct, T>(v1);
-                }
                 if constexpr (std::is_same_v<T, float>) {
                     *reinterpret_cast<float2 *>(out + at) = make_float2(v0, v1);
                 } else {
@@ -260,7 +185,7 @@ __device__ __forceinline__ void epilogue(T (*buffers)[64 * kBN], T *bias_s, cons
             continue;
         }
         named_barrier_sync(kConsumer0 + c, 128);
-        T *dst = static_cast<T *>(pass == 1 ? p.c : kBwd ? p.post : p.pre) + w.batch * p.c_batch;
+        T *dst = static_cast<T *>(pass == 0 ? p.pre : p.c) + w.batch * p.c_batch;
         const int64_t col = w.n0 + t, row_end = p.m - (w.m0 + rb * 64);
         if (col < p.n) {
 #pragma unroll 8
@@ -288,7 +213,6 @@ __device__ __forceinline__ void consumer(Smem<T, kPP> &s, const CUtensorMap *map
         // turn makes the parity waits sound: the other's stages of every slot have completed before
         // this consumer waits on the slot again (a wait a whole tile ahead matched an old phase).
         if (kPP && tile != blockIdx.x) named_barrier_sync(kOrder0 + c, 2 * 128);
-        if (p.post && p.tma_store) prefetch_pre<T>(p, w, kPP ? 0 : 64 * c, 64 * kRB, t);  // GELU backward
         int previous = -1;
 #pragma unroll
         for (int h = 0; h < kRB; h++) wgmma_fence_operands(acc[h]);
@@ -330,8 +254,7 @@ __device__ __forceinline__ void consumer(Smem<T, kPP> &s, const CUtensorMap *map
 #pragma unroll
                 for (int i = 0; i < kBN / 2; i++) acc[h][i] = 0.0f;
         }
-        // compiled per activation and per pre-activation store (the buffers' order depends on it);
-        // a backward code reads pre and has no such variant
+        // compiled per activation and per pre-activation store (the buffers' order depends on it)
         with_activation(p.activation, [&](auto act) {
             auto run = [&](auto pre) {
 #pragma unroll
@@ -339,11 +262,7 @@ __device__ __forceinline__ void consumer(Smem<T, kPP> &s, const CUtensorMap *map
                     epilogue<act.value, pre.value, T, kRB>(s.out + c * kRB, s.bias[c], map_c, map_pre, p, acc[h], w,
                                                            kPP ? h : c, c, t);
             };
-            if constexpr (kBackward<decltype(act)::value>) {
-                run(std::false_type{});
-            } else {
-                if (p.pre) run(std::true_type{}); else run(std::false_type{});
-            }
+            if (p.pre) run(std::true_type{}); else run(std::false_type{});
         });
         if (kPP) st.skip(k_tiles);  // the other consumer's next tile
     }
@@ -418,15 +337,13 @@ fk_status launch(const Params &p, fk_dtype dtype, int device, cudaStream_t strea
     const bool ok_b = kBKMajor ? encode(&map_b, dtype, kIn, p.b, p.k, p.n, p.b_col, p.batch, p.b_batch, kBN)
                                : encode(&map_b, dtype, kIn, p.b, p.n, p.k, p.b_row, p.batch, p.b_batch, 64);
     if (!ok_a || !ok_b) return fk_fail(FK_ERR_RUNTIME, "matmul: cuTensorMapEncodeTiled failed");
-    // C (and pre or post) through TMA stores when their rows are 16-byte aligned; else element stores.
-    // map_pre is the first pass's output: pre, or with GELU's backward (which reads pre) post.
+    // C (and pre) through TMA stores when their rows are 16-byte aligned; else element stores.
     Params q = p;
     constexpr int kElem = (int)sizeof(T);
-    void *first = p.post ? p.post : p.pre;
-    q.tma_store = aligned16(p.c) && (p.pre == nullptr || aligned16(p.pre)) && (p.post == nullptr || aligned16(p.post)) &&
-                  (p.c_row * kElem) % 16 == 0 && (p.c_batch * kElem) % 16 == 0 &&
+    q.tma_store = aligned16(p.c) && (p.pre == nullptr || aligned16(p.pre)) && (p.c_row * kElem) % 16 == 0 &&
+                  (p.c_batch * kElem) % 16 == 0 &&
                   encode(&map_c, dtype, kOut, p.c, p.n, p.m, p.c_row, p.batch, p.c_batch, 64) &&
-                  (first == nullptr || encode(&map_pre, dtype, kOut, first, p.n, p.m, p.c_row, p.batch, p.c_batch, 64));
+                  (p.pre == nullptr || encode(&map_pre, dtype, kOut, p.pre, p.n, p.m, p.c_row, p.batch, p.c_batch, 64));
     const int64_t tiles = ((p.m + kBM - 1) / kBM) * ((p.n + kBN - 1) / kBN) * p.batch;
     const int sms = sm_count(device);
     const unsigned grid = (unsigned)std::min<int64_t>(tiles, sms);

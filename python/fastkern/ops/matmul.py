@@ -8,10 +8,6 @@ d_a = d_pre @ b^T and d_b = a^T @ d_pre through fastkern::matmul itself, transpo
 strides (no copies), and sums over the batch dims an operand was broadcast along. There is no
 separate backward op: the backward is built from fastkern::matmul and fastkern::gelu_backward.
 
-fastkern::matmul_gelu_backward(a, b, pre, approximate) -> (d_pre, gelu(pre)) is FusedMLP's hidden
-layer backward: d_pre = (a @ b) * gelu'(pre) from one GEMM whose epilogue reads pre (CUDA), with the
-recomputed gelu(pre) written beside it for the weight gradient.
-
 Operands are used in place when each matrix is row-major or column-major (x, w.t(), x.mT); other
 strides are copied first. When b is 2-D, a's batch dims fold into its rows (one GEMM). fp32 under
 TF32 on Hopper is the exception: the tf32 wgmma reads both operands K-major only (a row-major, b
@@ -24,7 +20,7 @@ import torch
 
 from .. import _backend as B
 from .._backend import _C
-from .gelu import _gelu, _gelu_backward, _gelu_backward_op
+from .gelu import _gelu_backward, _gelu_backward_op
 
 _ACTIVATIONS = {"none": 0, "gelu": 1, "gelu_tanh": 2}
 _GELU_APPROXIMATE = {"gelu": "none", "gelu_tanh": "tanh"}
@@ -161,7 +157,7 @@ def _operand(t, batch, tf32_side=None):
 def _tf32_wgmma(device, flags):
     """Whether fp32 K-major operands under these flags take the tf32 wgmma kernel on this device:
     dispatch.cu's own answer for a 128^3 problem (its arch, build and flag checks, asked once)."""
-    k_major = (0, 0, 0, 0, 0, 0, 1, 128, 128, 128, 0, 128, 1, 0, 1, 128, 0, 128, 0, 0, flags)
+    k_major = (0, 0, 0, 0, 0, 1, 128, 128, 128, 0, 128, 1, 0, 1, 128, 0, 128, 0, 0, flags)
     return _C.matmul_plan(*k_major, device) == "wgmma_sm90"
 
 
@@ -173,10 +169,8 @@ def _flags(t):
     return flags
 
 
-def _arguments(a, b, bias, plan, want_pre, h=None):
-    """(out, pre, the C call's arguments up to flags) for validated inputs. With h (dense, out's
-    shape; the GELU-backward epilogue, a backward code in plan), the kernel reads h as its pre and
-    the second output is gelu(h), the waist's `post`."""
+def _arguments(a, b, bias, plan, want_pre):
+    """(out, pre, the C call's arguments up to flags) for validated inputs."""
     batch, m, n, k, code, act = plan
     flags = _flags(a)
     # fp32 under TF32 on Hopper: K-major copies where needed (n == 1 or k == 0 stay on simt_fp32)
@@ -202,12 +196,8 @@ def _arguments(a, b, bias, plan, want_pre, h=None):
     # otherwise, and none at all on the direct path (want_pre=False)
     pre = torch.empty_like(out) if want_pre and act else (out.new_empty(0) if want_pre else None)
     bias = None if bias is None else B.dense(bias)
-    pre_ptr = pre.data_ptr() if pre is not None and pre.numel() else 0
-    post_ptr = 0
-    if h is not None:  # pre (returned) holds gelu(h): the waist's post
-        pre_ptr, post_ptr = h.data_ptr(), pre.data_ptr()
-    args = (a_args[0].data_ptr(), b_args[0].data_ptr(), B.ptr(bias), out.data_ptr(), pre_ptr, post_ptr,
-            n_batch, m_run, n, k,
+    args = (a_args[0].data_ptr(), b_args[0].data_ptr(), B.ptr(bias), out.data_ptr(),
+            pre.data_ptr() if pre is not None and pre.numel() else 0, n_batch, m_run, n, k,
             *a_args[1:], *b_args[1:],
             0 if rows_folded else m * n, n, code, act, flags)
     return out, pre, args, (a_args[0], b_args[0], bias)
@@ -302,66 +292,6 @@ torch.library.impl("fastkern::matmul", ("cpu", "cuda"), _matmul)
 torch.library.register_fake("fastkern::matmul", _matmul_fake)
 torch.library.register_autograd("fastkern::matmul", _backward, setup_context=_setup_context)
 _matmul_op = torch.ops.fastkern.matmul.default
-
-
-# ---- GELU's backward in the epilogue (FusedMLP's dg = dY W2 GEMM, D-127) ----------------------------
-
-_GELU_BACKWARD = {"none": 3, "tanh": 4}  # fastkern.h's FK_ACT_GELU_BACKWARD, FK_ACT_GELU_TANH_BACKWARD
-
-torch.library.define(
-    "fastkern::matmul_gelu_backward", "(Tensor a, Tensor b, Tensor pre, str approximate) -> (Tensor, Tensor)")
-
-
-def _check_gelu_backward(a, b, pre, approximate):
-    """Validates fastkern::matmul_gelu_backward's arguments; returns matmul's plan with the backward code."""
-    op = "matmul_gelu_backward"
-    if a.dim() != 2 or b.dim() != 2:
-        raise ValueError(f"fastkern.{op}: a and b must be 2-D, got {a.dim()} and {b.dim()} dims")
-    batch, m, n, k, code, _ = _check(a, b, None, "none", op)
-    B.check_tensor(pre, op, "pre")
-    B.check_same(pre, a, op, "pre", "a")
-    if pre.shape != (m, n):
-        raise ValueError(f"fastkern.{op}: pre must have the product's shape ({m}, {n}), got {tuple(pre.shape)}")
-    act = _GELU_BACKWARD.get(approximate) if isinstance(approximate, str) else None
-    if act is None:
-        raise ValueError(f"fastkern.{op}: approximate must be 'none' or 'tanh', got {approximate!r}")
-    return batch, m, n, k, code, act
-
-
-def _matmul_gelu_backward(a, b, pre, approximate):
-    """(d_pre, gelu(pre)), d_pre = (a @ b) * gelu'(pre), for 2-D a (m, k), b (k, n) and pre (m, n).
-    CUDA: one GEMM whose epilogue reads pre and writes both (GELU's backward and its recompute for
-    dW2 = dY^T gelu(h) take no passes of their own); CPU: the product, then GELU's backward and
-    forward kernels."""
-    plan = _check_gelu_backward(a, b, pre, approximate)
-    if not a.is_cuda:
-        product = _launch(a, b, None, plan[:-1] + (0,), want_pre=False)[0]
-        return _gelu_backward(product, pre, None, approximate, False)[0], _gelu(pre, None, approximate)
-    out, post, args, _keep = _arguments(a, b, None, plan, True, h=B.dense(pre))
-    if out.numel():
-        device, stream = B.launch_args(out)
-        _C.matmul(*args, device, stream)
-    return out, post
-
-
-def _matmul_gelu_backward_fake(a, b, pre, approximate):
-    _, m, n, _, _, _ = _check_gelu_backward(a, b, pre, approximate)
-    return a.new_empty(m, n), a.new_empty(m, n)
-
-
-torch.library.impl("fastkern::matmul_gelu_backward", ("cpu", "cuda"), _matmul_gelu_backward)
-torch.library.register_fake("fastkern::matmul_gelu_backward", _matmul_gelu_backward_fake)
-_matmul_gelu_backward_op = torch.ops.fastkern.matmul_gelu_backward.default
-
-
-def matmul_gelu_backward(a, b, pre, approximate="none"):
-    """(d_pre, gelu(pre)) with d_pre = (a @ b) * gelu'(pre): the backward of y = gelu(pre) W^T's
-    hidden layer in one call (a = dY, b = W), GELU's derivative and its recompute fused into the
-    GEMM's epilogue on CUDA. 2-D a (m, k), b (k, n), pre (m, n); approximate 'none' or 'tanh'.
-    Not differentiable."""
-    if B.plain_eager(a, b, pre):
-        return _matmul_gelu_backward(a, b, pre, approximate)
-    return _matmul_gelu_backward_op(a, b, pre, approximate)
 
 
 def _activation(activation, op):
