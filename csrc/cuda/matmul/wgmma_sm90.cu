@@ -29,6 +29,7 @@
 // TFLOP/s (H200); measured 0.78x of it (x @ w, w copied K-major each call).
 #include "../hopper.cuh"
 #include "matmul.cuh"
+#include "stamps.cuh"
 #include "wgmma_ops.cuh"
 
 
@@ -82,11 +83,17 @@ __device__ __forceinline__ Work work_of(int64_t tile, int tiles_m, int tiles_n) 
 
 template <typename T, bool kPP, bool kAKMajor, bool kBKMajor>
 __device__ __forceinline__ void producer(Smem<T, kPP> &s, const CUtensorMap *map_a, const CUtensorMap *map_b,
-                                         const Params &p, int tiles_m, int tiles_n, int k_tiles) {
+                                         const KernelParams &p, int tiles_m, int tiles_n, int k_tiles) {
     RingStage<kStages<T, kPP>> st;
     const int64_t total = (int64_t)tiles_m * tiles_n * p.batch;
     for (int64_t tile = blockIdx.x; tile < total; tile += gridDim.x) {
-        const Work w = work_of(tile, tiles_m, tiles_n);
+        Work w = work_of(tile, tiles_m, tiles_n);
+#if FK_MM_LEAN_PROLOGUE
+        if (tile == blockIdx.x) {  // the first tile's coordinates are made before the wait
+            grid_dependency_wait(w.batch, w.m0, w.n0);
+            FK_MM_STAMP(p, kStampWaited);
+        }
+#endif
         const int ca = p.a_batch ? (int)w.batch : 0, cb = p.b_batch ? (int)w.batch : 0;
         for (int kt = 0; kt < k_tiles; kt++, st.next()) {
             mbar_wait(&s.empty[st.slot], st.phase ^ 1);  // the first pass finds every slot free
@@ -106,6 +113,7 @@ __device__ __forceinline__ void producer(Smem<T, kPP> &s, const CUtensorMap *map
                 for (int h = 0; h < kBN / 64; h++)
                     tma_load_3d(s.b[st.slot] + h * 64 * 64, map_b, &s.full[st.slot], (int)w.n0 + 64 * h, k0, cb);
             }
+            if (tile == blockIdx.x && kt == 0) FK_MM_STAMP(p, kStampIssued);
         }
     }
 }
@@ -197,9 +205,13 @@ __device__ __forceinline__ void epilogue(T (*buffers)[64 * kBN], T *bias_s, cons
 
 template <typename T, bool kPP, bool kAKMajor, bool kBKMajor>
 __device__ __forceinline__ void consumer(Smem<T, kPP> &s, const CUtensorMap *map_c, const CUtensorMap *map_pre,
-                                         const Params &p, int tiles_m, int tiles_n, int k_tiles) {
+                                         const KernelParams &p, int tiles_m, int tiles_n, int k_tiles) {
     constexpr int kRB = kRowBlocks<kPP>;
     const int c = threadIdx.x / 128 - 1, t = threadIdx.x % 128;
+#if FK_MM_LEAN_PROLOGUE
+    grid_dependency_wait();  // off the critical path: the first full[] comes after the producer's
+#endif
+    if (c == 0 && t == 0) FK_MM_STAMP(p, kStampReady);
     RingStage<kStages<T, kPP>> st;
     float acc[kRB][kBN / 2];
     const int64_t total = (int64_t)tiles_m * tiles_n * p.batch;
@@ -218,6 +230,8 @@ __device__ __forceinline__ void consumer(Smem<T, kPP> &s, const CUtensorMap *map
         for (int h = 0; h < kRB; h++) wgmma_fence_operands(acc[h]);
         for (int kt = 0; kt < k_tiles; kt++, st.next()) {
             mbar_wait(&s.full[st.slot], st.phase);
+            if (c == 0 && t == 0 && tile == blockIdx.x && kt == 0) FK_MM_STAMP(p, kStampFull0);
+            if (c == 0 && t == 0 && tile == blockIdx.x && kt == k_tiles - 1) FK_MM_STAMP(p, kStampFullLast);
             wgmma_fence();
 #pragma unroll
             for (int kk = 0; kk < kBK<T> / kStepK<T>; kk++) {
@@ -247,6 +261,7 @@ __device__ __forceinline__ void consumer(Smem<T, kPP> &s, const CUtensorMap *map
         wgmma_wait<0>();
 #pragma unroll
         for (int h = 0; h < kRB; h++) wgmma_fence_operands(acc[h]);
+        if (c == 0 && t == 0 && tile == blockIdx.x) FK_MM_STAMP(p, kStampMmaDone);
         if (previous >= 0 && t == 0) mbar_arrive(&s.empty[previous]);
         if (k_tiles == 0) {
 #pragma unroll
@@ -264,28 +279,39 @@ __device__ __forceinline__ void consumer(Smem<T, kPP> &s, const CUtensorMap *map
             };
             if (p.pre) run(std::true_type{}); else run(std::false_type{});
         });
+        if (c == 0 && t == 0 && tile == blockIdx.x) FK_MM_STAMP(p, kStampStored);
         if (kPP) st.skip(k_tiles);  // the other consumer's next tile
     }
     if (p.tma_store && t == 0) bulk_wait_group<0>();  // the last stores finish before the CTA exits
+    if (t == 0) FK_MM_STAMP(p, c == 0 ? kStampEnd : kStampEnd1);
 }
 
 template <typename T, bool kPP, bool kAKMajor, bool kBKMajor>
 __global__ void __launch_bounds__(kThreads, 1)
     matmul_wgmma_sm90(const __grid_constant__ CUtensorMap map_a, const __grid_constant__ CUtensorMap map_b,
-                      const __grid_constant__ CUtensorMap map_c, const __grid_constant__ CUtensorMap map_pre, Params p) {
+                      const __grid_constant__ CUtensorMap map_c, const __grid_constant__ CUtensorMap map_pre,
+                      KernelParams p) {
     static_assert(!std::is_same_v<T, float> || (kAKMajor && kBKMajor && !kPP), "tf32: K-major, cooperative");
 #if FK_SM90A
     extern __shared__ unsigned char smem_raw[];
     auto &s = *reinterpret_cast<Smem<T, kPP> *>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
     if (threadIdx.x == 0) {
+        FK_MM_STAMP(p, kStampEntry);
         for (int i = 0; i < kStages<T, kPP>; i++)  // a stage is released by each consumer reading it
             mbar_init(&s.full[i], 1), mbar_init(&s.empty[i], kPP ? 1 : kConsumers);
         fence_barrier_init();
         prefetch_tensormap(&map_a);
         prefetch_tensormap(&map_b);
+        FK_MM_STAMP(p, kStampInit);
     }
     __syncthreads();
+    if (threadIdx.x == 0) FK_MM_STAMP(p, kStampSynced);
+#if FK_MM_LEAN_PROLOGUE
+    grid_dependency_launch();  // each role waits for the previous grid itself, as late as it can
+#else
     grid_dependency_sync();
+    if (threadIdx.x == 0) FK_MM_STAMP(p, kStampWaited);
+#endif
     const int tiles_m = (int)((p.m + kBM - 1) / kBM), tiles_n = (int)((p.n + kBN - 1) / kBN);
     const int k_tiles = (int)((p.k + kBK<T> - 1) / kBK<T>);
     if (threadIdx.x < 128) {
@@ -338,7 +364,7 @@ fk_status launch(const Params &p, fk_dtype dtype, int device, cudaStream_t strea
                                : encode(&map_b, dtype, kIn, p.b, p.n, p.k, p.b_row, p.batch, p.b_batch, 64);
     if (!ok_a || !ok_b) return fk_fail(FK_ERR_RUNTIME, "matmul: cuTensorMapEncodeTiled failed");
     // C (and pre) through TMA stores when their rows are 16-byte aligned; else element stores.
-    Params q = p;
+    KernelParams q = stamped(p);  // p (stamps.cuh: with its stamp slot in a timestamp build)
     constexpr int kElem = (int)sizeof(T);
     q.tma_store = aligned16(p.c) && (p.pre == nullptr || aligned16(p.pre)) && (p.c_row * kElem) % 16 == 0 &&
                   (p.c_batch * kElem) % 16 == 0 &&
