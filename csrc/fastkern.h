@@ -55,20 +55,23 @@ int fk_dtype_size(fk_dtype dtype);
  * NULL. approximate: 0 = erf ("none"), 1 = tanh.
  * forward:  y = gelu(x + bias)
  * backward: dx = dy * gelu'(x + bias); when dbias is not NULL it receives sum over rows of dx
- *           (`cols` elements of `dtype`).
+ *           (`cols` elements of `dtype`); when y is not NULL (`rows * cols` elements of `dtype`)
+ *           it receives gelu(x + bias) in the same pass, the values the forward gives bit for bit
+ *           (FusedMLP's backward: dW2 needs gelu(h) and dh needs gelu'(h), one read of h, D-131).
  * The CUDA backward reduces dbias deterministically through `workspace`, fp32, of
- * fk_cuda_gelu_bwd_workspace(...) elements, asked with the same pointers and sizes as the call. */
+ * fk_cuda_gelu_bwd_workspace(...) elements, asked with the same pointers (y included) and sizes as
+ * the call. */
 fk_status fk_cpu_gelu_fwd(const void *x, const void *bias, void *y, int64_t rows, int64_t cols,
                           int approximate, fk_dtype dtype, int threads);
 fk_status fk_cpu_gelu_bwd(const void *dy, const void *x, const void *bias, void *dx, void *dbias,
-                          int64_t rows, int64_t cols, int approximate, fk_dtype dtype, int threads);
+                          void *y, int64_t rows, int64_t cols, int approximate, fk_dtype dtype, int threads);
 fk_status fk_cuda_gelu_fwd(const void *x, const void *bias, void *y, int64_t rows, int64_t cols,
                            int approximate, fk_dtype dtype, int device, void *stream);
 int64_t fk_cuda_gelu_bwd_workspace(const void *dy, const void *x, const void *bias, const void *dx,
-                                   int64_t rows, int64_t cols, int approximate, fk_dtype dtype,
+                                   const void *y, int64_t rows, int64_t cols, int approximate, fk_dtype dtype,
                                    int device);
 fk_status fk_cuda_gelu_bwd(const void *dy, const void *x, const void *bias, void *dx, void *dbias,
-                           float *workspace, int64_t rows, int64_t cols, int approximate,
+                           void *y, float *workspace, int64_t rows, int64_t cols, int approximate,
                            fk_dtype dtype, int device, void *stream);
 
 /* ---- Softmax / log-softmax --------------------------------------------------------------------

@@ -132,24 +132,25 @@ static PyObject *py_gelu_fwd(PyObject *self, PyObject *const *args, Py_ssize_t n
     return finish(status);
 }
 
-/* gelu_bwd(dy, x, bias, dx, dbias, workspace, rows, cols, approximate, dtype, device, stream) */
+/* gelu_bwd(dy, x, bias, dx, dbias, y, workspace, rows, cols, approximate, dtype, device, stream);
+ * y: 0, or where gelu(x + bias) goes in the same pass */
 static PyObject *py_gelu_bwd(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     (void)self;
-    unsigned long long dy, x, bias, dx, dbias, workspace, stream;
+    unsigned long long dy, x, bias, dx, dbias, y, workspace, stream;
     long long rows, cols;
     int approximate, dtype, device;
-    if (!parse("gelu_bwd", args, nargs, "KKKKKKLLiiiK", &dy, &x, &bias, &dx, &dbias, &workspace,
+    if (!parse("gelu_bwd", args, nargs, "KKKKKKKLLiiiK", &dy, &x, &bias, &dx, &dbias, &y, &workspace,
                &rows, &cols, &approximate, &dtype, &device, &stream))
         return NULL;
     fk_status status;
     if (device < 0) {
         Py_BEGIN_ALLOW_THREADS
-        status = fk_cpu_gelu_bwd(PTR(dy), PTR(x), PTR(bias), PTR(dx), PTR(dbias), rows, cols,
+        status = fk_cpu_gelu_bwd(PTR(dy), PTR(x), PTR(bias), PTR(dx), PTR(dbias), PTR(y), rows, cols,
                                  approximate, (fk_dtype)dtype, cpu_threads(stream));
         Py_END_ALLOW_THREADS
     } else {
 #if FK_HAS_CUDA
-        status = fk_cuda_gelu_bwd(PTR(dy), PTR(x), PTR(bias), PTR(dx), PTR(dbias), PTR(workspace),
+        status = fk_cuda_gelu_bwd(PTR(dy), PTR(x), PTR(bias), PTR(dx), PTR(dbias), PTR(y), PTR(workspace),
                                   rows, cols, approximate, (fk_dtype)dtype, device, PTR(stream));
 #else
         return no_cuda("gelu");
@@ -158,23 +159,23 @@ static PyObject *py_gelu_bwd(PyObject *self, PyObject *const *args, Py_ssize_t n
     return finish(status);
 }
 
-/* gelu_bwd_workspace(dy, x, bias, dx, rows, cols, approximate, dtype, device) -> fp32 elements
+/* gelu_bwd_workspace(dy, x, bias, dx, y, rows, cols, approximate, dtype, device) -> fp32 elements
  * the CUDA bias gradient needs for that call (0 on CPU) */
 static PyObject *py_gelu_bwd_workspace(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     (void)self;
-    unsigned long long dy, x, bias, dx;
+    unsigned long long dy, x, bias, dx, y;
     long long rows, cols;
     int approximate, dtype, device;
-    if (!parse("gelu_bwd_workspace", args, nargs, "KKKKLLiii", &dy, &x, &bias, &dx, &rows, &cols,
+    if (!parse("gelu_bwd_workspace", args, nargs, "KKKKKLLiii", &dy, &x, &bias, &dx, &y, &rows, &cols,
                &approximate, &dtype, &device))
         return NULL;
 #if FK_HAS_CUDA
     if (device >= 0)
         return PyLong_FromLongLong(fk_cuda_gelu_bwd_workspace(PTR(dy), PTR(x), PTR(bias), PTR(dx),
-                                                              rows, cols, approximate,
+                                                              PTR(y), rows, cols, approximate,
                                                               (fk_dtype)dtype, device));
 #else
-    (void)dy, (void)x, (void)bias, (void)dx, (void)rows, (void)cols, (void)approximate, (void)dtype;
+    (void)dy, (void)x, (void)bias, (void)dx, (void)y, (void)rows, (void)cols, (void)approximate, (void)dtype;
 #endif
     return PyLong_FromLong(0);
 }

@@ -337,3 +337,52 @@ def test_cpu_threads_give_the_one_thread_results(shape, with_bias, poison):
     assert many[2].numel() == (shape[-1] if with_bias else 0)
     for a, c in zip(one, many):
         assert not c.isnan().any() and torch.equal(a, c)
+
+
+@pytest.mark.parametrize("device,dtype", DEVICE_DTYPES)
+@pytest.mark.parametrize("approximate", ["none", "tanh"])
+@pytest.mark.parametrize("shape", [(1,), (1023,), (33, 1000), (3, 7), (2, 3, 4096), (5, 1029)], ids=str)
+@pytest.mark.parametrize("with_bias", [False, True], ids=["nobias", "bias"])
+@pytest.mark.parametrize("bias_grad", [False, True], ids=["nodbias", "dbias"])
+def test_backward_second_output_gelu(device, dtype, approximate, shape, with_bias, bias_grad, poison):
+    """The backward's optional second output (FusedMLP's backward, D-131): gelu(x + bias) in the same
+    pass, the forward's values bit for bit and within 2x of torch's error against float64, while
+    dx and dbias stay the plain backward's, bit for bit."""
+    from fastkern.ops.gelu import _gelu_backward, _gelu_backward_and_gelu
+    x, grad = make(shape, dtype, device), make(shape, dtype, device)
+    bias = make(shape[-1:], dtype, device) if with_bias else None
+    dx, dbias, y = _gelu_backward_and_gelu(grad, x, bias, approximate, bias_grad)
+    assert y.dtype == dtype and y.shape == x.shape and not y.isnan().any()
+    assert torch.equal(y, fastkern.gelu(x, approximate=approximate, bias=bias))
+    ref_dx, ref_dbias = _gelu_backward(grad, x, bias, approximate, bias_grad)
+    assert torch.equal(dx, ref_dx) and torch.equal(dbias, ref_dbias)
+    v = x if bias is None else x + bias
+    ref = exact_gelu(x.double() if bias is None else x.double() + bias.double(), approximate)
+    assert_within_torch_error(y, F.gelu(v, approximate=approximate), ref, "second output")
+
+
+@pytest.mark.parametrize("device,dtype", DEVICE_DTYPES)
+def test_backward_second_output_misaligned(device, dtype, poison):
+    """A misaligned x (one element a lane on CUDA) and an empty one."""
+    from fastkern.ops.gelu import _gelu_backward_and_gelu
+    x, grad = misaligned((33, 1000), dtype, device), make((33, 1000), dtype, device)
+    bias = misaligned((1000,), dtype, device, offset=3)
+    _, _, y = _gelu_backward_and_gelu(grad, x, bias, "tanh", True)
+    assert torch.equal(y, fastkern.gelu(x, approximate="tanh", bias=bias))
+    e = torch.empty(0, 5, dtype=dtype, device=device)
+    dx, dbias, y = _gelu_backward_and_gelu(e, e, torch.ones(5, dtype=dtype, device=device), "none", True)
+    assert dx.shape == y.shape == (0, 5) and torch.equal(dbias, torch.zeros_like(dbias))
+
+
+@pytest.mark.parametrize("isa", cpu_isas())
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("approximate", ["none", "tanh"])
+def test_backward_second_output_cpu_isa_paths(isa, dtype, approximate, monkeypatch, poison):
+    """Each vectorised CPU body writes the forward's values (vector tails included)."""
+    from fastkern.ops.gelu import _gelu_backward_and_gelu
+    monkeypatch.setenv("FASTKERN_CPU_ISA", isa)
+    for shape, with_bias in [((37,), False), ((7, 1029), True), ((3, 517), False)]:
+        x, grad = make(shape, dtype, "cpu"), make(shape, dtype, "cpu")
+        bias = make(shape[-1:], dtype, "cpu") if with_bias else None
+        _, _, y = _gelu_backward_and_gelu(grad, x, bias, approximate, with_bias)
+        assert torch.equal(y, fastkern.gelu(x, approximate=approximate, bias=bias))

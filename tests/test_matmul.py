@@ -574,6 +574,32 @@ def test_fused_mlp_matches_sequential(device, approximate, bias):
         assert torch.allclose(mlp(x), y_ref, atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("wanted", ["w2_only", "fc1_only", "x_only", "all"])
+def test_fused_mlp_partial_gradients(device, wanted):
+    """The backward's three routes (D-131): W2's gradient alone (a separate gelu(h) recompute), h's
+    alone (the plain GELU backward), and both (one pass writing d_h and gelu(h))."""
+    torch.manual_seed(5)
+    seq = torch.nn.Sequential(torch.nn.Linear(40, 96, device=device), torch.nn.GELU("tanh"),
+                              torch.nn.Linear(96, 24, device=device))
+    mlp = fastkern.nn.FusedMLP(40, 96, 24, approximate="tanh", device=device)
+    mlp.load_state_dict(seq.state_dict())
+    x = torch.randn(3, 17, 40, device=device)
+    grad = torch.randn(3, 17, 24, device=device)
+    for model in (seq, mlp):
+        fc1, fc2 = model[0] if model is seq else model._modules["0"], model[2] if model is seq else model._modules["2"]
+        fc1.requires_grad_(wanted in ("fc1_only", "all"))
+        fc2.requires_grad_(wanted in ("w2_only", "all"))
+    x.requires_grad_(wanted in ("x_only", "all"))
+    inputs = ([x] if x.requires_grad else []) + [p for p in mlp.parameters() if p.requires_grad]
+    inputs_ref = ([x] if x.requires_grad else []) + [p for p in seq.parameters() if p.requires_grad]
+    g = torch.autograd.grad(mlp(x), inputs, grad)
+    g_ref = torch.autograd.grad(seq(x), inputs_ref, grad)
+    assert len(g) == len(g_ref) > 0
+    for a, b in zip(g, g_ref):
+        assert torch.allclose(a, b, atol=1e-3, rtol=1e-3)
+
+
 def test_fused_mlp_gradcheck_float64():
     mlp = fastkern.nn.FusedMLP(6, 9, 4, dtype=torch.float64)
     x = torch.randn(3, 6, dtype=torch.float64, requires_grad=True)

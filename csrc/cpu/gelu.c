@@ -29,7 +29,7 @@ static fk_status check_args(const char *op, int64_t rows, int64_t cols, fk_dtype
 
 typedef struct {
     const void *dy, *x, *bias;
-    void *out, *dbias;
+    void *out, *dbias, *y; /* y: backward's optional second output, gelu(x + b) */
     int64_t rows, cols, chunks, row_block;
     int approximate, isa;
     fk_dtype dtype;
@@ -129,7 +129,8 @@ static gelu_tile tile_of(const gelu_job *j, int64_t t) {
         }                                                                                           \
     }                                                                                               \
                                                                                                     \
-    /* dx = dy * gelu'(x + b); with dbias, column sums in fp32 over FK_TILE_ROWS rows, then fp64 */ \
+    /* dx = dy * gelu'(x + b) (and y = gelu(x + b), the forward's vectors and code, when j->y); */ \
+    /* with dbias, column sums in fp32 over FK_TILE_ROWS rows, then fp64 */                        \
     static attrs void gelu_bwd_tile_##isa(const gelu_job *j, gelu_tile tile, const float *b,       \
                                           double *sum) {                                            \
         const fk_dtype dt = j->dtype;                                                               \
@@ -144,6 +145,7 @@ static gelu_tile tile_of(const gelu_job *j, int64_t t) {
                 int64_t at = r * j->cols + tile.c0;                                                 \
                 for (int64_t i = 0; i < full; i += lanes) {                                         \
                     vf_##isa v = vload_##isa(dt, j->x, at + i) + *(const vf_##isa *)(b + i);  \
+                    if (j->y) vstore_##isa(dt, gelu_##isa(v, ap), j->y, at + i);                    \
                     vf_##isa d = vload_##isa(dt, j->dy, at + i) * gelu_grad_##isa(v, ap); \
                     vstore_##isa(dt, d, j->out, at + i);                                      \
                     if (sum) *(vf_##isa *)(acc + i) += d;                                           \
@@ -151,7 +153,9 @@ static gelu_tile tile_of(const gelu_job *j, int64_t t) {
                 if (rest) {                                                                         \
                     vf_##isa v = vload_part_##isa(dt, j->x, at + full, rest, 0.0f);           \
                     vf_##isa g = vload_part_##isa(dt, j->dy, at + full, rest, 0.0f);          \
-                    vf_##isa d = g * gelu_grad_##isa(v + *(const vf_##isa *)(b + full), ap); \
+                    v = v + *(const vf_##isa *)(b + full);                                          \
+                    if (j->y) vstore_part_##isa(dt, gelu_##isa(v, ap), j->y, at + full, rest);      \
+                    vf_##isa d = g * gelu_grad_##isa(v, ap);                                        \
                     vstore_part_##isa(dt, d, j->out, at + full, rest);                        \
                     if (sum) *(vf_##isa *)(acc + full) += d;                                        \
                 }                                                                                   \
@@ -227,8 +231,11 @@ static void backward_tile(const gelu_job *j, gelu_tile tile) {
             const double *xr = (const double *)j->x + r * cols + c0;
             const double *gr = (const double *)j->dy + r * cols + c0;
             double *dr = (double *)j->out + r * cols + c0;
+            double *yr = j->y ? (double *)j->y + r * cols + c0 : NULL;
             for (int64_t i = 0; i < len; i++) {
-                dr[i] = gr[i] * gelu_grad_f64(xr[i] + (b ? b[i] : 0.0), j->approximate);
+                double v = xr[i] + (b ? b[i] : 0.0);
+                if (yr) yr[i] = gelu_f64(v, j->approximate);
+                dr[i] = gr[i] * gelu_grad_f64(v, j->approximate);
                 sum[i] += dr[i];
             }
         }
@@ -272,16 +279,17 @@ fk_status fk_cpu_gelu_fwd(const void *x, const void *bias, void *y, int64_t rows
                           int approximate, fk_dtype dtype, int threads) {
     fk_status status = check_args("gelu", rows, cols, dtype);
     if (status != FK_OK) return status;
-    gelu_job j = {NULL, x, bias, y, NULL, rows, cols, 0, FK_TILE_ROWS, approximate, fk_cpu_isa(), dtype};
+    gelu_job j = {NULL, x, bias, y, NULL, NULL, rows, cols, 0, FK_TILE_ROWS, approximate, fk_cpu_isa(), dtype};
     split_tiles(&j, threads);
     return FK_OK;
 }
 
 fk_status fk_cpu_gelu_bwd(const void *dy, const void *x, const void *bias, void *dx, void *dbias,
-                          int64_t rows, int64_t cols, int approximate, fk_dtype dtype, int threads) {
+                          void *y, int64_t rows, int64_t cols, int approximate, fk_dtype dtype,
+                          int threads) {
     fk_status status = check_args("gelu_backward", rows, cols, dtype);
     if (status != FK_OK) return status;
-    gelu_job j = {dy, x, bias, dx, dbias, rows, cols, 0, dbias ? rows : FK_TILE_ROWS, approximate,
+    gelu_job j = {dy, x, bias, dx, dbias, y, rows, cols, 0, dbias ? rows : FK_TILE_ROWS, approximate,
                   fk_cpu_isa(), dtype};
     split_tiles(&j, threads);
     return FK_OK;

@@ -22,6 +22,13 @@
 //    the block's row lanes into one fp32 row of partials per row group (P x cols in the workspace,
 //    P ~ 2 waves of resident blocks / column tiles); a second small kernel sums the P partials in a fixed
 //    order: deterministic, and P x cols x 8 bytes, ~1% of the traffic at (16384, 4096).
+// Backward's optional second output y = gelu(x + bias) (FusedMLP's backward: dW2 needs gelu(h), dh
+// needs gelu'(h)) rides in the same pass: 4 x bytes(x) (512 MB at 2^26 bf16, 120 us) against 3 + 2
+// for a backward and a separate forward (640 MB, 150 us), and one launch fewer. gelu(v) is the
+// forward's expression on the same fp32 v (bit for bit the forward's result) and shares gelu'(v)'s
+// exp and reciprocal (tanh, merged by the compiler) or erff (erf, fk::gelu_grad_value): ~2-3
+// instructions more an element. A null y only skips its store (a uniform branch; the compiler
+// unswitches the row loop on it): no extra kernel instances (D-131, not yet measured on a GPU).
 #include <type_traits>
 
 #include "common.cuh"
@@ -30,7 +37,7 @@
 namespace {
 
 using fk::gelu;
-using fk::gelu_grad;
+using fk::gelu_grad_value;
 
 // N consecutive elements kept in their storage type (half the registers of fp32 for 16-bit
 // types): one 16-byte access when N fills a pack, else N scalar ones.
@@ -68,18 +75,24 @@ template <bool kRows, bool kBackward> constexpr int kUnroll = kRows && !kBackwar
 template <bool kBackward> constexpr int kFlatThreads = kBackward ? 256 : 128;
 
 // x <- gelu(x + bias) (forward) or dy * gelu'(x + bias) (backward), in place; returns the fp32
-// results through `sum` (added) for the bias gradient.
+// results through `sum` (added) for the bias gradient. Backward with y (not null) also stores
+// gelu(x + bias) at y + at: the forward's expression, sharing gelu'(v)'s exp / rcp / erff.
 template <int kApprox, bool kBackward, typename T, int N>
 __device__ __forceinline__ void apply(Frag<T, N> &x, const Frag<T, N> &dy, const float (&bias)[N],
-                                      float (&sum)[N]) {
+                                      float (&sum)[N], T *__restrict__ y, int64_t at) {
     constexpr bool kFast = sizeof(T) == 2;
+    Frag<T, N> act;
 #pragma unroll
     for (int i = 0; i < N; i++) {
-        float v = fk::to_f32(x.v[i]) + bias[i];
-        v = kBackward ? fk::to_f32(dy.v[i]) * gelu_grad<kApprox, kFast>(v) : gelu<kApprox, kFast>(v);
-        sum[i] += v;
-        x.v[i] = fk::from_f32<T>(v);
+        const float v = fk::to_f32(x.v[i]) + bias[i];
+        float a, out;
+        if constexpr (kBackward) out = fk::to_f32(dy.v[i]) * gelu_grad_value<kApprox, kFast>(v, a);
+        else out = a = gelu<kApprox, kFast>(v);
+        act.v[i] = fk::from_f32<T>(a);
+        sum[i] += out;
+        x.v[i] = fk::from_f32<T>(out);
     }
+    if (kBackward && y != nullptr) act.store(y + at);
 }
 
 template <typename T, int N> __device__ __forceinline__ void load_f32(const T *p, float (&out)[N]) {
@@ -89,14 +102,15 @@ template <typename T, int N> __device__ __forceinline__ void load_f32(const T *p
     for (int i = 0; i < N; i++) out[i] = fk::to_f32(f.v[i]);
 }
 
-// Forward (kBackward false): out = gelu(x + bias). Backward: out = dy * gelu'(x + bias).
+// Forward (kBackward false): out = gelu(x + bias). Backward: out = dy * gelu'(x + bias), and
+// y = gelu(x + bias) where y is not null.
 // Block b owns fragments [b * kThreads * kU, (b + 1) * kThreads * kU): blocks running together
 // touch neighbouring memory. The last count % N elements (when N > 1) go one per thread to the
 // first threads of the grid.
 template <typename T, int N, int kApprox, bool kBackward>
 __global__ void __launch_bounds__(kFlatThreads<kBackward>)
 gelu_flat(const T *__restrict__ dy, const T *__restrict__ x, const T *__restrict__ bias,
-          T *__restrict__ out, float *__restrict__, int64_t rows, int64_t cols) {
+          T *__restrict__ out, T *__restrict__ y, float *__restrict__, int64_t rows, int64_t cols) {
     fk::grid_dependency_sync();
     constexpr int kU = kUnroll<false, kBackward>, kThreads = kFlatThreads<kBackward>;
     const int64_t count = rows * cols, frags = count / N;
@@ -117,7 +131,7 @@ gelu_flat(const T *__restrict__ dy, const T *__restrict__ x, const T *__restrict
         if (f >= frags) continue;
         float b[N] = {};
         if (bias) load_f32<T, N>(bias + (f * N) % cols, b);  // N divides cols with packs
-        apply<kApprox, kBackward>(xs[u], gs[u], b, unused);
+        apply<kApprox, kBackward>(xs[u], gs[u], b, unused, y, f * N);
         xs[u].store(out + f * N);
     }
     const int64_t tail = frags * N + (int64_t)blockIdx.x * kThreads + threadIdx.x;
@@ -126,7 +140,7 @@ gelu_flat(const T *__restrict__ dy, const T *__restrict__ x, const T *__restrict
         v.load(x + tail);
         if (kBackward) g.load(dy + tail);
         float b[1] = {bias ? fk::to_f32(bias[tail % cols]) : 0.0f}, sum[1];
-        apply<kApprox, kBackward>(v, g, b, sum);
+        apply<kApprox, kBackward>(v, g, b, sum, y, tail);
         v.store(out + tail);
     }
 }
@@ -138,7 +152,8 @@ gelu_flat(const T *__restrict__ dy, const T *__restrict__ x, const T *__restrict
 template <typename T, int N, int kApprox, bool kBackward, bool kBiasGrad>
 __global__ void __launch_bounds__(kRowThreads)
 gelu_rows(const T *__restrict__ dy, const T *__restrict__ x, const T *__restrict__ bias,
-          T *__restrict__ out, float *__restrict__ partial, int64_t rows, int64_t cols) {
+          T *__restrict__ out, T *__restrict__ y, float *__restrict__ partial, int64_t rows,
+          int64_t cols) {
     fk::grid_dependency_sync();
     constexpr int kU = kUnroll<true, kBackward>;
     const int64_t col = ((int64_t)blockIdx.x * kLanesX + threadIdx.x) * N;
@@ -161,7 +176,7 @@ gelu_rows(const T *__restrict__ dy, const T *__restrict__ x, const T *__restrict
             for (int u = 0; u < kU; u++) {
                 const int64_t r = base + u * kLanesY;
                 if (r >= rows) continue;
-                apply<kApprox, kBackward>(xs[u], gs[u], b, acc);
+                apply<kApprox, kBackward>(xs[u], gs[u], b, acc, y, r * cols + col);
                 xs[u].store(out + r * cols + col);
             }
         }
@@ -220,7 +235,7 @@ struct Plan {
 };
 
 // Calls f(std::integral_constant holding the kernel the plan names); all kernels share one
-// signature (dy, x, bias, out, partial, rows, cols).
+// signature (dy, x, bias, out, y, partial, rows, cols).
 #define FK_KERNEL(...) std::integral_constant<decltype(&__VA_ARGS__), &__VA_ARGS__>()
 template <typename T, int N, int kApprox, typename F> auto with_kernel_n(const Plan &p, F &&f) {
     if (!p.rows) {
@@ -240,11 +255,11 @@ template <typename T, typename F> auto with_kernel(const Plan &p, F &&f) {
 }
 
 template <typename T>
-Plan make_plan(const void *a, const void *b, const void *c, const void *bias, bool bias_grad,
-               int64_t rows, int64_t cols, int approximate, bool backward, int device) {
+Plan make_plan(const void *a, const void *b, const void *c, const void *d, const void *bias,
+               bool bias_grad, int64_t rows, int64_t cols, int approximate, bool backward, int device) {
     constexpr int n = fk::Pack<T>::N;
     Plan p{};
-    p.packs = fk::aligned16(a) && fk::aligned16(b) && fk::aligned16(c) &&
+    p.packs = fk::aligned16(a) && fk::aligned16(b) && fk::aligned16(c) && fk::aligned16(d) &&
               (bias == nullptr || (fk::aligned16(bias) && cols % n == 0));
     const int N = p.packs ? n : 1;
     // a bias rides on row tiles when a warp's worth of fragments fills a row, or when its gradient
@@ -273,18 +288,19 @@ Plan make_plan(const void *a, const void *b, const void *c, const void *bias, bo
 }
 
 template <typename T>
-fk_status run(const T *dy, const T *x, const T *bias, T *out, T *dbias, float *partial, int64_t rows,
-              int64_t cols, int approximate, bool backward, int device, cudaStream_t stream,
-              const char *op) {
+fk_status run(const T *dy, const T *x, const T *bias, T *out, T *y, T *dbias, float *partial,
+              int64_t rows, int64_t cols, int approximate, bool backward, int device,
+              cudaStream_t stream, const char *op) {
     if (rows * cols == 0) return FK_OK;
     if (ceil_div(rows * cols, (int64_t)kFlatThreads<false>) > 0x7fffffffLL)
         return fk_fail(FK_ERR_VALUE, "%s: %lld elements exceed the grid limit", op, (long long)(rows * cols));
-    const Plan p = make_plan<T>(x, backward ? (const void *)dy : (const void *)x, out, bias,
+    const Plan p = make_plan<T>(x, backward ? (const void *)dy : (const void *)x, out, y, bias,
                                 dbias != nullptr, rows, cols, approximate, backward, device);
     const fk_status status = with_kernel<T>(p, [&](auto kernel) {
         const dim3 grid = p.rows ? dim3((unsigned)p.tiles, (unsigned)p.groups) : dim3((unsigned)p.groups);
         const dim3 block = p.rows ? dim3(kLanesX, kLanesY) : dim3(p.threads);
-        return fk::Launch(grid, block, 0, stream, device)(op, decltype(kernel)::value, dy, x, bias, out, partial, rows, cols);
+        return fk::Launch(grid, block, 0, stream, device)(op, decltype(kernel)::value, dy, x, bias,
+                                                          out, y, partial, rows, cols);
     });
     if (status != FK_OK || !dbias) return status;
     return fk::Launch(dim3((unsigned)ceil_div(cols, 256)), dim3(256), 0, stream, device)(
@@ -298,31 +314,34 @@ extern "C" fk_status fk_cuda_gelu_fwd(const void *x, const void *bias, void *y, 
                                       void *stream) {
     FK_CUDA_ENTER("gelu", device);
     FK_DISPATCH_CUDA_DTYPE(dtype, "gelu",
-        return run<T>(nullptr, (const T *)x, (const T *)bias, (T *)y, nullptr, nullptr, rows, cols,
-                      approximate, false, device, (cudaStream_t)stream, "gelu"));
+        return run<T>(nullptr, (const T *)x, (const T *)bias, (T *)y, nullptr, nullptr, nullptr,
+                      rows, cols, approximate, false, device, (cudaStream_t)stream, "gelu"));
 }
 
 extern "C" int64_t fk_cuda_gelu_bwd_workspace(const void *dy, const void *x, const void *bias,
-                                              const void *dx, int64_t rows, int64_t cols,
-                                              int approximate, fk_dtype dtype, int device) {
+                                              const void *dx, const void *y, int64_t rows,
+                                              int64_t cols, int approximate, fk_dtype dtype,
+                                              int device) {
     fk::DeviceGuard guard(device);
     int64_t groups = 0;
     switch (dtype) {
-    case FK_FLOAT32: groups = make_plan<float>(x, dy, dx, bias, true, rows, cols, approximate, true, device).groups; break;
-    case FK_FLOAT16: groups = make_plan<__half>(x, dy, dx, bias, true, rows, cols, approximate, true, device).groups; break;
-    case FK_BFLOAT16: groups = make_plan<__nv_bfloat16>(x, dy, dx, bias, true, rows, cols, approximate, true, device).groups; break;
+    case FK_FLOAT32: groups = make_plan<float>(x, dy, dx, y, bias, true, rows, cols, approximate, true, device).groups; break;
+    case FK_FLOAT16: groups = make_plan<__half>(x, dy, dx, y, bias, true, rows, cols, approximate, true, device).groups; break;
+    case FK_BFLOAT16: groups = make_plan<__nv_bfloat16>(x, dy, dx, y, bias, true, rows, cols, approximate, true, device).groups; break;
     default: break;
     }
     return groups * cols;
 }
 
 extern "C" fk_status fk_cuda_gelu_bwd(const void *dy, const void *x, const void *bias, void *dx,
-                                      void *dbias, float *workspace, int64_t rows, int64_t cols,
-                                      int approximate, fk_dtype dtype, int device, void *stream) {
+                                      void *dbias, void *y, float *workspace, int64_t rows,
+                                      int64_t cols, int approximate, fk_dtype dtype, int device,
+                                      void *stream) {
     FK_CUDA_ENTER("gelu_backward", device);
     if (dbias != nullptr && (bias == nullptr || workspace == nullptr))
         return fk_fail(FK_ERR_VALUE, "gelu_backward: a bias gradient needs bias and a workspace");
     FK_DISPATCH_CUDA_DTYPE(dtype, "gelu_backward",
-        return run<T>((const T *)dy, (const T *)x, (const T *)bias, (T *)dx, (T *)dbias, workspace,
-                      rows, cols, approximate, true, device, (cudaStream_t)stream, "gelu_backward"));
+        return run<T>((const T *)dy, (const T *)x, (const T *)bias, (T *)dx, (T *)y, (T *)dbias,
+                      workspace, rows, cols, approximate, true, device, (cudaStream_t)stream,
+                      "gelu_backward"));
 }

@@ -63,4 +63,17 @@ template <int kApprox, bool kFast> __device__ __forceinline__ float gelu_grad(fl
     return 0.5f * (1.0f + erff(v * kSqrt1_2)) + v * kInvSqrt2Pi * exp_any<kFast>(-0.5f * v * v);
 }
 
+// gelu'(v), with gelu(v) into `value`: gelu_grad's and gelu's own expressions (so bit for bit their
+// results), the erf form's erff computed once (the compiler merges the tanh form's exp and rcp by
+// itself, not erff's branches: 3 ex2 an element against 2). The GELU backward's second output.
+template <int kApprox, bool kFast> __device__ __forceinline__ float gelu_grad_value(float v, float &value) {
+    if (kApprox) {
+        value = gelu<kApprox, kFast>(v);
+        return gelu_grad<kApprox, kFast>(v);
+    }
+    const float cdf2 = 1.0f + erff(v * kSqrt1_2);
+    value = 0.5f * v * cdf2;
+    return 0.5f * cdf2 + v * kInvSqrt2Pi * exp_any<kFast>(-0.5f * v * v);
+}
+
 }  // namespace fk

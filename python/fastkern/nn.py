@@ -5,7 +5,7 @@ import torch.nn.functional as F
 
 from . import _backend as B
 from .ops.cross_entropy import cross_entropy
-from .ops.gelu import _gelu_backward, _gelu_backward_op, gelu
+from .ops.gelu import _gelu_backward, _gelu_backward_and_gelu, _gelu_backward_op, gelu
 from .ops.matmul import _mm, linear, matmul
 from .ops.softmax import log_softmax, softmax
 
@@ -108,9 +108,10 @@ _MLP_ACTIVATIONS = {"none": "gelu", "tanh": "gelu_tanh"}
 
 class _FusedMLPFunction(torch.autograd.Function):
     """y = gelu(x W1^T + b1) W2^T + b2 saving x and h = x W1^T + b1 only (not gelu(h)): the first
-    matmul writes gelu(h) and h in one kernel, and the backward recomputes gelu(h) for
-    dW2 = dY^T gelu(h) (into a temporary for now; a fused recompute-in-the-GEMM epilogue would
-    avoid that buffer) and forms d_h = (dY W2) * gelu'(h) with the GELU backward kernel."""
+    matmul writes gelu(h) and h in one kernel. The backward forms dg = dY W2, then one GELU
+    backward pass over h writes d_h = dg * gelu'(h) (and db1) and recomputes gelu(h) (a temporary)
+    for dW2 = dY^T gelu(h) (D-131: one read of h, not two). When only W2's or only h's gradients
+    are wanted, or under torch.compile / functorch, it runs the two separately as before."""
 
     @staticmethod
     def forward(ctx, x, w1, b1, w2, b2, approximate):
@@ -126,21 +127,29 @@ class _FusedMLPFunction(torch.autograd.Function):
         x, w1, w2, h = ctx.saved_tensors
         need_x, need_w1, need_b1, need_w2, need_b2 = ctx.needs_input_grad[:5]
         x2, dy2 = x.reshape(-1, x.shape[-1]), dy.reshape(-1, dy.shape[-1])
-        dx = dw1 = db1 = dw2 = db2 = None
+        dx = dw1 = db1 = dw2 = db2 = act = dh = None
+        need_h = need_x or need_w1 or need_b1
+        need_b1 = need_b1 and ctx.has_b1
+        if need_h:
+            dg = _mm(dy2, w2)[0]
+            zero = h.new_zeros(h.shape[-1]) if need_b1 else None  # makes the kernel sum db1
+            if need_w2 and B.plain_eager(dg, h):  # d_h, db1 and gelu(h) in one pass over h
+                dh, db1, act = _gelu_backward_and_gelu(dg, h, zero, ctx.approximate, need_b1)
+            else:
+                backward = _gelu_backward if B.plain_eager(dg, h) else _gelu_backward_op
+                dh, db1 = backward(dg, h, zero, ctx.approximate, need_b1)
+            del dg
         if need_w2:
-            dw2 = _mm(dy2.t(), gelu(h, ctx.approximate))[0]  # recomputed gelu(h): a temporary
+            if act is None:
+                act = gelu(h, ctx.approximate)  # recomputed gelu(h): a temporary
+            dw2 = _mm(dy2.t(), act)[0]
+            del act
         if need_b2 and ctx.has_b2:
             db2 = dy2.sum(0)
-        if need_x or need_w1 or need_b1:
-            dg = _mm(dy2, w2)[0]
-            need_b1 = need_b1 and ctx.has_b1
-            zero = h.new_zeros(h.shape[-1]) if need_b1 else None  # makes the kernel sum db1
-            backward = _gelu_backward if B.plain_eager(dg, h) else _gelu_backward_op
-            dh, db1 = backward(dg, h, zero, ctx.approximate, need_b1)
-            if need_w1:
-                dw1 = _mm(dh.t(), x2)[0]
-            if need_x:
-                dx = _mm(dh, w1)[0].view(x.shape)
+        if need_w1:
+            dw1 = _mm(dh.t(), x2)[0]
+        if need_x:
+            dx = _mm(dh, w1)[0].view(x.shape)
         return dx, dw1, (db1 if need_b1 else None), dw2, db2, None
 
 

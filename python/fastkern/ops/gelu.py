@@ -58,6 +58,17 @@ def _gelu_fake(x, bias, approximate):
 
 
 def _gelu_backward(grad, x, bias, approximate, bias_grad):
+    return _run_backward(grad, x, bias, approximate, bias_grad, False)[:2]
+
+
+def _gelu_backward_and_gelu(grad, x, bias, approximate, bias_grad):
+    """(dx, dbias, gelu(x + bias)): the backward with the forward's values (bit for bit) written in
+    the same pass over x (FusedMLP's backward needs both for dh and dW2, D-131). Eager only: no
+    registered op, so torch.compile / functorch callers keep _gelu_backward_op and gelu."""
+    return _run_backward(grad, x, bias, approximate, bias_grad, True)
+
+
+def _run_backward(grad, x, bias, approximate, bias_grad, want_y):
     rows, cols, code, approx = _check(x, bias, approximate, "gelu_backward")
     B.check_tensor(grad, "gelu_backward", "grad")
     B.check_same(grad, x, "gelu_backward", "grad", "x")
@@ -67,21 +78,22 @@ def _gelu_backward(grad, x, bias, approximate, bias_grad):
     grad, x = B.dense(grad), B.dense(x)
     bias = None if bias is None else B.dense(bias)
     dx = torch.empty_like(x)
+    y = torch.empty_like(x) if want_y else None
     want_dbias = bias_grad and bias is not None
     dbias = torch.empty_like(bias) if want_dbias else x.new_empty(0)
     if want_dbias and x.numel() == 0:
-        return dx, dbias.zero_()
+        return dx, dbias.zero_(), y
     if x.numel():
         device, stream = B.launch_args(x)
         workspace = None
         if want_dbias and device >= 0:
             size = _C.gelu_bwd_workspace(grad.data_ptr(), x.data_ptr(), bias.data_ptr(),
-                                         dx.data_ptr(), rows, cols, approx, code, device)
+                                         dx.data_ptr(), B.ptr(y), rows, cols, approx, code, device)
             workspace = torch.empty(size, dtype=torch.float32, device=x.device)
         _C.gelu_bwd(grad.data_ptr(), x.data_ptr(), B.ptr(bias), dx.data_ptr(),
-                    dbias.data_ptr() if want_dbias else 0, B.ptr(workspace), rows, cols, approx, code,
-                    device, stream)
-    return dx, dbias
+                    dbias.data_ptr() if want_dbias else 0, B.ptr(y), B.ptr(workspace), rows, cols,
+                    approx, code, device, stream)
+    return dx, dbias, y
 
 
 def _gelu_backward_fake(grad, x, bias, approximate, bias_grad):
