@@ -4,6 +4,8 @@
  * ~35 vector ops per 16 lanes (one exp, one divide, a degree-7 polynomial for erfc) a Zen 4 core
  * does ~1.5 cycles an element, so 2^22 fp32 elements take ~2.5 ms on one core and the DRAM traffic
  * (32 MiB) is not the limit: op count is.
+ * The backward optionally also writes y = gelu(x + b) (FusedMLP's backward, D-131): the forward's
+ * vector bodies on the same vectors, so bit for bit the forward's values.
  * fp32 / fp16 / bf16: fp32 vector bodies (vec.h, AVX-512 / AVX2 / portable picked at run time),
  * fp16 / bf16 converted in registers. fp64: scalar libm, so gradcheck can run.
  * Rows are walked in column chunks of FK_CHUNK so the bias chunk is loaded once per tile and its
