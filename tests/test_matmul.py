@@ -575,10 +575,13 @@ def test_fused_mlp_matches_sequential(device, approximate, bias):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("wanted", ["w2_only", "fc1_only", "x_only", "all"])
-def test_fused_mlp_partial_gradients(device, wanted):
+@pytest.mark.parametrize("wanted", ["w2_only", "fc1_only", "x_only", "all", "all_separate"])
+def test_fused_mlp_partial_gradients(device, wanted, monkeypatch):
     """The backward's three routes (D-131): W2's gradient alone (a separate gelu(h) recompute), h's
     alone (the plain GELU backward), and both (one pass writing d_h and gelu(h))."""
+    if wanted == "all_separate":  # the A/B knob: the two passes of before D-131
+        monkeypatch.setenv("FASTKERN_MLP_SEPARATE_GELU", "1")
+        wanted = "all"
     torch.manual_seed(5)
     seq = torch.nn.Sequential(torch.nn.Linear(40, 96, device=device), torch.nn.GELU("tanh"),
                               torch.nn.Linear(96, 24, device=device))
@@ -587,15 +590,18 @@ def test_fused_mlp_partial_gradients(device, wanted):
     x = torch.randn(3, 17, 40, device=device)
     grad = torch.randn(3, 17, 24, device=device)
     for model in (seq, mlp):
-        fc1, fc2 = model[0] if model is seq else model._modules["0"], model[2] if model is seq else model._modules["2"]
-        fc1.requires_grad_(wanted in ("fc1_only", "all"))
-        fc2.requires_grad_(wanted in ("w2_only", "all"))
+        model._modules["0"].requires_grad_(wanted in ("fc1_only", "all"))
+        model._modules["2"].requires_grad_(wanted in ("w2_only", "all"))
+    calls = []
+    fused = fastkern.nn._gelu_backward_and_gelu
+    monkeypatch.setattr(fastkern.nn, "_gelu_backward_and_gelu", lambda *a: calls.append(1) or fused(*a))
     x.requires_grad_(wanted in ("x_only", "all"))
     inputs = ([x] if x.requires_grad else []) + [p for p in mlp.parameters() if p.requires_grad]
     inputs_ref = ([x] if x.requires_grad else []) + [p for p in seq.parameters() if p.requires_grad]
     g = torch.autograd.grad(mlp(x), inputs, grad)
     g_ref = torch.autograd.grad(seq(x), inputs_ref, grad)
     assert len(g) == len(g_ref) > 0
+    assert len(calls) == (wanted == "all" and os.environ.get("FASTKERN_MLP_SEPARATE_GELU") != "1")
     for a, b in zip(g, g_ref):
         assert torch.allclose(a, b, atol=1e-3, rtol=1e-3)
 

@@ -1,5 +1,7 @@
 """Drop-in modules for the torch.nn ones fastkern replaces, and a helper that swaps them in.
 fastkern.patch (patch.py) swaps these and the transformers equivalents into a whole model."""
+import os
+
 import torch
 import torch.nn.functional as F
 
@@ -133,7 +135,10 @@ class _FusedMLPFunction(torch.autograd.Function):
         if need_h:
             dg = _mm(dy2, w2)[0]
             zero = h.new_zeros(h.shape[-1]) if need_b1 else None  # makes the kernel sum db1
-            if need_w2 and B.plain_eager(dg, h):  # d_h, db1 and gelu(h) in one pass over h
+            # d_h, db1 and gelu(h) in one pass over h; FASTKERN_MLP_SEPARATE_GELU=1 runs the two
+            # passes, for a same-process A/B of D-131 (benchmarks/ab.py NAME=SO:VAR=1)
+            if (need_w2 and B.plain_eager(dg, h)
+                    and os.environ.get("FASTKERN_MLP_SEPARATE_GELU") != "1"):
                 dh, db1, act = _gelu_backward_and_gelu(dg, h, zero, ctx.approximate, need_b1)
             else:
                 backward = _gelu_backward if B.plain_eager(dg, h) else _gelu_backward_op
