@@ -466,6 +466,18 @@ def test_cuda_tf32_n_major_b(shapes, activation, tf32, poison):
 
 
 @needs_cuda
+@pytest.mark.parametrize("activation", ["gelu", None], ids=str)
+def test_cuda_tf32_n_major_b_view_with_unaligned_c(activation, tf32, poison):
+    """A row-major b viewed out of 16-byte-aligned rows (n = 130 of 132) is read in place, while C's
+    rows of 130 fp32 are not 16-byte aligned: the swapped epilogue's element stores (and the
+    pre-activation's, with GELU)."""
+    a, b = make((257, 96), torch.float32, "cuda"), make((96, 132), torch.float32, "cuda")[:, :130]
+    bias = make((130,), torch.float32, "cuda")
+    assert mm_ops._plan(a, b, bias, activation) == _tf32_strategy()
+    check(a, b, bias, activation, grads=True, tf32=True)
+
+
+@needs_cuda
 @pytest.mark.parametrize("shapes", [((384, 256), (256, 320)), ((257, 203), (203, 132))],
                          ids=lambda s: "x".join(map(str, s[0] + s[1][-1:])))
 def test_cuda_tf32_n_major_b_matches_the_copied_path(shapes, tf32, monkeypatch):
