@@ -606,3 +606,41 @@ def test_cpu_isa_paths_match_float64(isa, dtype, log, monkeypatch, poison):
     y = fk_fn(log)(x.to(dtype), -1).float()
     ref = torch_fn(log)(x, -1)
     assert torch.equal(y.isnan(), ref.isnan())
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_known_signature_keeps_every_route(device):
+    """Once a signature's plan is cached, _call's short path (D-130) must still hand a dispatch mode
+    the op, record autograd when x requires grad (and not under no_grad), and take non-dense views
+    of the same shape through the general path."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Record(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    x = torch.randn(5, 33, device=device)
+    fastkern.softmax(x, -1)  # caches the plan
+    with Record() as mode:
+        y = fastkern.softmax(x, -1)
+    assert any("fastkern.softmax" in op for op in mode.ops), mode.ops
+    torch.testing.assert_close(y, torch.softmax(x, -1))
+
+    xg = x.clone().requires_grad_()
+    g = torch.randn_like(x)
+    y = fastkern.softmax(xg, -1)
+    assert y.grad_fn is not None
+    (dx,) = torch.autograd.grad(y, xg, g)
+    xr = x.clone().requires_grad_()
+    (dr,) = torch.autograd.grad(torch.softmax(xr, -1), xr, g)
+    torch.testing.assert_close(dx, dr)
+    with torch.no_grad():
+        assert fastkern.softmax(xg, -1).grad_fn is None
+
+    view = torch.randn(33, 5, device=device).t()  # (5, 33), not dense row-major
+    torch.testing.assert_close(fastkern.softmax(view, -1), torch.softmax(view, -1))

@@ -169,43 +169,36 @@ _dispatch_modes, _functorch_level, _is_dynamo_compiling = (
     B._dispatch_modes, B._functorch_level, torch.compiler.is_dynamo_compiling)
 
 
-def _key(x, dim, causal, log):
-    """_PLANS's key for a plain tensor: the device as True on the CPU (a device object costs ~0.2 us
-    to build and hash; True equals no device), None for a subclass."""
-    return (x.shape, x.dtype, x.is_cpu or x.device, dim, causal, log) if type(x) is _Tensor else None
-
-
 def _call(x, dim, scale, causal, log):
-    # The common eager call first, in as few Python steps as possible (host time is what a tiny call
-    # costs; D-130): a plain dense tensor, a signature _check accepted before, no dispatch mode or
-    # functorch transform, where route() would say DIRECT (or GRAD when autograd records).
-    # is_dynamo_compiling comes first: dynamo folds it to True and traces none of the rest (eager: a
-    # plain False; export and make_fx run on fake tensors or under a dispatch mode, which the checks
-    # send to the general path and route()). Everything else takes the general path below.
-    if not _is_dynamo_compiling() and type(dim) is int and type(scale) is float and type(causal) is bool:
-        key = (x.shape, x.dtype, x.is_cpu or x.device, dim, causal, log) if type(x) is _Tensor else None  # _key
-        plan = _PLANS.get(key)
-        if plan is not None and x.is_contiguous() and not _dispatch_modes() and _functorch_level() is None:
-            if x.requires_grad and _grad_enabled():
-                return _softmax_apply(x, (dim, scale, causal, log), plan)
-            outer, n, inner, causal_sq, code, device = plan
-            y = _empty_like(x)
-            if outer and n and inner:
-                _C.softmax_fwd(x.data_ptr(), y.data_ptr(), 0, outer, n, inner, scale, causal_sq, log, code, device,
-                               _num_threads() if device < 0 else B.stream(device))
-            return y
-    else:
-        # the exact types first: an isinstance check against the numbers ABCs costs ~0.4 us a call
+    if type(dim) is not int or type(scale) is not float or type(causal) is not bool:
+        # the exact types pass straight through: an isinstance check against the numbers ABCs costs
+        # ~0.4 us a call
         if type(dim) is not int and (not isinstance(dim, numbers.Integral) or isinstance(dim, bool)):
             raise TypeError(f"fastkern.{_name(log)}: dim must be an int, got {type(dim).__name__}")
         if type(scale) is not float and (not isinstance(scale, numbers.Real) or isinstance(scale, bool)):
             raise TypeError(f"fastkern.{_name(log)}: scale must be a float, got {type(scale).__name__}")
         causal = bool(causal)
-        key = _key(x, dim, causal, log)
-        plan = _PLANS.get(key)
     # bad input is refused by _check, by name, on every path; a plan it gave is kept per signature
     # (a tiny CPU call spent 1.2 of its 4.7 us there); _check refuses devices other than cpu and
-    # cuda, so no plan is kept for one
+    # cuda, so no plan is kept for one. The device is True on the CPU: a device object costs ~0.2 us
+    # to build and hash, and True equals no device.
+    key = (x.shape, x.dtype, x.is_cpu or x.device, dim, causal, log) if type(x) is _Tensor else None
+    plan = _PLANS.get(key)
+    # The common eager call in as few Python steps as possible (host time is what a tiny call costs;
+    # D-130): a known signature, a dense tensor, no dispatch mode or functorch transform, where
+    # route() would say DIRECT (or GRAD when autograd records). is_dynamo_compiling: dynamo folds it
+    # to True (eager: a plain False; export and make_fx run on fake tensors or under a dispatch mode,
+    # which these checks send to route()).
+    if (plan is not None and not _is_dynamo_compiling() and x.is_contiguous() and not _dispatch_modes()
+            and _functorch_level() is None):
+        if x.requires_grad and _grad_enabled():
+            return _softmax_apply(x, (dim, scale, causal, log), plan)
+        outer, n, inner, causal_sq, code, device = plan
+        y = _empty_like(x)
+        if outer and n and inner:
+            _C.softmax_fwd(x.data_ptr(), y.data_ptr(), 0, outer, n, inner, scale, causal_sq, log, code, device,
+                           _num_threads() if device < 0 else B.stream(device))
+        return y
     if plan is None:
         plan = _check(x, dim, scale, causal, log)
         if key is not None and len(_PLANS) < 4096:
