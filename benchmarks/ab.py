@@ -71,8 +71,8 @@ class Build:
 def matmul_cases(device, quick=False):
     """bench_matmul's bf16 shapes, linear + bias + GELU at two short-K training shapes and with the
     pre-activation written (FusedMLP's first linear), FusedMLP forward + backward against the eager
-    nn.Sequential, the LM head's linear (C rows not 16-byte aligned) and fp32 4096^3 under TF32 and
-    exact; the peer is cuBLAS (torch.matmul, F.linear, F.linear then F.gelu)."""
+    nn.Sequential, the LM head's linear (C rows not 16-byte aligned) and fp32 4096^3 under TF32 (x @ w
+    and linear) and exact; the peer is cuBLAS (torch.matmul, F.linear, F.linear then F.gelu)."""
     from fastkern import bench_matmul
     bf16 = dict(device=device, dtype=torch.bfloat16)
     for m, n, k in ([(s, s, s) for s in bench_matmul.SQUARE] + list(bench_matmul.TRAINING) + [(1793,) * 3]):
@@ -124,6 +124,10 @@ def matmul_cases(device, quick=False):
         make = lambda: (torch.randn(4096, 4096, device=device), torch.randn(4096, 4096, device=device))
         yield (f"fp32 {'tf32' if tf32 else 'exact'} (4096,4096,4096)", 2 * 4 * 4096 ** 2, make,
                {"fastkern": flagged(fastkern.matmul), "compile": flagged(torch.matmul)}, {"flops": 2 * 4096 ** 3})
+        if tf32:  # F.linear's weight is K-major as it is (x @ w's row-major w is N-major, D-132)
+            yield ("linear fp32 tf32 (4096,4096,4096)", 2 * 4 * 4096 ** 2, make,
+                   {"fastkern": flagged(fastkern.linear), "compile": flagged(torch.nn.functional.linear)},
+                   {"flops": 2 * 4096 ** 3})
 
 
 SUITES = dict(bench.SUITES, matmul=matmul_cases)

@@ -424,20 +424,71 @@ def test_cuda_tf32_linear_bias_gelu(tf32, poison):
 
 
 @needs_cuda
-def test_cuda_tf32_copies_only_operands_that_are_not_k_major(tf32, monkeypatch):
-    """On Hopper under TF32, w.t() (F.linear's B) and a row-major a reach the kernel in place; a
-    row-major b (x @ w) is copied K-major. Elsewhere (simt_fp32) nothing is copied."""
+def test_cuda_tf32_copies_only_operands_the_kernel_cannot_read(tf32, monkeypatch):
+    """On Hopper under TF32, w.t() (F.linear's B), a row-major a and a row-major b (x @ w: N-major,
+    read in place since D-132) reach the kernel as they are; a b whose rows are not 16-byte aligned,
+    and any N-major b under FASTKERN_MATMUL_TF32_COPY_B=1 (the path before D-132), are copied
+    K-major. Elsewhere (simt_fp32) nothing is copied."""
     calls = []
     real = mm_ops._C.matmul
     monkeypatch.setattr(mm_ops._C, "matmul", lambda *args: calls.append(args) or real(*args))
     x, w = make((64, 128), torch.float32, "cuda"), make((96, 128), torch.float32, "cuda")
+    w_rows, odd_rows = w.t().contiguous(), make((128, 94), torch.float32, "cuda")
     fastkern.linear(x, w)
-    fastkern.matmul(x, w.t().contiguous())
-    (linear, matmul) = calls
+    fastkern.matmul(x, w_rows)
+    fastkern.matmul(x, odd_rows)
+    monkeypatch.setenv("FASTKERN_MATMUL_TF32_COPY_B", "1")
+    fastkern.matmul(x, w_rows)
+    (linear, in_place, unaligned, forced) = calls
     assert linear[0] == x.data_ptr() and linear[1] == w.data_ptr()
-    assert matmul[0] == x.data_ptr()
-    copied = matmul[12:15] == (0, 1, 128)  # b's batch, row and column strides: K-major, padded rows
-    assert copied == _hopper()
+    assert in_place[0] == x.data_ptr() and in_place[1] == w_rows.data_ptr() and in_place[12:15] == (0, 96, 1)
+    # b's batch, row and column strides: K-major in padded rows where copied
+    assert (unaligned[12:15] == (0, 1, 128)) == _hopper() and (forced[12:15] == (0, 1, 128)) == _hopper()
+
+
+# An N-major b read in place (D-132: the kernel computes C^T = B^T A^T, b's tile from registers): M /
+# N / K tails of the 128 x 128 tile and of the 32-wide k-tile, k below one k8 step, one row, a
+# batched b (a broadcast a), a's batch folded into rows, bias / activation / pre-activation, and the
+# gradients (dB = a^T @ grad takes the same path: grad is an N-major B).
+TF32_NMAJOR_SHAPES = [((257, 203), (203, 132)), ((1, 64), (64, 260)), ((130, 3), (3, 72)),
+                      ((200, 1000), (1000, 388)), ((3, 67, 45), (3, 45, 40)), ((67, 45), (3, 45, 40)),
+                      ((2, 129, 33), (33, 136))]
+
+
+@needs_cuda
+@pytest.mark.parametrize("activation", ACTIVATIONS, ids=str)
+@pytest.mark.parametrize("shapes", TF32_NMAJOR_SHAPES, ids=lambda s: "x".join(map(str, s[0] + s[1][-1:])))
+def test_cuda_tf32_n_major_b(shapes, activation, tf32, poison):
+    a, b = make(shapes[0], torch.float32, "cuda"), make(shapes[1], torch.float32, "cuda")
+    bias = make(shapes[1][-1:], torch.float32, "cuda") if activation != "gelu" else None
+    assert mm_ops._plan(a, b, bias, activation) == _tf32_strategy()
+    check(a, b, bias, activation, grads=True, tf32=True)
+
+
+@needs_cuda
+@pytest.mark.parametrize("activation", ["gelu", None], ids=str)
+def test_cuda_tf32_n_major_b_view_with_unaligned_c(activation, tf32, poison):
+    """A row-major b viewed out of 16-byte-aligned rows (n = 130 of 132) is read in place, while C's
+    rows of 130 fp32 are not 16-byte aligned: the swapped epilogue's element stores (and the
+    pre-activation's, with GELU)."""
+    a, b = make((257, 96), torch.float32, "cuda"), make((96, 132), torch.float32, "cuda")[:, :130]
+    bias = make((130,), torch.float32, "cuda")
+    assert mm_ops._plan(a, b, bias, activation) == _tf32_strategy()
+    check(a, b, bias, activation, grads=True, tf32=True)
+
+
+@needs_cuda
+@pytest.mark.parametrize("shapes", [((384, 256), (256, 320)), ((257, 203), (203, 132))],
+                         ids=lambda s: "x".join(map(str, s[0] + s[1][-1:])))
+def test_cuda_tf32_n_major_b_matches_the_copied_path(shapes, tf32, monkeypatch):
+    """The swapped kernel (b read N-major) and the K-major one (b copied first) multiply the same
+    tf32 operands: they agree to fp32 summation-order noise, with a bias and GELU."""
+    a, b = make(shapes[0], torch.float32, "cuda"), make(shapes[1], torch.float32, "cuda")
+    bias = make(shapes[1][-1:], torch.float32, "cuda")
+    swapped = fastkern.matmul(a, b, bias=bias, activation="gelu")
+    monkeypatch.setenv("FASTKERN_MATMUL_TF32_COPY_B", "1")
+    copied = fastkern.matmul(a, b, bias=bias, activation="gelu")
+    torch.testing.assert_close(swapped, copied, rtol=1e-4, atol=1e-4 * copied.abs().max().item())
 
 
 @needs_cuda

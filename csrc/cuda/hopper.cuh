@@ -146,6 +146,15 @@ __device__ __forceinline__ void fence_proxy_async_shared() {
     asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
 #endif
 }
+// 8 bytes of shared memory (p 8-byte aligned) into r0, r1 / from v0, v1 by ld / st.shared: a pointer
+// into the aligned dynamic-shared window compiles to generic LD / ST otherwise (its address space
+// is lost in the alignment arithmetic).
+__device__ __forceinline__ void ld_shared_v2_b32(uint32_t &r0, uint32_t &r1, const void *p) {
+    asm volatile("ld.shared.v2.b32 {%0, %1}, [%2];\n" : "=r"(r0), "=r"(r1) : "r"(cvta_shared(p)));
+}
+__device__ __forceinline__ void st_shared_v2_f32(void *p, float v0, float v1) {
+    asm volatile("st.shared.v2.f32 [%0], {%1, %2};\n" ::"r"(cvta_shared(p)), "f"(v0), "f"(v1) : "memory");
+}
 // Stores four 8 x 8 16-bit matrices transposed: register j of lane l holds row l / 4, columns
 // 2 (l % 4) and + 1 of matrix j (the mma / wgmma accumulator layout); lane l gives the address of row
 // l % 8 of the transposed matrix l / 8 (16 contiguous bytes: column l % 8 of the original).
@@ -191,6 +200,11 @@ template <int N> __device__ __forceinline__ void wgmma_wait() {
 template <int N> __device__ __forceinline__ void wgmma_fence_operands(float (&d)[N]) {
 #pragma unroll
     for (int i = 0; i < N; i++) asm volatile("" : "+f"(d[i])::"memory");
+}
+// The same for A fragments in registers: keeps them live (unreused) until this point.
+template <int N> __device__ __forceinline__ void wgmma_fence_operands(uint32_t (&r)[N]) {
+#pragma unroll
+    for (int i = 0; i < N; i++) asm volatile("" : "+r"(r[i])::"memory");
 }
 
 // Shared-memory matrix descriptor, 128-byte swizzle: start address, leading and stride byte

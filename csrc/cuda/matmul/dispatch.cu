@@ -2,8 +2,10 @@
 //
 // dtype   device   flags / shape                      strategy      tile                    why
 // fp32    sm_90    TF32 allowed, built for sm_90a,    wgmma_sm90    128 x 128, persistent    tf32 wgmma (K-major
-//                  not forced general, both operands                                         only; ops/matmul.py
-//                  K-major and TMA-describable                                               copies the others)
+//                  not forced general, A K-major, B                                          only: an N-major B
+//                  K- or N-major, TMA-describable                                            swaps roles, D-132;
+//                                                                                            ops/matmul.py copies
+//                                                                                            the others)
 // fp32    any      otherwise                          simt_fp32     128 x 256 when its grid  exact (tile: D-121,
 //                                                                   fills the SMs twice,     chosen in its
 //                                                                   else 128 x 128           launcher)
@@ -52,9 +54,10 @@ Plan plan_matmul(const fk_matmul_args &x, int device) {
     if (compute_major(device) < 8) return plan;
     const bool hopper = compute_major(device) == 9 && kBuiltForSm90a && !(x.flags & FK_MM_FORCE_GENERAL);
     if (x.dtype == FK_FLOAT32) {
-        const bool tma_kmajor = x.k > 0 && a_kmajor(x) && b_kmajor(x) && operand_aligned(x.a, x.a_row, x.a_batch, 4) &&
-                                operand_aligned(x.b, x.b_col, x.b_batch, 4);
-        plan.strategy = hopper && (x.flags & FK_MM_TF32) && tma_kmajor ? Strategy::kWgmmaSm90 : Strategy::kSimtFp32;
+        // A K-major; B K-major, or N-major (the kernel computes C^T = B^T A^T then, D-132)
+        const bool tma_tf32 = x.k > 0 && a_kmajor(x) && operand_aligned(x.a, x.a_row, x.a_batch, 4) &&
+                              operand_aligned(x.b, b_kmajor(x) ? x.b_col : x.b_row, x.b_batch, 4);
+        plan.strategy = hopper && (x.flags & FK_MM_TF32) && tma_tf32 ? Strategy::kWgmmaSm90 : Strategy::kSimtFp32;
         return plan;
     }
     plan.aligned = operand_aligned(x.a, a_kmajor(x) ? x.a_row : x.a_col, x.a_batch, 2) &&

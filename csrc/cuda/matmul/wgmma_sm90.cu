@@ -24,9 +24,14 @@
 // TF32 (fp32 operands): the same kernel in bytes, cooperative. A 128-byte swizzled row holds 32 fp32
 // instead of 64 halves, so a stage is still 32 KB (BK = 32) and a wgmma m64n128k8 step still 32
 // bytes along it; the TMA rounds fp32 to tf32 on load (TFLOAT32 maps, round to nearest like cuBLAS).
-// wgmma takes tf32 K-major only: ops/matmul.py copies other operands first (one pass over them).
 // fp32 C needs 64 KB of staging, so the ring has 5 stages. TF32 4096^3: 0.39 ms at cuBLAS's ~350
-// TFLOP/s (H200); measured 0.78x of it (x @ w, w copied K-major each call).
+// TFLOP/s (H200). wgmma reads tf32 K-major only. An N-major B (x @ w) is taken as it is (D-132):
+// the tile is computed transposed, C^T = B^T A^T, B's tile the A operand from registers (each
+// thread loads its fragment from the 32 x 32 boxes, 8-byte loads, no extra shared-memory bytes),
+// A's K-major tile the B operand; the epilogue writes C^T's accumulators transposed into the same
+// staging. That saves ops/matmul.py's K-major copy of w (4096^2 fp32: 64 MB read + 64 MB written,
+// ~30-90 us against a ~400 us GEMM: x @ w was 0.78x cuBLAS, F.linear 0.88x). Other majors are copied
+// K-major by ops/matmul.py first (one pass over them).
 #include "../hopper.cuh"
 #include "matmul.cuh"
 #include "stamps.cuh"
@@ -45,11 +50,16 @@ template <bool kPP> constexpr int kRowBlocks = kPP ? 2 : 1;  // 64-row blocks a 
 constexpr int kRegsProducer = 40, kRegsConsumer = 232;
 static_assert(registers_fit(kConsumers, kRegsProducer, kRegsConsumer), "register pool");
 constexpr int kBoxBytes = 64 * 64 * 2;                // one 64 x 64 TMA box of 16-bit elements (8 KB)
+// An M/N-major operand arrives in kBK x kBK boxes (128-byte rows of M/N, kBK rows of K): 64 x 64
+// 16-bit, 32 x 32 fp32.
 // Per element type T: a 128-byte swizzled row holds kBK elements (the k-tile: 64 halves, 32 fp32),
 // a wgmma k-step covers 32 bytes of it (k16, or k8 for tf32), a 16-byte chunk kChunk elements.
 template <typename T> constexpr int kBK = 128 / (int)sizeof(T);
 template <typename T> constexpr int kStepK = 32 / (int)sizeof(T);
 template <typename T> constexpr int kChunk = 16 / (int)sizeof(T);
+// TF32 with an N-major B: C^T = B^T A^T, B's tile the A operand from registers (D-132).
+template <typename T, bool kAKMajor, bool kBKMajor>
+constexpr bool kSwapAB = sizeof(T) == 4 && kAKMajor && !kBKMajor;
 // Staging: 16 KB per 64-row block of 16-bit C (64 KB ping-pong, 32 KB cooperative), 32 KB of fp32.
 template <typename T, bool kPP> constexpr int kStages = kPP || sizeof(T) == 4 ? 5 : 6;
 constexpr int kStageBytes = (kBM + kBN) * 128;        // 32 KB for every T
@@ -103,15 +113,17 @@ __device__ __forceinline__ void producer(Smem<T, kPP> &s, const CUtensorMap *map
                 tma_load_3d(s.a[st.slot], map_a, &s.full[st.slot], k0, (int)w.m0, ca);
             } else {
 #pragma unroll
-                for (int h = 0; h < kBM / 64; h++)
-                    tma_load_3d(s.a[st.slot] + h * 64 * 64, map_a, &s.full[st.slot], (int)w.m0 + 64 * h, k0, ca);
+                for (int h = 0; h < kBM / kBK<T>; h++)
+                    tma_load_3d(s.a[st.slot] + h * kBK<T> * kBK<T>, map_a, &s.full[st.slot], (int)w.m0 + kBK<T> * h,
+                                k0, ca);
             }
             if constexpr (kBKMajor) {
                 tma_load_3d(s.b[st.slot], map_b, &s.full[st.slot], k0, (int)w.n0, cb);
             } else {
 #pragma unroll
-                for (int h = 0; h < kBN / 64; h++)
-                    tma_load_3d(s.b[st.slot] + h * 64 * 64, map_b, &s.full[st.slot], (int)w.n0 + 64 * h, k0, cb);
+                for (int h = 0; h < kBN / kBK<T>; h++)
+                    tma_load_3d(s.b[st.slot] + h * kBK<T> * kBK<T>, map_b, &s.full[st.slot], (int)w.n0 + kBK<T> * h,
+                                k0, cb);
             }
             if (tile == blockIdx.x && kt == 0) FK_MM_STAMP(p, kStampIssued);
         }
@@ -203,6 +215,131 @@ __device__ __forceinline__ void epilogue(T (*buffers)[64 * kBN], T *bias_s, cons
     }
 }
 
+// ---- TF32 with an N-major B (kSwapAB, D-132): C^T = B^T A^T ------------------------------------
+// Consumer c owns B's columns 64c .. 64c + 63 of the tile (its accumulator rows) against all 128 of
+// A's rows (its accumulator columns). Accumulator rows g and g + 8 of warp u's 16 are made the
+// adjacent columns swapped_col(t) and + 1 of B, so a thread loads its fragment's pairs with 8-byte
+// loads and stores C's pairs with 8-byte stores. A half warp's 8 columns are the 16-byte chunks h
+// and h ^ 5 of a 128-byte row (h = its index 0..3 in the box): under the swizzle (chunk ^ row % 8)
+// its four k-rows of a load (row % 8 in 0..3 or 4..7) and its four C rows of a store (row % 8 in
+// {0, 2, 4, 6} + e) then fall in 8 different chunks: neither conflicts. Consumer-local, 0..62, even.
+__device__ __forceinline__ int swapped_col(int t) {
+    const int u = t / 32, g = (t % 32) / 4, h = 2 * (u % 2) + g / 4, p = g % 4;
+    return 32 * (u / 2) + 4 * (p / 2 ? h ^ 5 : h) + 2 * (p % 2);
+}
+
+// One k-tile: each thread loads its A fragments (B's tile, 32 x 32 boxes of 32 k-rows of 128 bytes)
+// for the four k8 steps into `frag`, then the warpgroup issues the four wgmmas on them and A's
+// K-major tile. `other` holds the previous k-tile's fragments, read by the group still in flight
+// until the wait here: fencing them after it keeps the compiler from reusing their registers sooner.
+__device__ __forceinline__ void swapped_k_tile(Smem<float, false> &s, RingStage<kStages<float, false>> &st,
+                                               float (&acc)[kBN / 2], uint32_t (&frag)[4][4],
+                                               uint32_t (&other)[4][4], const int (&at)[2], int kt, int t,
+                                               int &previous) {
+    mbar_wait(&s.full[st.slot], st.phase);
+    const float *b = s.b[st.slot];
+#pragma unroll
+    for (int kk = 0; kk < 4; kk++) {  // k8 step kk: box rows 8 kk + t % 4 (a0, a1) and + 4 (a2, a3)
+        ld_shared_v2_b32(frag[kk][0], frag[kk][1], b + at[0] + kk * 8 * 32);
+        ld_shared_v2_b32(frag[kk][2], frag[kk][3], b + at[1] + kk * 8 * 32);
+    }
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < 4; kk++)
+        wgmma_m64n128k8_tf32_rs(acc, frag[kk], smem_desc_sw128(s.a[st.slot] + kk * kStepK<float>, 16, 1024),
+                                kt > 0 || kk > 0);
+    wgmma_commit();
+    wgmma_wait<1>();  // the previous k-tile's wgmmas are done: release its stage, reuse its registers
+#pragma unroll
+    for (int kk = 0; kk < 4; kk++) wgmma_fence_operands(other[kk]);
+    if (previous >= 0 && t == 0) mbar_arrive(&s.empty[previous]);
+    previous = st.slot;
+    st.next();
+}
+
+// The mainloop of one tile; returns the last stage read (released by the caller after wait<0>).
+__device__ __forceinline__ int swapped_mainloop(Smem<float, false> &s, RingStage<kStages<float, false>> &st,
+                                                float (&acc)[kBN / 2], int k_tiles, int c, int t) {
+    // Element (k, col) of the stage's B tile: box col / 32, its k-row k, 16-byte chunk
+    // (col % 32 / 4) ^ (k % 8); this thread reads columns col, col + 1 at k-rows t % 4 and t % 4 + 4.
+    const int col = 64 * c + swapped_col(t), box = col / 32, chunk = col % 32 / 4;
+    int at[2];
+#pragma unroll
+    for (int q = 0; q < 2; q++) {
+        const int kr = t % 4 + 4 * q;
+        at[q] = box * 32 * 32 + kr * 32 + ((chunk ^ kr) * 4) + col % 4;
+    }
+    uint32_t frag0[4][4] = {}, frag1[4][4] = {};
+    int previous = -1, kt = 0;
+    for (; kt + 1 < k_tiles; kt += 2) {  // two fragment sets, taken in turn
+        swapped_k_tile(s, st, acc, frag0, frag1, at, kt, t, previous);
+        swapped_k_tile(s, st, acc, frag1, frag0, at, kt + 1, t, previous);
+    }
+    if (kt < k_tiles) swapped_k_tile(s, st, acc, frag0, frag1, at, kt, t, previous);
+    return previous;
+}
+
+// The epilogue of a swapped tile: consumer c's block of C is A's 128 rows x its 64 columns of B,
+// staged as two 64-row halves of two 64 x 32 swizzled boxes (out + 64 * 64 * (row / 64)), stored
+// by TMA (4 boxes) or by element stores (64 threads a row, coalesced). A thread's accumulators
+// 4 j + e (row g) and 4 j + 2 + e (row g + 8) are C's columns col, col + 1 of row 8 j + 2 (t % 4) + e:
+// one 8-byte shared store, conflict-free per half warp. Bias, pre-activation and the order of the
+// passes as in epilogue() (cooperative: one buffer).
+template <int kAct, bool kPre>
+__device__ __forceinline__ void swapped_epilogue(float *out, float *bias_s, const CUtensorMap *map_c,
+                                                 const CUtensorMap *map_pre, const Params &p,
+                                                 float (&acc)[kBN / 2], const Work &w, int c, int t) {
+    const int col = swapped_col(t), row_lane = 2 * (t % 4);
+    if (p.bias) {  // the last reads of the previous tile's bias were before its last barrier
+        const int64_t n = w.n0 + t;
+        bias_s[t] = n < p.n ? static_cast<const float *>(p.bias)[n] : 0.0f;
+        named_barrier_sync(kConsumer0 + c, 128);
+        const float b0 = bias_s[64 * c + col], b1 = bias_s[64 * c + col + 1];
+#pragma unroll
+        for (int j = 0; j < kBN / 8; j++)
+#pragma unroll
+            for (int e = 0; e < 2; e++) acc[4 * j + e] += b0, acc[4 * j + 2 + e] += b1;
+    }
+#pragma unroll
+    for (int pass = 0; pass < 2; pass++) {  // 0: the pre-activation (when asked), 1: C
+        if (pass == 0 && !kPre) continue;
+        if (p.tma_store && t == 0) bulk_wait_group_read<0>();  // its previous store has read it
+        named_barrier_sync(kConsumer0 + c, 128);                // (element stores: every thread has read it)
+#pragma unroll
+        for (int j = 0; j < kBN / 8; j++) {
+#pragma unroll
+            for (int e = 0; e < 2; e++) {
+                float v0 = acc[4 * j + e], v1 = acc[4 * j + 2 + e];
+                if (pass == 1) v0 = activate<kAct, float>(v0), v1 = activate<kAct, float>(v1);
+                const int r = 8 * j + row_lane + e;
+                st_shared_v2_f32(out + (r / 64) * 64 * 64 + staged_at<float>(r % 64, col), v0, v1);
+            }
+        }
+        if (p.tma_store) {
+            fence_proxy_async_shared();
+            named_barrier_sync(kConsumer0 + c, 128);
+            if (t == 0) {
+#pragma unroll
+                for (int half = 0; half < 2; half++)
+#pragma unroll
+                    for (int box = 0; box < 2; box++)
+                        tma_store_3d(pass == 0 ? map_pre : map_c, out + half * 64 * 64 + box * 64 * 32,
+                                     (int)w.n0 + 64 * c + 32 * box, (int)w.m0 + 64 * half, (int)w.batch);
+                bulk_commit_group();
+            }
+            continue;
+        }
+        named_barrier_sync(kConsumer0 + c, 128);
+        float *dst = static_cast<float *>(pass == 0 ? p.pre : p.c) + w.batch * p.c_batch;
+        const int64_t n = w.n0 + 64 * c + t % 64, row_end = p.m - w.m0;
+        if (n < p.n) {
+#pragma unroll 8
+            for (int r = t / 64; r < kBM && r < row_end; r += 2)
+                dst[(w.m0 + r) * p.c_row + n] = out[(r / 64) * 64 * 64 + staged_at<float>(r % 64, t % 64)];
+        }
+    }
+}
+
 template <typename T, bool kPP, bool kAKMajor, bool kBKMajor>
 __device__ __forceinline__ void consumer(Smem<T, kPP> &s, const CUtensorMap *map_c, const CUtensorMap *map_pre,
                                          const KernelParams &p, int tiles_m, int tiles_n, int k_tiles) {
@@ -228,34 +365,38 @@ __device__ __forceinline__ void consumer(Smem<T, kPP> &s, const CUtensorMap *map
         int previous = -1;
 #pragma unroll
         for (int h = 0; h < kRB; h++) wgmma_fence_operands(acc[h]);
-        for (int kt = 0; kt < k_tiles; kt++, st.next()) {
-            mbar_wait(&s.full[st.slot], st.phase);
-            if (c == 0 && t == 0 && tile == blockIdx.x && kt == 0) FK_MM_STAMP(p, kStampFull0);
-            if (c == 0 && t == 0 && tile == blockIdx.x && kt == k_tiles - 1) FK_MM_STAMP(p, kStampFullLast);
-            wgmma_fence();
+        if constexpr (kSwapAB<T, kAKMajor, kBKMajor>) {
+            previous = swapped_mainloop(s, st, acc[0], k_tiles, c, t);
+        } else {
+            for (int kt = 0; kt < k_tiles; kt++, st.next()) {
+                mbar_wait(&s.full[st.slot], st.phase);
+                if (c == 0 && t == 0 && tile == blockIdx.x && kt == 0) FK_MM_STAMP(p, kStampFull0);
+                if (c == 0 && t == 0 && tile == blockIdx.x && kt == k_tiles - 1) FK_MM_STAMP(p, kStampFullLast);
+                wgmma_fence();
 #pragma unroll
-            for (int kk = 0; kk < kBK<T> / kStepK<T>; kk++) {
+                for (int kk = 0; kk < kBK<T> / kStepK<T>; kk++) {
 #pragma unroll
-                for (int h = 0; h < kRB; h++) {
-                    const int rb = kPP ? h : c;  // the 64-row block of A
-                    // K-major: 128-byte rows of K, 8-row groups 1024 bytes apart, a k-step = 32 bytes along a row.
-                    // M/N-major (16-bit): 64 x 64 boxes (8 KB apart) of 128-byte K rows, k16 = 16 rows = 2048 bytes.
-                    const uint64_t da = kAKMajor
-                        ? smem_desc_sw128(s.a[st.slot] + rb * 64 * kBK<T> + kk * kStepK<T>, 16, 1024)
-                        : smem_desc_sw128(s.a[st.slot] + rb * 64 * 64 + kk * 16 * 64, kBoxBytes, 1024);
-                    const uint64_t db = kBKMajor ? smem_desc_sw128(s.b[st.slot] + kk * kStepK<T>, 16, 1024)
-                                                 : smem_desc_sw128(s.b[st.slot] + kk * 16 * 64, kBoxBytes, 1024);
-                    if constexpr (std::is_same_v<T, float>) {
-                        wgmma_m64n128k8_tf32(acc[h], da, db, kt > 0 || kk > 0);
-                    } else {
-                        wgmma_m64n128k16<T, !kAKMajor, !kBKMajor>(acc[h], da, db, kt > 0 || kk > 0);
+                    for (int h = 0; h < kRB; h++) {
+                        const int rb = kPP ? h : c;  // the 64-row block of A
+                        // K-major: 128-byte rows of K, 8-row groups 1024 bytes apart, a k-step = 32 bytes along a row.
+                        // M/N-major (16-bit): 64 x 64 boxes (8 KB apart) of 128-byte K rows, k16 = 16 rows = 2048 bytes.
+                        const uint64_t da = kAKMajor
+                            ? smem_desc_sw128(s.a[st.slot] + rb * 64 * kBK<T> + kk * kStepK<T>, 16, 1024)
+                            : smem_desc_sw128(s.a[st.slot] + rb * 64 * 64 + kk * 16 * 64, kBoxBytes, 1024);
+                        const uint64_t db = kBKMajor ? smem_desc_sw128(s.b[st.slot] + kk * kStepK<T>, 16, 1024)
+                                                     : smem_desc_sw128(s.b[st.slot] + kk * 16 * 64, kBoxBytes, 1024);
+                        if constexpr (std::is_same_v<T, float>) {
+                            wgmma_m64n128k8_tf32(acc[h], da, db, kt > 0 || kk > 0);
+                        } else {
+                            wgmma_m64n128k16<T, !kAKMajor, !kBKMajor>(acc[h], da, db, kt > 0 || kk > 0);
+                        }
                     }
                 }
+                wgmma_commit();
+                wgmma_wait<1>();  // the previous stage's wgmmas are done: release it
+                if (previous >= 0 && t == 0) mbar_arrive(&s.empty[previous]);
+                previous = st.slot;
             }
-            wgmma_commit();
-            wgmma_wait<1>();  // the previous stage's wgmmas are done: release it
-            if (previous >= 0 && t == 0) mbar_arrive(&s.empty[previous]);
-            previous = st.slot;
         }
         if (kPP) named_barrier_arrive(kOrder0 + (1 - c), 2 * 128);  // its waits are done: the other's turn
         wgmma_wait<0>();
@@ -272,10 +413,14 @@ __device__ __forceinline__ void consumer(Smem<T, kPP> &s, const CUtensorMap *map
         // compiled per activation and per pre-activation store (the buffers' order depends on it)
         with_activation(p.activation, [&](auto act) {
             auto run = [&](auto pre) {
+                if constexpr (kSwapAB<T, kAKMajor, kBKMajor>) {
+                    swapped_epilogue<act.value, pre.value>(s.out[c], s.bias[c], map_c, map_pre, p, acc[0], w, c, t);
+                } else {
 #pragma unroll
-                for (int h = 0; h < kRB; h++)
-                    epilogue<act.value, pre.value, T, kRB>(s.out + c * kRB, s.bias[c], map_c, map_pre, p, acc[h], w,
-                                                           kPP ? h : c, c, t);
+                    for (int h = 0; h < kRB; h++)
+                        epilogue<act.value, pre.value, T, kRB>(s.out + c * kRB, s.bias[c], map_c, map_pre, p, acc[h],
+                                                               w, kPP ? h : c, c, t);
+                }
             };
             if (p.pre) run(std::true_type{}); else run(std::false_type{});
         });
@@ -291,7 +436,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     matmul_wgmma_sm90(const __grid_constant__ CUtensorMap map_a, const __grid_constant__ CUtensorMap map_b,
                       const __grid_constant__ CUtensorMap map_c, const __grid_constant__ CUtensorMap map_pre,
                       KernelParams p) {
-    static_assert(!std::is_same_v<T, float> || (kAKMajor && kBKMajor && !kPP), "tf32: K-major, cooperative");
+    static_assert(!std::is_same_v<T, float> || (kAKMajor && !kPP), "tf32: A K-major, cooperative");
 #if FK_SM90A
     extern __shared__ unsigned char smem_raw[];
     auto &s = *reinterpret_cast<Smem<T, kPP> *>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
@@ -359,9 +504,9 @@ fk_status launch(const Params &p, fk_dtype dtype, int device, cudaStream_t strea
     constexpr MapUse kIn = MapUse::kOperand, kOut = MapUse::kOutput;
     CUtensorMap map_a, map_b, map_c = {}, map_pre = {};
     const bool ok_a = kAKMajor ? encode(&map_a, dtype, kIn, p.a, p.k, p.m, p.a_row, p.batch, p.a_batch, kBM)
-                               : encode(&map_a, dtype, kIn, p.a, p.m, p.k, p.a_col, p.batch, p.a_batch, 64);
+                               : encode(&map_a, dtype, kIn, p.a, p.m, p.k, p.a_col, p.batch, p.a_batch, kBK<T>);
     const bool ok_b = kBKMajor ? encode(&map_b, dtype, kIn, p.b, p.k, p.n, p.b_col, p.batch, p.b_batch, kBN)
-                               : encode(&map_b, dtype, kIn, p.b, p.n, p.k, p.b_row, p.batch, p.b_batch, 64);
+                               : encode(&map_b, dtype, kIn, p.b, p.n, p.k, p.b_row, p.batch, p.b_batch, kBK<T>);
     if (!ok_a || !ok_b) return fk_fail(FK_ERR_RUNTIME, "matmul: cuTensorMapEncodeTiled failed");
     // C (and pre) through TMA stores when their rows are 16-byte aligned; else element stores.
     KernelParams q = stamped(p);  // p (stamps.cuh: with its stamp slot in a timestamp build)
@@ -398,14 +543,15 @@ fk_status launch_majors(const Params &p, fk_dtype dtype, bool a_kmajor, bool b_k
 
 }  // namespace
 
-// 2 16-bit dtypes x 4 operand majors x (ping-pong, cooperative) + fp32 (tf32) with both operands
-// K-major, cooperative = 17 instances.
+// 2 16-bit dtypes x 4 operand majors x (ping-pong, cooperative) + fp32 (tf32), cooperative, with A
+// K-major and B K-major or N-major (swapped, D-132) = 18 instances.
 fk_status launch_wgmma_sm90(const Plan &, const Params &p, fk_dtype dtype, bool a_kmajor, bool b_kmajor,
                             int device, cudaStream_t stream) {
     if (dtype == FK_FLOAT32) {
-        if (!a_kmajor || !b_kmajor)  // dispatch.cu sends fp32 here only with both operands K-major
-            return fk_fail(FK_ERR_RUNTIME, "matmul: the tf32 kernel needs K-major operands");
-        return launch<float, true, true>(p, dtype, device, stream);
+        if (!a_kmajor)  // dispatch.cu sends fp32 here only with A K-major
+            return fk_fail(FK_ERR_RUNTIME, "matmul: the tf32 kernel needs a K-major A");
+        return b_kmajor ? launch<float, true, true>(p, dtype, device, stream)
+                        : launch<float, true, false>(p, dtype, device, stream);
     }
     if (dtype == FK_BFLOAT16) return launch_majors<__nv_bfloat16>(p, dtype, a_kmajor, b_kmajor, device, stream);
     return launch_majors<__half>(p, dtype, a_kmajor, b_kmajor, device, stream);

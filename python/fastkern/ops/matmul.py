@@ -10,8 +10,10 @@ separate backward op: the backward is built from fastkern::matmul and fastkern::
 
 Operands are used in place when each matrix is row-major or column-major (x, w.t(), x.mT); other
 strides are copied first. When b is 2-D, a's batch dims fold into its rows (one GEMM). fp32 under
-TF32 on Hopper is the exception: the tf32 wgmma reads both operands K-major only (a row-major, b
-column-major as in F.linear's weight.t()), so others are copied K-major first, one pass over them.
+TF32 on Hopper is the exception: the tf32 wgmma reads a K-major a (row-major) and a K-major b
+(column-major, as F.linear's weight.t()) or, by computing the transposed product, an N-major b
+(row-major, as in x @ w; D-132); other operands are copied K-major first, one pass over them.
+FASTKERN_MATMUL_TF32_COPY_B=1 copies an N-major b K-major too (the path before D-132, for A/Bs).
 """
 import functools
 import os
@@ -116,8 +118,11 @@ def _misaligned(t, strides, step=0):
 
 def _kmajor_tf32(t, strides, side, step):
     """Whether a fp32 operand reaches the tf32 kernel as it is: K-major (a's columns, b's rows
-    contiguous) with its base and other strides 16-byte multiples (dispatch.cu's TF32 row)."""
+    contiguous), or for side "b-n" (a kernel that takes N-major b) b K- or N-major, with its base and
+    other strides 16-byte multiples (dispatch.cu's TF32 row)."""
     inner, outer = (strides[1], strides[0]) if side == "a" else (strides[0], strides[1])
+    if side == "b-n" and inner != 1:  # N-major b: its columns contiguous
+        inner, outer = strides[1], strides[0]
     return inner == 1 and outer != 1 and outer % 4 == 0 and step % 4 == 0 and t.data_ptr() % 16 == 0
 
 
@@ -128,8 +133,9 @@ def _operand(t, batch, tf32_side=None):
     collapse into one stride). A 16-bit CUDA operand whose rows are not 16-byte aligned (a 1793-wide
     matrix, an offset view) is copied into padded rows: one pass over it buys the TMA / cp.async
     kernels, where the element-load path ran at a third of their rate (docs/decisions.md, D-77).
-    tf32_side ("a" or "b", fp32 under TF32 on Hopper): an operand that is not K-major and 16-byte
-    aligned is copied into padded K-major rows, so the tf32 wgmma kernel takes it."""
+    tf32_side ("a", "b", or "b-n" where the kernel takes an N-major b; fp32 under TF32 on Hopper): an
+    operand the tf32 wgmma kernel cannot read in place (see _kmajor_tf32) is copied into padded
+    K-major rows."""
     rows, cols = t.shape[-2], t.shape[-1]
     stride = t.stride()
     strides = _layout(rows, cols, stride[-2], stride[-1])
@@ -153,12 +159,18 @@ def _operand(t, batch, tf32_side=None):
     return t, step, *strides
 
 
+def _tf32_wgmma(device, flags, b_nmajor=False):
+    """Whether fp32 K-major operands (with b_nmajor: a K-major a and an N-major b) under these flags
+    take the tf32 wgmma kernel on this device: dispatch.cu's own answer for a 128^3 problem (its
+    arch, build and flag checks, asked once per build: benchmarks/ab.py swaps _C)."""
+    return _tf32_plan(_C, device, flags, b_nmajor)
+
+
 @functools.lru_cache(maxsize=None)
-def _tf32_wgmma(device, flags):
-    """Whether fp32 K-major operands under these flags take the tf32 wgmma kernel on this device:
-    dispatch.cu's own answer for a 128^3 problem (its arch, build and flag checks, asked once)."""
-    k_major = (0, 0, 0, 0, 0, 1, 128, 128, 128, 0, 128, 1, 0, 1, 128, 0, 128, 0, 0, flags)
-    return _C.matmul_plan(*k_major, device) == "wgmma_sm90"
+def _tf32_plan(module, device, flags, b_nmajor):
+    b_strides = (128, 1) if b_nmajor else (1, 128)
+    args = (0, 0, 0, 0, 0, 1, 128, 128, 128, 0, 128, 1, 0, *b_strides, 0, 128, 0, 0, flags)
+    return module.matmul_plan(*args, device) == "wgmma_sm90"
 
 
 def _flags(t):
@@ -177,6 +189,9 @@ def _arguments(a, b, bias, plan, want_pre):
     tf32 = (flags & _MM_TF32 and m > 0 and n > 1 and k > 0 and B.CUDA_COMPILED
             and _tf32_wgmma(a.get_device(), flags))
     side_a, side_b = ("a", "b") if tf32 else (None, None)
+    if tf32 and os.environ.get("FASTKERN_MATMUL_TF32_COPY_B") != "1" and _tf32_wgmma(
+            a.get_device(), flags, b_nmajor=True):
+        side_b = "b-n"  # a row-major b is read in place (D-132)
     rows_folded = b.dim() == 2 and a.dim() > 2
     if rows_folded:  # one GEMM of (prod(batch) * m, k) @ (k, n) when a's rows lie evenly
         try:
