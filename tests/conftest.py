@@ -2,6 +2,7 @@
 import math
 import os
 import tempfile
+import threading
 import zlib
 
 # torch.compile's on-disk caches (inductor's FX graphs, AOT autograd's forward / backward pairs) are
@@ -191,3 +192,25 @@ def on_cpu_threads(threads, fn):
         return fn()
     finally:
         torch.set_num_threads(saved)
+
+
+def in_fresh_thread(fn):
+    """fn() on a new thread, after one call on this one (so torch's caching allocator already holds
+    the blocks it asks for): the new thread's first CUDA work is fastkern's, as on torch's autograd
+    thread when a backward starts with a fastkern op. Such a thread has no current CUDA context."""
+    fn()
+    torch.cuda.synchronize()
+    result = {}
+
+    def run():
+        try:
+            result["out"] = fn()
+            torch.cuda.synchronize()
+        except Exception as e:  # re-raised on the caller's thread
+            result["error"] = e
+    thread = threading.Thread(target=run)
+    thread.start()
+    thread.join()
+    if "error" in result:
+        raise result["error"]
+    return result["out"]

@@ -12,7 +12,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import fastkern
 from fastkern.ops import attention as attention_ops
-from conftest import DEVICES, assert_within_torch_error, needs_cuda, on_cpu_threads, rel_error
+from conftest import DEVICES, assert_within_torch_error, in_fresh_thread, needs_cuda, on_cpu_threads, rel_error
 
 GRAD_FACTOR = 3.0
 
@@ -507,6 +507,28 @@ def cuda_path(request, monkeypatch):
     if request.param == "force_general":
         monkeypatch.setenv("FASTKERN_ATTENTION_FORCE_GENERAL", "1")
     return request.param
+
+
+@needs_cuda
+def test_cuda_first_cuda_work_of_a_thread():
+    # the Hopper kernels' tensor maps failed on a thread without a current context (a backward's
+    # first op on torch's autograd thread): forward and backward each on a fresh thread
+    q, k, v = qkv(2, 256, 200, 4, 2, 128, torch.bfloat16, "cuda")
+    scale = 128 ** -0.5
+    out, lse = in_fresh_thread(lambda: torch.ops.fastkern.attention.default(q, k, v, None, None, 0, 0, scale, -1, -1,
+                                                                            False, False))
+    g = torch.randn_like(out)
+    grads = in_fresh_thread(lambda: torch.ops.fastkern.attention_backward.default(
+        g, q, k, v, out, lse, None, None, 0, 0, scale, -1, -1, False, False))
+    mask = visible(256, 200, device="cuda")
+    tq, tk, tv = (t.detach().requires_grad_() for t in (q, k, v))
+    rq, rk, rv = (t.detach().double().requires_grad_() for t in (q, k, v))
+    tout, rout = torch_attention(tq, tk, tv, scale, mask), torch_attention(rq, rk, rv, scale, mask)
+    assert_within_torch_error(out, tout, rout, "out")
+    theirs = torch.autograd.grad(tout, (tq, tk, tv), g)
+    refs = torch.autograd.grad(rout, (rq, rk, rv), g.double())
+    for name, a, b, r in zip(("dq", "dk", "dv"), grads, theirs, refs):
+        assert_within_torch_error(a, b, r, name, factor=GRAD_FACTOR)
 
 
 @needs_cuda

@@ -10,8 +10,8 @@ import torch.nn.functional as F
 
 import fastkern
 from fastkern.ops import matmul as mm_ops
-from conftest import (CUDA, DEVICE_DTYPES, DEVICES, assert_within_torch_error, misaligned, needs_cuda, rel_error,
-                      on_cpu_threads)
+from conftest import (CUDA, DEVICE_DTYPES, DEVICES, assert_within_torch_error, in_fresh_thread, misaligned, needs_cuda,
+                      on_cpu_threads, rel_error)
 
 ACTIVATIONS = [None, "gelu", "gelu_tanh"]
 SIZES = [1, 7, 16, 127, 128, 1000, 1793, 4096]
@@ -509,6 +509,16 @@ def test_dispatch_table_tf32(view, allow, forced, tf32, monkeypatch):
     out = fastkern.matmul(a, b, bias=bias, activation="gelu_tanh")
     ref = torch_forward(a.double(), b.double(), bias.double(), "gelu_tanh")
     assert_within_torch_error(out, torch_forward(a, b, bias, "gelu_tanh"), ref, strategy)
+
+
+@needs_cuda
+def test_cuda_first_cuda_work_of_a_thread():
+    # the Hopper kernel's tensor maps failed on a thread without a current context
+    # ("cuTensorMapEncodeTiled failed": FusedMLP's backward as the first op of torch's autograd thread)
+    a = torch.randn(256, 384, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(384, 512, device="cuda", dtype=torch.bfloat16)
+    out = in_fresh_thread(lambda: fastkern.matmul(a, b))
+    assert_within_torch_error(out, a @ b, a.double() @ b.double(), "fresh thread")
 
 
 @needs_cuda

@@ -235,9 +235,17 @@ template <int R> __device__ __forceinline__ void setmaxnreg_dec() {
 
 // ---- host --------------------------------------------------------------------------------------
 
-// The driver's cuTensorMapEncodeTiled, reached through the runtime (no -lcuda), or nullptr.
-inline PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
-    static PFN_cuTensorMapEncodeTiled_v12000 fn = [] {
+// The driver's cuTensorMapEncodeTiled, reached through the runtime (no -lcuda), with no
+// interleave and no out-of-bounds NaN fill; false where it fails. The driver wants a current
+// context, which a thread whose first CUDA work is ours lacks (torch's autograd thread when a
+// backward's first op is a fastkern GEMM: "cuTensorMapEncodeTiled failed"), and DeviceGuard makes
+// none current when the device is already the thread's. A failure is retried once after
+// cudaSetDevice, which makes the device's primary context current: nothing is added to a call that
+// succeeds.
+inline bool encode_tiled(CUtensorMap *map, CUtensorMapDataType type, cuuint32_t rank, const void *base,
+                         const cuuint64_t *dims, const cuuint64_t *strides, const cuuint32_t *box,
+                         CUtensorMapSwizzle swizzle, CUtensorMapL2promotion promotion) {
+    static const PFN_cuTensorMapEncodeTiled_v12000 fn = [] {
         void *ptr = nullptr;
         cudaDriverEntryPointQueryResult result;
         if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &ptr, 12000, cudaEnableDefault, &result) !=
@@ -246,7 +254,15 @@ inline PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
             ptr = nullptr;
         return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(ptr);
     }();
-    return fn;
+    if (!fn) return false;
+    const cuuint32_t elem_strides[5] = {1, 1, 1, 1, 1};
+    auto encode = [&] {
+        return fn(map, type, rank, const_cast<void *>(base), dims, strides, box, elem_strides,
+                  CU_TENSOR_MAP_INTERLEAVE_NONE, swizzle, promotion, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+    };
+    if (encode() == CUDA_SUCCESS) return true;
+    int device = 0;
+    return cudaGetDevice(&device) == cudaSuccess && cudaSetDevice(device) == cudaSuccess && encode() == CUDA_SUCCESS;
 }
 
 // A 4-d map (d, rows, heads, sequences) of 16-bit elements in 64 x `box_rows` boxes (64 columns:
@@ -254,17 +270,13 @@ inline PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
 // dimension of size 1 takes any valid stride. Strides are in elements.
 inline bool encode_map_4d(CUtensorMap *map, fk_dtype dtype, const void *base, int64_t d, int64_t rows, int64_t heads,
                           int64_t batch, int64_t row, int64_t head, int64_t seq, int box_rows) {
-    auto fn = tensor_map_encoder();
-    if (!fn) return false;
     if (heads == 1) head = row * rows;
     if (batch == 1) seq = head * heads;
     const cuuint64_t dims[4] = {(cuuint64_t)d, (cuuint64_t)rows, (cuuint64_t)heads, (cuuint64_t)batch};
     const cuuint64_t strides[3] = {(cuuint64_t)row * 2, (cuuint64_t)head * 2, (cuuint64_t)seq * 2};
-    const cuuint32_t box[4] = {64, (cuuint32_t)box_rows, 1, 1}, elem_strides[4] = {1, 1, 1, 1};
-    return fn(map, dtype == FK_BFLOAT16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16, 4,
-              const_cast<void *>(base), dims, strides, box, elem_strides, CU_TENSOR_MAP_INTERLEAVE_NONE,
-              CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
-              CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
+    const cuuint32_t box[4] = {64, (cuuint32_t)box_rows, 1, 1};
+    return encode_tiled(map, dtype == FK_BFLOAT16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16,
+                        4, base, dims, strides, box, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B);
 }
 
 }  // namespace fk

@@ -486,17 +486,13 @@ CUtensorMapDataType map_type(fk_dtype dtype, MapUse use) {
 // bytes) took 61 us with 256, 36 with 128 (24 with rows padded to 3712; D-113).
 bool encode(CUtensorMap *map, fk_dtype dtype, MapUse use, const void *base, int64_t inner, int64_t outer,
             int64_t stride, int64_t batch, int64_t batch_stride, int box_outer) {
-    auto fn = tensor_map_encoder();
-    if (!fn) return false;
     const int elem = fk_dtype_size(dtype);
     const cuuint64_t dims[3] = {(cuuint64_t)inner, (cuuint64_t)outer, (cuuint64_t)(batch_stride ? batch : 1)};
     const cuuint64_t strides[2] = {(cuuint64_t)(stride * elem),
                                    (cuuint64_t)((batch_stride ? batch_stride : stride * outer) * elem)};
-    const cuuint32_t box[3] = {(cuuint32_t)(128 / elem), (cuuint32_t)box_outer, 1}, elem_strides[3] = {1, 1, 1};
-    return fn(map, map_type(dtype, use), 3, const_cast<void *>(base), dims, strides, box, elem_strides,
-              CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
-              (stride * elem) % 256 ? CU_TENSOR_MAP_L2_PROMOTION_L2_128B : CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
-              CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
+    const cuuint32_t box[3] = {(cuuint32_t)(128 / elem), (cuuint32_t)box_outer, 1};
+    return encode_tiled(map, map_type(dtype, use), 3, base, dims, strides, box, CU_TENSOR_MAP_SWIZZLE_128B,
+                        (stride * elem) % 256 ? CU_TENSOR_MAP_L2_PROMOTION_L2_128B : CU_TENSOR_MAP_L2_PROMOTION_L2_256B);
 }
 
 template <typename T, bool kAKMajor, bool kBKMajor>
