@@ -42,6 +42,9 @@
 #ifndef FK_ATTN_D64_BN  // A/B switch: keys a K / V tile at D 64 (128 or 192)
 #define FK_ATTN_D64_BN 128
 #endif
+#ifndef FK_ATTN_TURNS_ACROSS_TILES  // A/B switch: the ping-pong order runs on across tiles (else restarts)
+#define FK_ATTN_TURNS_ACROSS_TILES 1
+#endif
 #ifndef FK_ATTN_D128_BN  // A/B switch: keys a K / V tile at D 128 (128, or 176 as FlashAttention-3)
 #define FK_ATTN_D128_BN 128
 #endif
@@ -78,47 +81,51 @@ enum NamedBarrier { kTurn0 = 1, kStage0 = 5 };
 
 template <typename T, int D> struct Smem {
     static constexpr int kStages = Cfg<D>::kStages;
-    alignas(1024) T q[Cfg<D>::kBM * D];     // D / 64 boxes of kBM rows x 64 columns
+    // Two tiles' Q: the next tile's loads under this one's key loop. A finished tile's O is staged
+    // in its own slot (a warpgroup's 64 rows of each box, the TMA layout), which is released after.
+    alignas(1024) T q[2][Cfg<D>::kBM * D];  // D / 64 boxes of kBM rows x 64 columns
     alignas(1024) T k[kStages][Cfg<D>::kBN * D];  // the same, kBN keys
     alignas(1024) T v[kStages][Cfg<D>::kBN * D];
-    alignas(16) T out[Cfg<D>::kConsumers][64 * (D + 8)];  // a warpgroup's O rows, padded 16 bytes
-    int64_t tile[2];  // the walk's next tiles, producer to consumers; -1: the walk is over
-    uint64_t q_full, q_empty, k_full[kStages], k_empty[kStages], v_full[kStages], v_empty[kStages];
+    int4 tile[2];  // the walk's next tiles, producer to consumers: (b, h, m0); b -1: the walk is over
+    uint64_t q_full[2], q_empty[2], k_full[kStages], k_empty[kStages], v_full[kStages], v_empty[kStages];
     uint64_t tile_full[2], tile_empty[2];
 };
 template <int D> constexpr int kSmemBytes = sizeof(Smem<__half, D>) + 1024;  // + room to align to 1024
 static_assert(kSmemBytes<128> <= 227 * 1024 && kSmemBytes<64> <= 227 * 1024, "fits Hopper's shared memory");
 
 // Query tile `tile` of the persistent walk (query tiles fastest, the ones with the most keys first
-// under a causal mask, so the heads sharing K / V in L2 run together) and the key tiles [t_lo, t_hi)
-// its rows see.
+// under a causal mask, so the heads sharing K / V in L2 run together): (b, h, m0), and from those
+// the key tiles [t_lo, t_hi) its rows see. The producer divides; the consumers get (b, h, m0).
 struct Work {
     Seq s;
     int b, h, g, m0, t_lo, t_hi;
 };
-template <int kBM, int kBN> __device__ __forceinline__ Work work_of(const Params &p, int64_t tile, int m_tiles) {
+template <int kBM, int kBN> __device__ __forceinline__ Work work_at(const Params &p, int b, int h, int m0) {
     Work w;
-    w.b = (int)(tile / m_tiles / p.heads), w.h = (int)(tile / m_tiles % p.heads);
+    w.b = b, w.h = h, w.m0 = m0;
     w.g = w.h / (int)(p.heads / p.kv_heads);
     // Dense batches only (the plan keeps varlen on sm_80): the geometry comes from the constant
     // bank and costs the consumers no registers across the key loop.
     w.s.q0 = (int64_t)w.b * p.sq, w.s.k0 = (int64_t)w.b * p.sk, w.s.sq = (int)p.sq, w.s.sk = (int)p.sk;
     w.s.shift = p.top_left ? 0 : p.sk - p.sq;
-    w.m0 = (m_tiles - 1 - (int)(tile % m_tiles)) * kBM;
     const Range keys = key_range(p, w.s, w.m0, min(w.m0 + kBM, w.s.sq));
     w.t_lo = keys.lo / kBN;
     w.t_hi = keys.hi > keys.lo ? (keys.hi + kBN - 1) / kBN : w.t_lo;
     return w;
 }
+template <int kBM> __device__ __forceinline__ int4 tile_at(const Params &p, int64_t tile, int m_tiles) {
+    return make_int4((int)(tile / m_tiles / p.heads), (int)(tile / m_tiles % p.heads),
+                     (m_tiles - 1 - (int)(tile % m_tiles)) * kBM, 0);
+}
 
-// One thread, per tile of the walk: K_(t_lo), Q (once the consumers are done with the previous
-// tile's), then K_t and V_(t-1) alternately: the order the consumers take them.
+// One thread, per tile of the walk: K_(t_lo), Q (into the slot the tile before last freed), then
+// K_t and V_(t-1) alternately: the order the consumers take them.
 template <typename T, int D>
 __device__ __forceinline__ void producer(Smem<T, D> &s, const CUtensorMap *map_q, const CUtensorMap *map_k,
                                          const CUtensorMap *map_v, const Params &p, int m_tiles, int64_t tiles) {
     using C = Cfg<D>;
     constexpr int kBN = C::kBN;
-    RingStage<1> qs;
+    RingStage<2> qs;
     RingStage<C::kStages> ks, vs;
     auto load_k = [&](const Work &w, int t) {
         mbar_wait(&s.k_empty[ks.slot], ks.phase ^ 1);  // the first pass finds every slot free
@@ -135,18 +142,20 @@ __device__ __forceinline__ void producer(Smem<T, D> &s, const CUtensorMap *map_q
         const int64_t next = tile >= tiles ? tiles
                              : p.next_tile ? gridDim.x + (int64_t)atomicAdd(p.next_tile, 1ull)
                                            : tile + gridDim.x;
+        const int4 at = tile < tiles ? tile_at<C::kBM>(p, tile, m_tiles) : make_int4(-1, 0, 0, 0);
         mbar_wait(&s.tile_empty[ts.slot], ts.phase ^ 1);
-        s.tile[ts.slot] = tile < tiles ? tile : -1;
+        s.tile[ts.slot] = at;
         mbar_arrive(&s.tile_full[ts.slot]);  // releases the store to the consumers
         ts.next();
         if (tile >= tiles) break;
-        const Work w = work_of<C::kBM, kBN>(p, tile, m_tiles);
+        const Work w = work_at<C::kBM, kBN>(p, at.x, at.y, at.z);
         if (w.t_lo < w.t_hi) load_k(w, w.t_lo);
-        mbar_wait(&s.q_empty, qs.phase ^ 1);
-        mbar_arrive_expect_tx(&s.q_full, C::kQBytes);
+        mbar_wait(&s.q_empty[qs.slot], qs.phase ^ 1);
+        mbar_arrive_expect_tx(&s.q_full[qs.slot], C::kQBytes);
 #pragma unroll
         for (int box = 0; box < C::kBoxes; box++)
-            tma_load_4d(s.q + box * C::kBM * kBoxCols, map_q, &s.q_full, box * kBoxCols, w.m0, w.h, w.b);
+            tma_load_4d(s.q[qs.slot] + box * C::kBM * kBoxCols, map_q, &s.q_full[qs.slot], box * kBoxCols, w.m0, w.h,
+                        w.b);
         qs.next();
         for (int t = w.t_lo + 1; t <= w.t_hi; t++) {
             if (t < w.t_hi) load_k(w, t);
@@ -257,28 +266,33 @@ template <int N> __device__ __forceinline__ void rescale(float (&o)[N], const fl
 }
 
 // Ping-pong: warpgroup c issues its matmuls between turn_begin and turn_end; warpgroup c + 1's
-// turn follows (round robin). The last warpgroup opens with an arrival that lets warpgroup 0 go
-// first and skips its last one, so every wait on a barrier meets exactly one arrival.
+// turn follows (round robin). Both warpgroups take t_hi - t_lo + 1 turns a tile, so the order runs
+// on across tiles: one warpgroup's epilogue and next tile's set-up run under the other's last
+// products. The last warpgroup arrives once before its first tile (warpgroup 0 goes first) and
+// warpgroup 0 waits once after its last, so every arrival meets exactly one wait. With
+// FK_ATTN_TURNS_ACROSS_TILES 0, the order restarts each tile (the last warpgroup's first arrival
+// there, its last turn's skipped): warpgroup 0 starts a tile once the other has finished the last.
 template <int kConsumers> __device__ __forceinline__ void turn_begin(int c) {
     if (FK_ATTN_PINGPONG) named_barrier_sync(kTurn0 + c, 2 * 128);
 }
-template <int kConsumers> __device__ __forceinline__ void turn_end(int c, bool last) {
-    if (FK_ATTN_PINGPONG && !(c == kConsumers - 1 && last))
+template <int kConsumers> __device__ __forceinline__ void turn_end(int c, bool last = false) {
+    if (FK_ATTN_PINGPONG && !(!FK_ATTN_TURNS_ACROSS_TILES && c == kConsumers - 1 && last))
         named_barrier_arrive(kTurn0 + (c + 1 == kConsumers ? 0 : c + 1), 2 * 128);
 }
 
-// O / sum through warpgroup c's row-major stage in shared memory (rows padded by 16 bytes: the
-// pair writes and the 16-byte reads are bank-conflict-free), then 16-byte row stores. Direct
-// stores of the accumulator's 4-byte pairs (8 rows of 16 bytes a warp store): S 1024 fwd 2.9-7.8%
-// slower, S 4096 level (D-103).
+// O / sum staged in the tile's Q slot: warpgroup c's own 64 rows of each box (its wgmmas are done
+// with them), in Q's TMA layout (16-byte chunk j of row r at j ^ (r % 8)): the pair writes and the
+// 16-byte reads are bank-conflict-free. Then 16-byte row stores, and the slot goes back to the
+// producer. Direct stores of the accumulator's 4-byte pairs (8 rows of 16 bytes a warp store):
+// S 1024 fwd 2.9-7.8% slower, S 4096 level (D-103).
 template <typename T, int D>
-__device__ __forceinline__ void epilogue(Smem<T, D> &s, const Params &p, const Work &w, const float (&o)[D / 2],
-                                         const float (&row_max)[2], const float (&row_sum)[2], int r0, float mul) {
+__device__ __forceinline__ void epilogue(Smem<T, D> &s, const Params &p, const Work &w, int slot,
+                                         const float (&o)[D / 2], const float (&row_max)[2],
+                                         const float (&row_sum)[2], int r0, float mul) {
     constexpr float kLn2 = 0.693147180559945309f;
-    constexpr int kRow = D + 8;
+    constexpr int kBox = Cfg<D>::kBM * kBoxCols;  // elements a box of the slot
     const int c = threadIdx.x / 128 - 1, t = threadIdx.x % 128, lane = t % 32;
-    T *stage = s.out[c];
-    named_barrier_sync(kStage0 + c, 128);  // the last tile's reads of the stage are done
+    T *stage = s.q[slot] + c * 64 * kBoxCols;
 #pragma unroll
     for (int hr = 0; hr < 2; hr++) {
         const int i = r0 + 8 * hr, lr = 16 * (t / 32) + lane / 4 + 8 * hr;
@@ -286,8 +300,8 @@ __device__ __forceinline__ void epilogue(Smem<T, D> &s, const Params &p, const W
         const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
 #pragma unroll
         for (int j = 0; j < D / 8; j++)
-            *reinterpret_cast<uint32_t *>(stage + lr * kRow + 8 * j + 2 * (lane & 3)) =
-                pack2<T>(o[4 * j + 2 * hr] * inv, o[4 * j + 2 * hr + 1] * inv);
+            *reinterpret_cast<uint32_t *>(stage + (j / 8) * kBox + lr * kBoxCols + ((j % 8) ^ (lr % 8)) * 8 +
+                                          2 * (lane & 3)) = pack2<T>(o[4 * j + 2 * hr] * inv, o[4 * j + 2 * hr + 1] * inv);
         if ((lane & 3) == 0 && i < w.s.sq)
             p.lse[lse_index(p, w.s, w.b, w.h, i)] = sum > 0.0f ? (row_max[hr] * mul + log2f(sum)) * kLn2 : INFINITY;
     }
@@ -296,16 +310,18 @@ __device__ __forceinline__ void epilogue(Smem<T, D> &s, const Params &p, const W
     T *out = static_cast<T *>(p.out) + (int64_t)w.b * p.o_batch + (int64_t)m0 * p.o_row + (int64_t)w.h * p.o_head;
 #pragma unroll
     for (int k = t; k < 64 * D / 8; k += 128) {
-        const int row = k / (D / 8), col = 8 * (k % (D / 8));
+        const int row = k / (D / 8), j = k % (D / 8);
         if (row < rows)
-            *reinterpret_cast<uint4 *>(out + row * p.o_row + col) =
-                *reinterpret_cast<const uint4 *>(stage + row * kRow + col);
+            *reinterpret_cast<uint4 *>(out + row * p.o_row + 8 * j) =
+                *reinterpret_cast<const uint4 *>(stage + (j / 8) * kBox + row * kBoxCols + ((j % 8) ^ (row % 8)) * 8);
     }
+    fence_proxy_async_shared();  // the stage's accesses before the TMA write that refills the slot
+    mbar_arrive(&s.q_empty[slot]);
 }
 
-// One query tile for warpgroup c: the key loop, Q released after its last S, then the epilogue.
+// One query tile for warpgroup c: the key loop, then the epilogue, which hands Q's slot back.
 template <typename T, int D>
-__device__ __forceinline__ void consume_tile(Smem<T, D> &s, const Params &p, const Work &w, RingStage<1> &qs,
+__device__ __forceinline__ void consume_tile(Smem<T, D> &s, const Params &p, const Work &w, RingStage<2> &qs,
                                              RingStage<Cfg<D>::kStages> &ks, RingStage<Cfg<D>::kStages> &vs) {
     using C = Cfg<D>;
     constexpr int kC = C::kConsumers, kBN = C::kBN;
@@ -318,41 +334,38 @@ __device__ __forceinline__ void consume_tile(Smem<T, D> &s, const Params &p, con
     uint32_t pa[kBN / 16][4];
 #pragma unroll
     for (int e = 0; e < D / 2; e++) o[e] = 0.0f;
-    auto release_q = [&]() {
-        if (t == 0) mbar_arrive(&s.q_empty);
-    };
-    mbar_wait(&s.q_full, qs.phase);
+    const int slot = qs.slot;
+    const T *q = s.q[slot];
+    mbar_wait(&s.q_full[slot], qs.phase);
     qs.next();
-    if (w.t_lo < w.t_hi) {
-        if (c == kC - 1) turn_end<kC>(c, false);  // warpgroup 0 goes first
+    if (w.t_lo < w.t_hi) {  // else no key to see: out 0, lse +inf
+        if (!FK_ATTN_TURNS_ACROSS_TILES && c == kC - 1) turn_end<kC>(c);  // warpgroup 0 goes first
         turn_begin<kC>(c);
         mbar_wait(&s.k_full[ks.slot], ks.phase);
         wgmma_fence();
-        issue_qk<T, D, kBN>(sc, s.q, s.k[ks.slot], c);
+        issue_qk<T, D, kBN>(sc, q, s.k[ks.slot], c);
         wgmma_commit();
-        turn_end<kC>(c, false);
+        turn_end<kC>(c);
         wgmma_wait<0>();
         wgmma_fence_operands(sc);
         if (t == 0) mbar_arrive(&s.k_empty[ks.slot]);
         ks.next();
-        if (w.t_lo + 1 == w.t_hi) release_q();
         softmax_tile<kBN>(sc, row_max, row_sum, alpha, p, w.s, wm0, r0, w.t_lo * kBN, fold, mul);
         pack_p<T, kBN>(pa, sc);
         for (int kt = w.t_lo + 1; kt < w.t_hi; kt++) {
             turn_begin<kC>(c);
             mbar_wait(&s.k_full[ks.slot], ks.phase);
             wgmma_fence();
-            issue_qk<T, D, kBN>(sc, s.q, s.k[ks.slot], c);
+            issue_qk<T, D, kBN>(sc, q, s.k[ks.slot], c);
             wgmma_commit();
             mbar_wait(&s.v_full[vs.slot], vs.phase);
             issue_pv<T, D, kBN>(o, pa, s.v[vs.slot]);
             wgmma_commit();
-            turn_end<kC>(c, false);
+            turn_end<kC>(c);
             wgmma_wait<1>();  // S_t is ready; P_(t-1) V_(t-1) still runs under its softmax
             wgmma_fence_operands(sc);
             if (t == 0) mbar_arrive(&s.k_empty[ks.slot]);
             ks.next();
-            if (kt + 1 == w.t_hi) release_q();
             softmax_tile<kBN>(sc, row_max, row_sum, alpha, p, w.s, wm0, r0, kt * kBN, fold, mul);
             wgmma_wait<0>();
             wgmma_fence_operands(o);
@@ -371,30 +384,35 @@ __device__ __forceinline__ void consume_tile(Smem<T, D> &s, const Params &p, con
         wgmma_fence_operands(o);
         if (t == 0) mbar_arrive(&s.v_empty[vs.slot]);
         vs.next();
-    } else {
-        release_q();  // no key to see: out 0, lse +inf
     }
-    epilogue<T, D>(s, p, w, o, row_max, row_sum, r0, mul);
+    epilogue<T, D>(s, p, w, slot, o, row_max, row_sum, r0, mul);
 }
 
-// Every consumer thread reads the tile index, then releases its slot (racecheck sees that order).
-template <typename T, int D> __device__ __forceinline__ void consumer(Smem<T, D> &s, const Params &p, int m_tiles) {
-    RingStage<1> qs;
-    RingStage<Cfg<D>::kStages> ks, vs;
+// Every consumer thread reads the tile, then releases its slot (racecheck sees that order).
+template <typename T, int D> __device__ __forceinline__ void consumer(Smem<T, D> &s, const Params &p) {
+    using C = Cfg<D>;
+    constexpr int kC = C::kConsumers;
+    const int c = threadIdx.x / 128 - 1;
+    RingStage<2> qs;
+    RingStage<C::kStages> ks, vs;
+    if (FK_ATTN_TURNS_ACROSS_TILES && c == kC - 1) turn_end<kC>(c);  // warpgroup 0 goes first
     for (RingStage<2> ts;; ts.next()) {
         mbar_wait(&s.tile_full[ts.slot], ts.phase);
-        // lane 0's copy, so ptxas sees a warp-uniform value: read from shared memory it is not
-        // (every branch on it then counted as divergent and the wgmmas were serialized: C7520)
-        const int64_t tile = __shfl_sync(0xffffffffu, s.tile[ts.slot], 0);
+        // lane 0's copy, so ptxas sees warp-uniform values: read from shared memory they are not
+        // (every branch on them then counted as divergent and the wgmmas were serialized: C7520)
+        const int4 at = s.tile[ts.slot];
+        const int b = __shfl_sync(0xffffffffu, at.x, 0), h = __shfl_sync(0xffffffffu, at.y, 0),
+                  m0 = __shfl_sync(0xffffffffu, at.z, 0);
         mbar_arrive(&s.tile_empty[ts.slot]);
-        if (tile < 0) break;
-        consume_tile<T, D>(s, p, work_of<Cfg<D>::kBM, Cfg<D>::kBN>(p, tile, m_tiles), qs, ks, vs);
+        if (b < 0) break;
+        consume_tile<T, D>(s, p, work_at<C::kBM, C::kBN>(p, b, h, m0), qs, ks, vs);
     }
+    if (FK_ATTN_TURNS_ACROSS_TILES && c == 0) turn_begin<kC>(c);  // the last warpgroup's last hand-over
 }
 
 // The grid walks the query tiles: one CTA an SM when plan.persistent (the producer loads the next
-// tile's K and Q while the consumers finish the last one's epilogue), else one CTA a tile. The
-// producer thread stays in its loop to the end: it arrives on the tile ring once more (-1).
+// tile's K and Q while the consumers finish the last one), else one CTA a tile. The producer
+// thread stays in its loop to the end: it arrives on the tile ring once more (b -1).
 template <typename T, int D>
 __global__ void __launch_bounds__(Cfg<D>::kThreads, 1)
     attention_fwd_wgmma_sm90(const __grid_constant__ CUtensorMap map_q, const __grid_constant__ CUtensorMap map_k,
@@ -403,7 +421,7 @@ __global__ void __launch_bounds__(Cfg<D>::kThreads, 1)
     extern __shared__ unsigned char smem_raw[];
     auto &s = *reinterpret_cast<Smem<T, D> *>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
     if (threadIdx.x == 0) {
-        mbar_init(&s.q_full, 1), mbar_init(&s.q_empty, Cfg<D>::kConsumers);
+        for (int i = 0; i < 2; i++) mbar_init(&s.q_full[i], 1), mbar_init(&s.q_empty[i], Cfg<D>::kConsumers * 128);
         for (int i = 0; i < Cfg<D>::kStages; i++) {
             mbar_init(&s.k_full[i], 1), mbar_init(&s.k_empty[i], Cfg<D>::kConsumers);
             mbar_init(&s.v_full[i], 1), mbar_init(&s.v_empty[i], Cfg<D>::kConsumers);
@@ -421,7 +439,7 @@ __global__ void __launch_bounds__(Cfg<D>::kThreads, 1)
         if (threadIdx.x == 0) producer<T, D>(s, &map_q, &map_k, &map_v, p, m_tiles, tiles);
     } else {
         setmaxnreg_inc<Cfg<D>::kRegsConsumer>();
-        consumer<T, D>(s, p, m_tiles);
+        consumer<T, D>(s, p);
     }
 #endif
 }
