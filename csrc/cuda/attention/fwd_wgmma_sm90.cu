@@ -7,7 +7,7 @@
 // clock: ~0.6 us, a third of the matmul time at D 128, two thirds at D 64): the softmax of one tile
 // must run under the matmuls of the next; the mma.sync kernel cannot, and stops at 285.
 // Registers (consumer, D 128): O 64 + S 64 fp32 + P 32 16-bit pairs = 160 of 232. Shared memory:
-// kQSlots x Q + kStages x (K + V): D 128 3 x 32 + 2 x 64 = 224 KB, D 64 3 x 16 + 3 x 32 = 144 KB;
+// Q, K and V rings of 32 KB tiles at D 128, 2 + 2 + 3 = 224 KB; of 16 KB at D 64, 3 + 3 + 3 = 144 KB;
 // one CTA an SM. At S 512 a tile has 4 key tiles: what a tile costs beyond them (its first S and
 // softmax with no P V to hide under, the last P V and the epilogue with no softmax) must hide too.
 // Measured (self-test, bf16, H100; the H200 within 2%): D 128, 16k tokens, S 512 / 1k / 4k / 16k:
@@ -46,6 +46,9 @@
 #ifndef FK_ATTN_D64_BN  // A/B switch: keys a K / V tile at D 64 (128 or 192)
 #define FK_ATTN_D64_BN 128
 #endif
+#ifndef FK_ATTN_D128_V_STAGES  // A/B switch: V stages at D 128 (3, with 2 Q slots; or 2, with 3)
+#define FK_ATTN_D128_V_STAGES 3
+#endif
 #ifndef FK_ATTN_D128_BN  // A/B switch: keys a K / V tile at D 128 (128, or 176 as FlashAttention-3)
 #define FK_ATTN_D128_BN 128
 #endif
@@ -59,8 +62,7 @@ using mm::wgmma_m64n64k16_rs;
 
 constexpr int kBoxCols = 64;                         // a 128-byte swizzled TMA box is 64 columns wide
 
-// Two consumer warpgroups (O + S + P: 160 registers a thread at D 128, 128 at D 64, of 232); D 128
-// fills 160 KB with two stages, D 64 takes three (112 KB). Three consumers at D 64 (192 rows, 160
+// Two consumer warpgroups (O + S + P: 160 registers a thread at D 128, 128 at D 64, of 232). Three consumers at D 64 (192 rows, 160
 // registers: spills) measured 486 vs 476 TFLOP/s at S 4096 as one CTA a tile, but 344 persistent
 // and 307 vs 320 causal (H100); with the dynamic walk +4% at S 4096 full, -5 to -23% at causal and
 // short S (H200, D-106): two it is. Registers (registers_fit): two consumers at 232 and the
@@ -69,10 +71,12 @@ template <int D> struct Cfg {
     static constexpr int kConsumers = D == 64 ? FK_ATTN_D64_CONSUMERS : 2;
     static constexpr int kBM = 64 * kConsumers, kBN = D == 64 ? FK_ATTN_D64_BN : FK_ATTN_D128_BN;  // query rows, keys
     static constexpr int kThreads = 128 * (1 + kConsumers);
-    static constexpr int kStages = D == 64 ? 3 : 2;
-    // Q slots: a tile's Q, then its O (staged in the next tile's first turn), and the next tile's Q
-    // loaded ahead (D 128: 224 KB of shared memory with them).
-    static constexpr int kQSlots = 3;
+    // Ring depths. Q: a tile's Q, then its O (staged in the next tile's first turn), and the next
+    // tile's Q loaded ahead. V: a tile's last V stays until the next tile's first turn, so the
+    // next tile's loads have one slot fewer. D 128 has room for 7 x 32 KB: Q 2, K 2, V 3 by
+    // default, or Q 3, K 2, V 2 (FK_ATTN_D128_V_STAGES 2).
+    static constexpr int kKStages = D == 64 ? 3 : 2, kVStages = D == 64 ? 3 : FK_ATTN_D128_V_STAGES;
+    static constexpr int kQSlots = D == 64 || kVStages == 2 ? 3 : 2;
     static constexpr int kRegsProducer = kConsumers == 2 ? 40 : 32, kRegsConsumer = kConsumers == 2 ? 232 : 160;
     static constexpr int kBoxes = D / kBoxCols;
     static constexpr uint32_t kQBytes = kBM * D * 2, kKVBytes = kBN * D * 2;
@@ -84,14 +88,14 @@ template <int D> struct Cfg {
 enum NamedBarrier { kTurn0 = 1, kStage0 = 5 };
 
 template <typename T, int D> struct Smem {
-    static constexpr int kStages = Cfg<D>::kStages;
     // A ring of Q tiles (Cfg::kQSlots); a finished tile's O is staged in its own slot (a
     // warpgroup's 64 rows of each box, the TMA layout), which is released after.
     alignas(1024) T q[Cfg<D>::kQSlots][Cfg<D>::kBM * D];  // D / 64 boxes of kBM rows x 64 columns
-    alignas(1024) T k[kStages][Cfg<D>::kBN * D];  // the same, kBN keys
-    alignas(1024) T v[kStages][Cfg<D>::kBN * D];
+    alignas(1024) T k[Cfg<D>::kKStages][Cfg<D>::kBN * D];  // the same, kBN keys
+    alignas(1024) T v[Cfg<D>::kVStages][Cfg<D>::kBN * D];
     int4 tile[2];  // the walk's next tiles, producer to consumers: (b, h, m0); b -1: the walk is over
-    uint64_t q_full[Cfg<D>::kQSlots], q_empty[Cfg<D>::kQSlots], k_full[kStages], k_empty[kStages], v_full[kStages], v_empty[kStages];
+    uint64_t q_full[Cfg<D>::kQSlots], q_empty[Cfg<D>::kQSlots], k_full[Cfg<D>::kKStages],
+        k_empty[Cfg<D>::kKStages], v_full[Cfg<D>::kVStages], v_empty[Cfg<D>::kVStages];
     uint64_t tile_full[2], tile_empty[2];
 };
 template <int D> constexpr int kSmemBytes = sizeof(Smem<__half, D>) + 1024;  // + room to align to 1024
@@ -130,7 +134,8 @@ __device__ __forceinline__ void producer(Smem<T, D> &s, const CUtensorMap *map_q
     using C = Cfg<D>;
     constexpr int kBN = C::kBN;
     RingStage<C::kQSlots> qs;
-    RingStage<C::kStages> ks, vs;
+    RingStage<C::kKStages> ks;
+    RingStage<C::kVStages> vs;
     auto load_k = [&](const Work &w, int t) {
         mbar_wait(&s.k_empty[ks.slot], ks.phase ^ 1);  // the first pass finds every slot free
         mbar_arrive_expect_tx(&s.k_full[ks.slot], C::kKVBytes);
@@ -335,7 +340,8 @@ template <typename T, int D> __device__ __forceinline__ void consumer(Smem<T, D>
     const bool fold = p.scale_log2 > 0.0f;
     const float mul = fold ? p.scale_log2 : 1.0f;
     RingStage<C::kQSlots> qs;
-    RingStage<C::kStages> ks, vs;
+    RingStage<C::kKStages> ks;
+    RingStage<C::kVStages> vs;
     float o[D / 2], sc[kBN / 2], row_max[2], row_sum[2], alpha[2], last_max[2], last_sum[2];
     uint32_t pa[kBN / 16][4];
     Work last;  // the tile whose last P V is held back (has_last), its Q slot, and its statistics
@@ -465,10 +471,8 @@ __global__ void __launch_bounds__(Cfg<D>::kThreads, 1)
     if (threadIdx.x == 0) {
         for (int i = 0; i < Cfg<D>::kQSlots; i++)
             mbar_init(&s.q_full[i], 1), mbar_init(&s.q_empty[i], Cfg<D>::kConsumers * 128);
-        for (int i = 0; i < Cfg<D>::kStages; i++) {
-            mbar_init(&s.k_full[i], 1), mbar_init(&s.k_empty[i], Cfg<D>::kConsumers);
-            mbar_init(&s.v_full[i], 1), mbar_init(&s.v_empty[i], Cfg<D>::kConsumers);
-        }
+        for (int i = 0; i < Cfg<D>::kKStages; i++) mbar_init(&s.k_full[i], 1), mbar_init(&s.k_empty[i], Cfg<D>::kConsumers);
+        for (int i = 0; i < Cfg<D>::kVStages; i++) mbar_init(&s.v_full[i], 1), mbar_init(&s.v_empty[i], Cfg<D>::kConsumers);
         for (int i = 0; i < 2; i++) mbar_init(&s.tile_full[i], 1), mbar_init(&s.tile_empty[i], Cfg<D>::kConsumers * 128);
         fence_barrier_init();
         prefetch_tensormap(&map_q), prefetch_tensormap(&map_k), prefetch_tensormap(&map_v);
