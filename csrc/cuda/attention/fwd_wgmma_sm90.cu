@@ -62,8 +62,8 @@ using mm::wgmma_m64n64k16_rs;
 
 constexpr int kBoxCols = 64;                         // a 128-byte swizzled TMA box is 64 columns wide
 
-// Two consumer warpgroups (O + S + P: 160 registers a thread at D 128, 128 at D 64, of 232). Three consumers at D 64 (192 rows, 160
-// registers: spills) measured 486 vs 476 TFLOP/s at S 4096 as one CTA a tile, but 344 persistent
+// Two consumer warpgroups (O + S + P: 160 registers a thread at D 128, 128 at D 64, of 232).
+// Three consumers at D 64 (192 rows, 160 registers: spills) measured 486 vs 476 TFLOP/s at S 4096 as one CTA a tile, but 344 persistent
 // and 307 vs 320 causal (H100); with the dynamic walk +4% at S 4096 full, -5 to -23% at causal and
 // short S (H200, D-106): two it is. Registers (registers_fit): two consumers at 232 and the
 // producer at 40 spill nothing; at 24 the producer spilled its tile walk (60 bytes).
