@@ -559,6 +559,16 @@ def test_cuda_backward_tile_edges(sq, sk, d, poison):
 
 
 @needs_cuda
+@pytest.mark.parametrize("d", [64, 128])
+def test_cuda_forward_walks_many_tiles(d, poison):
+    """The Hopper forward's persistent walk with ~2-4 query tiles a CTA (100-150 SMs), tiles whose
+    rows see no key among them (bottom-right causal with sq > sk leaves rows 0..383 without keys; a
+    window): its ping-pong turns, Q ring and output staging carry on from tile to tile."""
+    check(*qkv(4, 1024, 640, 8, 4, d, torch.bfloat16, "cuda"), causal=True, grad=False)
+    check(*qkv(4, 1100, 1100, 8, 8, d, torch.float16, "cuda"), window=(200, 50), grad=False)
+
+
+@needs_cuda
 @pytest.mark.parametrize("sk", [8192, 32768])
 def test_cuda_decoding(sk, cuda_path, poison):
     check(*qkv(8, 1, sk, 32, 8, 128, torch.bfloat16, "cuda"), grad=sk == 8192)

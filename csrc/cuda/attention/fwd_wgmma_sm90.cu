@@ -7,8 +7,9 @@
 // clock: ~0.6 us, a third of the matmul time at D 128, two thirds at D 64): the softmax of one tile
 // must run under the matmuls of the next; the mma.sync kernel cannot, and stops at 285.
 // Registers (consumer, D 128): O 64 + S 64 fp32 + P 32 16-bit pairs = 160 of 232. Shared memory:
-// Q + kStages x (K + V) + the output stages: D 128 32 + 2 x 64 + 34 = 194 KB, D 64 16 + 3 x 32 +
-// 18 = 130 KB; one CTA an SM.
+// Q, K and V rings of 32 KB tiles at D 128, 2 + 2 + 3 = 224 KB; of 16 KB at D 64, 3 + 3 + 3 = 144 KB;
+// one CTA an SM. At S 512 a tile has 4 key tiles: what a tile costs beyond them (its first S and
+// softmax with no P V to hide under, the last P V and the epilogue with no softmax) must hide too.
 // Measured (self-test, bf16, H100; the H200 within 2%): D 128, 16k tokens, S 512 / 1k / 4k / 16k:
 // 464 / 568 / 674 / 689 TFLOP/s, causal 237 / 362 / 568 / 693; D 64 387 / - / 469 / 499, B 8 H 32
 // S 2048 445. Short and causal S lose to per-tile set-up.
@@ -19,14 +20,17 @@
 // consumers through a two-slot ring in shared memory; with FK_ATTN_FWD_DYNAMIC 0, a static walk
 // without a mask band and one CTA a tile with one.
 // Warpgroup 0, the producer: one thread loads per tile K_(t_lo), Q, then K_t and V_(t-1) through
-// mbarrier rings (128-byte swizzle; rows past the sequence end zero-filled). Warpgroups 1, 2 own
+// mbarrier rings (128-byte swizzle; rows past the sequence end zero-filled), Q up to two tiles
+// ahead (a ring of kQSlots = 3; a slot stages its tile's O, then goes back). Warpgroups 1, 2 own
 // 64 query rows each. Per key tile t, S_t = Q K_tᵀ (wgmma SS) and O += P_(t-1) V_(t-1) (wgmma, P
 // from registers) issue together; the softmax of S_t (mask where the tile crosses the band or the
 // end, running max, exp2 with scale x log2 e folded into one FFMA, running sum) runs under the P V
 // product; then O is rescaled and P_t packed. The warpgroups take turns issuing (named barriers
 // kTurn0 + c; H200: D 64 355 -> 417 TFLOP/s, D 128 649 -> 663), one's softmax under the other's
-// matmuls. Key tiles outside the band are never loaded. Epilogue: O / sum from registers, lse =
-// (max + log2 sum) ln 2; a row that sees no key gets out 0, lse +inf.
+// matmuls, and the turns run on from tile to tile; a tile's last P V waits for the next tile's
+// first turn, so that the epilogue and the next first softmax run under matmuls too (D-135). Key
+// tiles outside the band are never loaded. Epilogue: O / sum from registers through the tile's Q
+// slot, lse = (max + log2 sum) ln 2; a row that sees no key gets out 0, lse +inf.
 #include "../hopper.cuh"
 #include "../matmul/wgmma_ops.cuh"
 #include "attention.cuh"
@@ -42,6 +46,9 @@
 #ifndef FK_ATTN_D64_BN  // A/B switch: keys a K / V tile at D 64 (128 or 192)
 #define FK_ATTN_D64_BN 128
 #endif
+#ifndef FK_ATTN_D128_V_STAGES  // A/B switch: V stages at D 128 (3, with 2 Q slots; or 2, with 3)
+#define FK_ATTN_D128_V_STAGES 3
+#endif
 #ifndef FK_ATTN_D128_BN  // A/B switch: keys a K / V tile at D 128 (128, or 176 as FlashAttention-3)
 #define FK_ATTN_D128_BN 128
 #endif
@@ -55,9 +62,8 @@ using mm::wgmma_m64n64k16_rs;
 
 constexpr int kBoxCols = 64;                         // a 128-byte swizzled TMA box is 64 columns wide
 
-// Two consumer warpgroups (O + S + P: 160 registers a thread at D 128, 128 at D 64, of 232); D 128
-// fills 160 KB with two stages, D 64 takes three (112 KB). Three consumers at D 64 (192 rows, 160
-// registers: spills) measured 486 vs 476 TFLOP/s at S 4096 as one CTA a tile, but 344 persistent
+// Two consumer warpgroups (O + S + P: 160 registers a thread at D 128, 128 at D 64, of 232).
+// Three consumers at D 64 (192 rows, 160 registers: spills) measured 486 vs 476 TFLOP/s at S 4096 as one CTA a tile, but 344 persistent
 // and 307 vs 320 causal (H100); with the dynamic walk +4% at S 4096 full, -5 to -23% at causal and
 // short S (H200, D-106): two it is. Registers (registers_fit): two consumers at 232 and the
 // producer at 40 spill nothing; at 24 the producer spilled its tile walk (60 bytes).
@@ -65,7 +71,12 @@ template <int D> struct Cfg {
     static constexpr int kConsumers = D == 64 ? FK_ATTN_D64_CONSUMERS : 2;
     static constexpr int kBM = 64 * kConsumers, kBN = D == 64 ? FK_ATTN_D64_BN : FK_ATTN_D128_BN;  // query rows, keys
     static constexpr int kThreads = 128 * (1 + kConsumers);
-    static constexpr int kStages = D == 64 ? 3 : 2;
+    // Ring depths. Q: a tile's Q, then its O (staged in the next tile's first turn), and the next
+    // tile's Q loaded ahead. V: a tile's last V stays until the next tile's first turn, so the
+    // next tile's loads have one slot fewer. D 128 has room for 7 x 32 KB: Q 2, K 2, V 3 by
+    // default, or Q 3, K 2, V 2 (FK_ATTN_D128_V_STAGES 2).
+    static constexpr int kKStages = D == 64 ? 3 : 2, kVStages = D == 64 ? 3 : FK_ATTN_D128_V_STAGES;
+    static constexpr int kQSlots = D == 64 || kVStages == 2 ? 3 : 2;
     static constexpr int kRegsProducer = kConsumers == 2 ? 40 : 32, kRegsConsumer = kConsumers == 2 ? 232 : 160;
     static constexpr int kBoxes = D / kBoxCols;
     static constexpr uint32_t kQBytes = kBM * D * 2, kKVBytes = kBN * D * 2;
@@ -77,49 +88,54 @@ template <int D> struct Cfg {
 enum NamedBarrier { kTurn0 = 1, kStage0 = 5 };
 
 template <typename T, int D> struct Smem {
-    static constexpr int kStages = Cfg<D>::kStages;
-    alignas(1024) T q[Cfg<D>::kBM * D];     // D / 64 boxes of kBM rows x 64 columns
-    alignas(1024) T k[kStages][Cfg<D>::kBN * D];  // the same, kBN keys
-    alignas(1024) T v[kStages][Cfg<D>::kBN * D];
-    alignas(16) T out[Cfg<D>::kConsumers][64 * (D + 8)];  // a warpgroup's O rows, padded 16 bytes
-    int64_t tile[2];  // the walk's next tiles, producer to consumers; -1: the walk is over
-    uint64_t q_full, q_empty, k_full[kStages], k_empty[kStages], v_full[kStages], v_empty[kStages];
+    // A ring of Q tiles (Cfg::kQSlots); a finished tile's O is staged in its own slot (a
+    // warpgroup's 64 rows of each box, the TMA layout), which is released after.
+    alignas(1024) T q[Cfg<D>::kQSlots][Cfg<D>::kBM * D];  // D / 64 boxes of kBM rows x 64 columns
+    alignas(1024) T k[Cfg<D>::kKStages][Cfg<D>::kBN * D];  // the same, kBN keys
+    alignas(1024) T v[Cfg<D>::kVStages][Cfg<D>::kBN * D];
+    int4 tile[2];  // the walk's next tiles, producer to consumers: (b, h, m0); b -1: the walk is over
+    uint64_t q_full[Cfg<D>::kQSlots], q_empty[Cfg<D>::kQSlots], k_full[Cfg<D>::kKStages],
+        k_empty[Cfg<D>::kKStages], v_full[Cfg<D>::kVStages], v_empty[Cfg<D>::kVStages];
     uint64_t tile_full[2], tile_empty[2];
 };
 template <int D> constexpr int kSmemBytes = sizeof(Smem<__half, D>) + 1024;  // + room to align to 1024
 static_assert(kSmemBytes<128> <= 227 * 1024 && kSmemBytes<64> <= 227 * 1024, "fits Hopper's shared memory");
 
 // Query tile `tile` of the persistent walk (query tiles fastest, the ones with the most keys first
-// under a causal mask, so the heads sharing K / V in L2 run together) and the key tiles [t_lo, t_hi)
-// its rows see.
+// under a causal mask, so the heads sharing K / V in L2 run together): (b, h, m0), and from those
+// the key tiles [t_lo, t_hi) its rows see. The producer divides; the consumers get (b, h, m0).
 struct Work {
     Seq s;
     int b, h, g, m0, t_lo, t_hi;
 };
-template <int kBM, int kBN> __device__ __forceinline__ Work work_of(const Params &p, int64_t tile, int m_tiles) {
+template <int kBM, int kBN> __device__ __forceinline__ Work work_at(const Params &p, int b, int h, int m0) {
     Work w;
-    w.b = (int)(tile / m_tiles / p.heads), w.h = (int)(tile / m_tiles % p.heads);
+    w.b = b, w.h = h, w.m0 = m0;
     w.g = w.h / (int)(p.heads / p.kv_heads);
     // Dense batches only (the plan keeps varlen on sm_80): the geometry comes from the constant
     // bank and costs the consumers no registers across the key loop.
     w.s.q0 = (int64_t)w.b * p.sq, w.s.k0 = (int64_t)w.b * p.sk, w.s.sq = (int)p.sq, w.s.sk = (int)p.sk;
     w.s.shift = p.top_left ? 0 : p.sk - p.sq;
-    w.m0 = (m_tiles - 1 - (int)(tile % m_tiles)) * kBM;
     const Range keys = key_range(p, w.s, w.m0, min(w.m0 + kBM, w.s.sq));
     w.t_lo = keys.lo / kBN;
     w.t_hi = keys.hi > keys.lo ? (keys.hi + kBN - 1) / kBN : w.t_lo;
     return w;
 }
+template <int kBM> __device__ __forceinline__ int4 tile_at(const Params &p, int64_t tile, int m_tiles) {
+    return make_int4((int)(tile / m_tiles / p.heads), (int)(tile / m_tiles % p.heads),
+                     (m_tiles - 1 - (int)(tile % m_tiles)) * kBM, 0);
+}
 
-// One thread, per tile of the walk: K_(t_lo), Q (once the consumers are done with the previous
-// tile's), then K_t and V_(t-1) alternately: the order the consumers take them.
+// One thread, per tile of the walk: K_(t_lo), Q (into the slot of kQSlots tiles ago, freed after
+// its epilogue), then K_t and V_(t-1) alternately: the order the consumers take them.
 template <typename T, int D>
 __device__ __forceinline__ void producer(Smem<T, D> &s, const CUtensorMap *map_q, const CUtensorMap *map_k,
                                          const CUtensorMap *map_v, const Params &p, int m_tiles, int64_t tiles) {
     using C = Cfg<D>;
     constexpr int kBN = C::kBN;
-    RingStage<1> qs;
-    RingStage<C::kStages> ks, vs;
+    RingStage<C::kQSlots> qs;
+    RingStage<C::kKStages> ks;
+    RingStage<C::kVStages> vs;
     auto load_k = [&](const Work &w, int t) {
         mbar_wait(&s.k_empty[ks.slot], ks.phase ^ 1);  // the first pass finds every slot free
         mbar_arrive_expect_tx(&s.k_full[ks.slot], C::kKVBytes);
@@ -135,18 +151,20 @@ __device__ __forceinline__ void producer(Smem<T, D> &s, const CUtensorMap *map_q
         const int64_t next = tile >= tiles ? tiles
                              : p.next_tile ? gridDim.x + (int64_t)atomicAdd(p.next_tile, 1ull)
                                            : tile + gridDim.x;
+        const int4 at = tile < tiles ? tile_at<C::kBM>(p, tile, m_tiles) : make_int4(-1, 0, 0, 0);
         mbar_wait(&s.tile_empty[ts.slot], ts.phase ^ 1);
-        s.tile[ts.slot] = tile < tiles ? tile : -1;
+        s.tile[ts.slot] = at;
         mbar_arrive(&s.tile_full[ts.slot]);  // releases the store to the consumers
         ts.next();
         if (tile >= tiles) break;
-        const Work w = work_of<C::kBM, kBN>(p, tile, m_tiles);
+        const Work w = work_at<C::kBM, kBN>(p, at.x, at.y, at.z);
         if (w.t_lo < w.t_hi) load_k(w, w.t_lo);
-        mbar_wait(&s.q_empty, qs.phase ^ 1);
-        mbar_arrive_expect_tx(&s.q_full, C::kQBytes);
+        mbar_wait(&s.q_empty[qs.slot], qs.phase ^ 1);
+        mbar_arrive_expect_tx(&s.q_full[qs.slot], C::kQBytes);
 #pragma unroll
         for (int box = 0; box < C::kBoxes; box++)
-            tma_load_4d(s.q + box * C::kBM * kBoxCols, map_q, &s.q_full, box * kBoxCols, w.m0, w.h, w.b);
+            tma_load_4d(s.q[qs.slot] + box * C::kBM * kBoxCols, map_q, &s.q_full[qs.slot], box * kBoxCols, w.m0, w.h,
+                        w.b);
         qs.next();
         for (int t = w.t_lo + 1; t <= w.t_hi; t++) {
             if (t < w.t_hi) load_k(w, t);
@@ -257,28 +275,32 @@ template <int N> __device__ __forceinline__ void rescale(float (&o)[N], const fl
 }
 
 // Ping-pong: warpgroup c issues its matmuls between turn_begin and turn_end; warpgroup c + 1's
-// turn follows (round robin). The last warpgroup opens with an arrival that lets warpgroup 0 go
-// first and skips its last one, so every wait on a barrier meets exactly one arrival.
+// turn follows (round robin). Both warpgroups take the same turns (the tiles' key tiles, and a
+// turn for a held-back P V alone), so the order runs on across tiles: one warpgroup's epilogue
+// and next tile's set-up run under the other's products. The last warpgroup arrives once before
+// its first turn (warpgroup 0 goes first) and warpgroup 0 waits once after its last, so every
+// arrival meets exactly one wait.
 template <int kConsumers> __device__ __forceinline__ void turn_begin(int c) {
     if (FK_ATTN_PINGPONG) named_barrier_sync(kTurn0 + c, 2 * 128);
 }
-template <int kConsumers> __device__ __forceinline__ void turn_end(int c, bool last) {
-    if (FK_ATTN_PINGPONG && !(c == kConsumers - 1 && last))
-        named_barrier_arrive(kTurn0 + (c + 1 == kConsumers ? 0 : c + 1), 2 * 128);
+template <int kConsumers> __device__ __forceinline__ void turn_end(int c) {
+    if (FK_ATTN_PINGPONG) named_barrier_arrive(kTurn0 + (c + 1 == kConsumers ? 0 : c + 1), 2 * 128);
 }
 
-// O / sum through warpgroup c's row-major stage in shared memory (rows padded by 16 bytes: the
-// pair writes and the 16-byte reads are bank-conflict-free), then 16-byte row stores. Direct
-// stores of the accumulator's 4-byte pairs (8 rows of 16 bytes a warp store): S 1024 fwd 2.9-7.8%
-// slower, S 4096 level (D-103).
+// O / sum staged in the tile's Q slot: warpgroup c's own 64 rows of each box (its wgmmas are done
+// with them), in Q's TMA layout (16-byte chunk j of row r at j ^ (r % 8)): the pair writes and the
+// 16-byte reads are bank-conflict-free. Then 16-byte row stores, and the slot goes back to the
+// producer. Direct stores of the accumulator's 4-byte pairs (8 rows of 16 bytes a warp store):
+// S 1024 fwd 2.9-7.8% slower, S 4096 level (D-103).
 template <typename T, int D>
-__device__ __forceinline__ void epilogue(Smem<T, D> &s, const Params &p, const Work &w, const float (&o)[D / 2],
-                                         const float (&row_max)[2], const float (&row_sum)[2], int r0, float mul) {
+__device__ __forceinline__ void epilogue(Smem<T, D> &s, const Params &p, const Work &w, int slot,
+                                         const float (&o)[D / 2], const float (&row_max)[2],
+                                         const float (&row_sum)[2], float mul) {
     constexpr float kLn2 = 0.693147180559945309f;
-    constexpr int kRow = D + 8;
+    constexpr int kBox = Cfg<D>::kBM * kBoxCols;  // elements a box of the slot
     const int c = threadIdx.x / 128 - 1, t = threadIdx.x % 128, lane = t % 32;
-    T *stage = s.out[c];
-    named_barrier_sync(kStage0 + c, 128);  // the last tile's reads of the stage are done
+    const int r0 = w.m0 + 64 * c + 16 * (t / 32) + lane / 4;
+    T *stage = s.q[slot] + c * 64 * kBoxCols;
 #pragma unroll
     for (int hr = 0; hr < 2; hr++) {
         const int i = r0 + 8 * hr, lr = 16 * (t / 32) + lane / 4 + 8 * hr;
@@ -286,8 +308,8 @@ __device__ __forceinline__ void epilogue(Smem<T, D> &s, const Params &p, const W
         const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
 #pragma unroll
         for (int j = 0; j < D / 8; j++)
-            *reinterpret_cast<uint32_t *>(stage + lr * kRow + 8 * j + 2 * (lane & 3)) =
-                pack2<T>(o[4 * j + 2 * hr] * inv, o[4 * j + 2 * hr + 1] * inv);
+            *reinterpret_cast<uint32_t *>(stage + (j / 8) * kBox + lr * kBoxCols + ((j % 8) ^ (lr % 8)) * 8 +
+                                          2 * (lane & 3)) = pack2<T>(o[4 * j + 2 * hr] * inv, o[4 * j + 2 * hr + 1] * inv);
         if ((lane & 3) == 0 && i < w.s.sq)
             p.lse[lse_index(p, w.s, w.b, w.h, i)] = sum > 0.0f ? (row_max[hr] * mul + log2f(sum)) * kLn2 : INFINITY;
     }
@@ -296,105 +318,149 @@ __device__ __forceinline__ void epilogue(Smem<T, D> &s, const Params &p, const W
     T *out = static_cast<T *>(p.out) + (int64_t)w.b * p.o_batch + (int64_t)m0 * p.o_row + (int64_t)w.h * p.o_head;
 #pragma unroll
     for (int k = t; k < 64 * D / 8; k += 128) {
-        const int row = k / (D / 8), col = 8 * (k % (D / 8));
+        const int row = k / (D / 8), j = k % (D / 8);
         if (row < rows)
-            *reinterpret_cast<uint4 *>(out + row * p.o_row + col) =
-                *reinterpret_cast<const uint4 *>(stage + row * kRow + col);
+            *reinterpret_cast<uint4 *>(out + row * p.o_row + 8 * j) =
+                *reinterpret_cast<const uint4 *>(stage + (j / 8) * kBox + row * kBoxCols + ((j % 8) ^ (row % 8)) * 8);
     }
+    fence_proxy_async_shared();  // the stage's accesses before the TMA write that refills the slot
+    mbar_arrive(&s.q_empty[slot]);
 }
 
-// One query tile for warpgroup c: the key loop, Q released after its last S, then the epilogue.
-template <typename T, int D>
-__device__ __forceinline__ void consume_tile(Smem<T, D> &s, const Params &p, const Work &w, RingStage<1> &qs,
-                                             RingStage<Cfg<D>::kStages> &ks, RingStage<Cfg<D>::kStages> &vs) {
+// The consumers' loop: per key tile t of a query tile, one turn issues S_t = Q K_tᵀ with P_(t-1)
+// V_(t-1); the softmax of S_t runs under the P V product. A tile's last P V is held back and
+// issued in the next tile's first turn, with its first S: the last tile's epilogue (O, rescaled
+// no more, read once that P V is done) and the new tile's first softmax both run under it, as in
+// any other turn. A tile without keys, or the walk's end, issues the held-back P V alone.
+template <typename T, int D> __device__ __forceinline__ void consumer(Smem<T, D> &s, const Params &p) {
     using C = Cfg<D>;
     constexpr int kC = C::kConsumers, kBN = C::kBN;
     const int c = threadIdx.x / 128 - 1, t = threadIdx.x % 128;
-    const int wm0 = w.m0 + 64 * c, r0 = wm0 + 16 * (t / 32) + (t % 32) / 4;  // rows r0 and r0 + 8
     // The scale folds into the exponent's FFMA when positive; any other scale multiplies S first.
     const bool fold = p.scale_log2 > 0.0f;
     const float mul = fold ? p.scale_log2 : 1.0f;
-    float o[D / 2], sc[kBN / 2], row_max[2] = {-INFINITY, -INFINITY}, row_sum[2] = {0.0f, 0.0f}, alpha[2];
+    RingStage<C::kQSlots> qs;
+    RingStage<C::kKStages> ks;
+    RingStage<C::kVStages> vs;
+    float o[D / 2], sc[kBN / 2], row_max[2], row_sum[2], alpha[2], last_max[2], last_sum[2];
     uint32_t pa[kBN / 16][4];
+    Work last;  // the tile whose last P V is held back (has_last), its Q slot, and its statistics
+    int last_slot = 0;
+    bool has_last = false;
+    auto zero_o = [&]() {
 #pragma unroll
-    for (int e = 0; e < D / 2; e++) o[e] = 0.0f;
-    auto release_q = [&]() {
-        if (t == 0) mbar_arrive(&s.q_empty);
+        for (int e = 0; e < D / 2; e++) o[e] = 0.0f;
     };
-    mbar_wait(&s.q_full, qs.phase);
-    qs.next();
-    if (w.t_lo < w.t_hi) {
-        if (c == kC - 1) turn_end<kC>(c, false);  // warpgroup 0 goes first
-        turn_begin<kC>(c);
-        mbar_wait(&s.k_full[ks.slot], ks.phase);
-        wgmma_fence();
-        issue_qk<T, D, kBN>(sc, s.q, s.k[ks.slot], c);
-        wgmma_commit();
-        turn_end<kC>(c, false);
+    auto wait_pv = [&]() {  // the held-back P V is done: V's stage goes back
         wgmma_wait<0>();
-        wgmma_fence_operands(sc);
-        if (t == 0) mbar_arrive(&s.k_empty[ks.slot]);
-        ks.next();
-        if (w.t_lo + 1 == w.t_hi) release_q();
-        softmax_tile<kBN>(sc, row_max, row_sum, alpha, p, w.s, wm0, r0, w.t_lo * kBN, fold, mul);
+        wgmma_fence_operands(o);
+        if (t == 0) mbar_arrive(&s.v_empty[vs.slot]);
+        vs.next();
+    };
+    auto issue_pv_turn = [&]() {
+        mbar_wait(&s.v_full[vs.slot], vs.phase);
+        issue_pv<T, D, kBN>(o, pa, s.v[vs.slot]);
+        wgmma_commit();
+    };
+    zero_o();
+    if (c == kC - 1) turn_end<kC>(c);  // warpgroup 0 takes the first turn
+    for (RingStage<2> ts;; ts.next()) {
+        mbar_wait(&s.tile_full[ts.slot], ts.phase);
+        // lane 0's copy, so ptxas sees warp-uniform values: read from shared memory they are not
+        // (every branch on them then counted as divergent and the wgmmas were serialized: C7520)
+        const int4 at = s.tile[ts.slot];
+        const int b = __shfl_sync(0xffffffffu, at.x, 0), h = __shfl_sync(0xffffffffu, at.y, 0),
+                  m0 = __shfl_sync(0xffffffffu, at.z, 0);
+        mbar_arrive(&s.tile_empty[ts.slot]);
+        if (b < 0) break;
+        const Work w = work_at<C::kBM, kBN>(p, b, h, m0);
+        const int wm0 = w.m0 + 64 * c, r0 = wm0 + 16 * (t / 32) + (t % 32) / 4;  // rows r0 and r0 + 8
+        const int slot = qs.slot;
+        const T *q = s.q[slot];
+        mbar_wait(&s.q_full[slot], qs.phase);
+        qs.next();
+        if (w.t_lo == w.t_hi) {  // no key to see: out 0, lse +inf
+            if (has_last) {
+                turn_begin<kC>(c);
+                wgmma_fence();
+                issue_pv_turn();
+                turn_end<kC>(c);
+                wait_pv();
+                epilogue<T, D>(s, p, last, last_slot, o, row_max, row_sum, mul);
+                zero_o();
+                has_last = false;
+            }
+            row_max[0] = row_max[1] = -INFINITY, row_sum[0] = row_sum[1] = 0.0f;
+            epilogue<T, D>(s, p, w, slot, o, row_max, row_sum, mul);
+            continue;
+        }
+        // The first turn, in two copies: ptxas must see every wgmma wait on the path to the
+        // registers it guards (one branch on has_last for the issue and another for the wait:
+        // C7514, every wgmma serialized).
+        auto first_turn = [&](bool with_pv) {
+            turn_begin<kC>(c);
+            mbar_wait(&s.k_full[ks.slot], ks.phase);
+            wgmma_fence();
+            issue_qk<T, D, kBN>(sc, q, s.k[ks.slot], c);
+            wgmma_commit();
+            if (with_pv) issue_pv_turn();
+            turn_end<kC>(c);
+        };
+        auto first_softmax = [&]() {
+            wgmma_fence_operands(sc);
+            if (t == 0) mbar_arrive(&s.k_empty[ks.slot]);
+            ks.next();
+#pragma unroll
+            for (int hr = 0; hr < 2; hr++)
+                last_max[hr] = row_max[hr], last_sum[hr] = row_sum[hr], row_max[hr] = -INFINITY, row_sum[hr] = 0.0f;
+            softmax_tile<kBN>(sc, row_max, row_sum, alpha, p, w.s, wm0, r0, w.t_lo * kBN, fold, mul);
+        };
+        if (has_last) {
+            first_turn(true);
+            wgmma_wait<1>();  // S is ready; the last tile's P V still runs under its softmax
+            first_softmax();
+            wait_pv();
+            epilogue<T, D>(s, p, last, last_slot, o, last_max, last_sum, mul);
+            zero_o();
+        } else {
+            first_turn(false);
+            wgmma_wait<0>();
+            first_softmax();
+        }
         pack_p<T, kBN>(pa, sc);
         for (int kt = w.t_lo + 1; kt < w.t_hi; kt++) {
             turn_begin<kC>(c);
             mbar_wait(&s.k_full[ks.slot], ks.phase);
             wgmma_fence();
-            issue_qk<T, D, kBN>(sc, s.q, s.k[ks.slot], c);
+            issue_qk<T, D, kBN>(sc, q, s.k[ks.slot], c);
             wgmma_commit();
-            mbar_wait(&s.v_full[vs.slot], vs.phase);
-            issue_pv<T, D, kBN>(o, pa, s.v[vs.slot]);
-            wgmma_commit();
-            turn_end<kC>(c, false);
+            issue_pv_turn();
+            turn_end<kC>(c);
             wgmma_wait<1>();  // S_t is ready; P_(t-1) V_(t-1) still runs under its softmax
             wgmma_fence_operands(sc);
             if (t == 0) mbar_arrive(&s.k_empty[ks.slot]);
             ks.next();
-            if (kt + 1 == w.t_hi) release_q();
             softmax_tile<kBN>(sc, row_max, row_sum, alpha, p, w.s, wm0, r0, kt * kBN, fold, mul);
-            wgmma_wait<0>();
-            wgmma_fence_operands(o);
-            if (t == 0) mbar_arrive(&s.v_empty[vs.slot]);
-            vs.next();
+            wait_pv();
             rescale(o, alpha);
             pack_p<T, kBN>(pa, sc);
         }
+        last = w, last_slot = slot, has_last = true;
+    }
+    if (has_last) {
         turn_begin<kC>(c);
-        mbar_wait(&s.v_full[vs.slot], vs.phase);
         wgmma_fence();
-        issue_pv<T, D, kBN>(o, pa, s.v[vs.slot]);
-        wgmma_commit();
-        turn_end<kC>(c, true);
-        wgmma_wait<0>();
-        wgmma_fence_operands(o);
-        if (t == 0) mbar_arrive(&s.v_empty[vs.slot]);
-        vs.next();
-    } else {
-        release_q();  // no key to see: out 0, lse +inf
+        issue_pv_turn();
+        turn_end<kC>(c);
+        wait_pv();
+        epilogue<T, D>(s, p, last, last_slot, o, row_max, row_sum, mul);
     }
-    epilogue<T, D>(s, p, w, o, row_max, row_sum, r0, mul);
-}
-
-// Every consumer thread reads the tile index, then releases its slot (racecheck sees that order).
-template <typename T, int D> __device__ __forceinline__ void consumer(Smem<T, D> &s, const Params &p, int m_tiles) {
-    RingStage<1> qs;
-    RingStage<Cfg<D>::kStages> ks, vs;
-    for (RingStage<2> ts;; ts.next()) {
-        mbar_wait(&s.tile_full[ts.slot], ts.phase);
-        // lane 0's copy, so ptxas sees a warp-uniform value: read from shared memory it is not
-        // (every branch on it then counted as divergent and the wgmmas were serialized: C7520)
-        const int64_t tile = __shfl_sync(0xffffffffu, s.tile[ts.slot], 0);
-        mbar_arrive(&s.tile_empty[ts.slot]);
-        if (tile < 0) break;
-        consume_tile<T, D>(s, p, work_of<Cfg<D>::kBM, Cfg<D>::kBN>(p, tile, m_tiles), qs, ks, vs);
-    }
+    if (c == 0) turn_begin<kC>(c);  // the last warpgroup's last hand-over
 }
 
 // The grid walks the query tiles: one CTA an SM when plan.persistent (the producer loads the next
-// tile's K and Q while the consumers finish the last one's epilogue), else one CTA a tile. The
-// producer thread stays in its loop to the end: it arrives on the tile ring once more (-1).
+// tiles' K and Q while the consumers finish the last one), else one CTA a tile. The producer
+// thread stays in its loop to the end: it arrives on the tile ring once more (b -1).
 template <typename T, int D>
 __global__ void __launch_bounds__(Cfg<D>::kThreads, 1)
     attention_fwd_wgmma_sm90(const __grid_constant__ CUtensorMap map_q, const __grid_constant__ CUtensorMap map_k,
@@ -403,11 +469,10 @@ __global__ void __launch_bounds__(Cfg<D>::kThreads, 1)
     extern __shared__ unsigned char smem_raw[];
     auto &s = *reinterpret_cast<Smem<T, D> *>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
     if (threadIdx.x == 0) {
-        mbar_init(&s.q_full, 1), mbar_init(&s.q_empty, Cfg<D>::kConsumers);
-        for (int i = 0; i < Cfg<D>::kStages; i++) {
-            mbar_init(&s.k_full[i], 1), mbar_init(&s.k_empty[i], Cfg<D>::kConsumers);
-            mbar_init(&s.v_full[i], 1), mbar_init(&s.v_empty[i], Cfg<D>::kConsumers);
-        }
+        for (int i = 0; i < Cfg<D>::kQSlots; i++)
+            mbar_init(&s.q_full[i], 1), mbar_init(&s.q_empty[i], Cfg<D>::kConsumers * 128);
+        for (int i = 0; i < Cfg<D>::kKStages; i++) mbar_init(&s.k_full[i], 1), mbar_init(&s.k_empty[i], Cfg<D>::kConsumers);
+        for (int i = 0; i < Cfg<D>::kVStages; i++) mbar_init(&s.v_full[i], 1), mbar_init(&s.v_empty[i], Cfg<D>::kConsumers);
         for (int i = 0; i < 2; i++) mbar_init(&s.tile_full[i], 1), mbar_init(&s.tile_empty[i], Cfg<D>::kConsumers * 128);
         fence_barrier_init();
         prefetch_tensormap(&map_q), prefetch_tensormap(&map_k), prefetch_tensormap(&map_v);
@@ -421,7 +486,7 @@ __global__ void __launch_bounds__(Cfg<D>::kThreads, 1)
         if (threadIdx.x == 0) producer<T, D>(s, &map_q, &map_k, &map_v, p, m_tiles, tiles);
     } else {
         setmaxnreg_inc<Cfg<D>::kRegsConsumer>();
-        consumer<T, D>(s, p, m_tiles);
+        consumer<T, D>(s, p);
     }
 #endif
 }
