@@ -368,8 +368,9 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks) attention_fwd_
     }
 }
 
-// Split-KV second pass: one warp per (sequence, head, row) merges the p.splits partial outputs,
-// weighting each by exp(lse_s - max lse); no visible key anywhere: out 0, lse +inf.
+// Split-KV second pass (this file's split form and fwd_decode_mma_sm80's without a cluster): one
+// warp per (sequence, head, row) merges the p.splits partial outputs, weighting each by exp(lse_s -
+// max lse); no visible key anywhere: out 0, lse +inf.
 template <typename T>
 __global__ void __launch_bounds__(128) attention_fwd_combine(Params p) {
     constexpr int kWarps = 4;
@@ -416,9 +417,7 @@ fk_status launch(const Plan &plan, const Params &p, int device, cudaStream_t str
                     (unsigned)(p.batch * plan.splits));
     fk_status st = Launch(grid, dim3(Cfg::kThreads), Cfg::kSmemBytes, stream, device)("attention_fwd", kernel, p);
     if (st != FK_OK || plan.splits == 1) return st;
-    const int64_t all_rows = p.batch * p.heads * p.sq;
-    return Launch(dim3((unsigned)((all_rows + 3) / 4)), dim3(128), 0, stream, device)("attention_fwd_combine",
-                                                                                attention_fwd_combine<T>, p);
+    return launch_fwd_combine(p, std::is_same_v<T, __half> ? FK_FLOAT16 : FK_BFLOAT16, device, stream);
 }
 
 template <typename T> fk_status launch_bucket(const Plan &plan, const Params &p, int device, cudaStream_t stream) {
@@ -434,6 +433,13 @@ template <typename T> fk_status launch_bucket(const Plan &plan, const Params &p,
 
 // Instances: attention_fwd_mma_sm80 x {__half, __nv_bfloat16} x (D {64, 128} x {whole, split} +
 // D 256) = 10, attention_fwd_combine x {__half, __nv_bfloat16} = 2; 12 in all.
+fk_status launch_fwd_combine(const Params &p, fk_dtype dtype, int device, cudaStream_t stream) {
+    const dim3 grid((unsigned)((p.batch * p.heads * p.sq + 3) / 4));  // a warp a row
+    if (dtype == FK_BFLOAT16)
+        return Launch(grid, dim3(128), 0, stream, device)("attention_fwd_combine", attention_fwd_combine<__nv_bfloat16>, p);
+    return Launch(grid, dim3(128), 0, stream, device)("attention_fwd_combine", attention_fwd_combine<__half>, p);
+}
+
 fk_status launch_fwd_mma_sm80(const Plan &plan, const Params &p, fk_dtype dtype, int device, cudaStream_t stream) {
     if (dtype == FK_BFLOAT16) return launch_bucket<__nv_bfloat16>(plan, p, device, stream);
     return launch_bucket<__half>(plan, p, device, stream);
