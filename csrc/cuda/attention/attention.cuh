@@ -96,11 +96,15 @@ constexpr int fwd_block_n(int bucket) { return bucket <= 64 ? FK_ATTN_FWD_BN_D64
 constexpr int split_stages(int bucket) { return bucket <= 128 ? 3 : 2; }
 constexpr int split_slots(int bucket) { return bucket <= 128 ? 3 : 2; }
 
-// fwd_decode_mma_sm80: the rows of a kv head (sq x group) in one 16-row mma tile, 4 warps each
-// streaming its own key tiles of 16 KB (K and V: 32 keys at D 128, 64 at D 64) through a ring of
-// 2 or 3 slots (as shared memory allows). The splits of a kv head merge in a cluster of at most 8.
-constexpr int kDecodeRows = 16, kDecodeWarps = 4, kDecodeMaxCluster = 8;
-constexpr int decode_block_n(int bucket) { return bucket <= 64 ? 64 : 32; }
+// fwd_decode_mma_sm80: the rows of a kv head (sq x group) in one 16-row mma tile, 4 warps
+// (FK_ATTN_DECODE_WARPS) each streaming its own key tiles (K and V: 16 KB together, 32 keys at D
+// 128; 8 warps: 8 KB) through a ring of 2 or 3 slots (as shared memory allows). The splits of a kv
+// head merge in a cluster of at most 8.
+#ifndef FK_ATTN_DECODE_WARPS
+#define FK_ATTN_DECODE_WARPS 4
+#endif
+constexpr int kDecodeRows = 16, kDecodeWarps = FK_ATTN_DECODE_WARPS, kDecodeMaxCluster = 8;
+constexpr int decode_block_n(int bucket) { return 4 * 32 * 128 / (kDecodeWarps * (bucket <= 64 ? 64 : 128)); }
 constexpr int decode_smem_bytes(int bucket, int stages) {
     return 2 * (kDecodeRows * bucket + kDecodeWarps * stages * 2 * decode_block_n(bucket) * bucket);
 }

@@ -43,37 +43,43 @@ template <int D> struct DecodeCfg {
     static_assert(decode_smem_bytes(D, 1) == 2 * (QTile::kElems + kDecodeWarps * kSlotElems), "dispatch's sizes");
 };
 
-// A K and a V tile (BN keys) into a warp's slot by its 32 lanes: lane l takes rows l % 8 + 8 j and
-// 16-byte chunks l / 8 + 4 c, so each of its chunks keeps one swizzle (rows 8 apart share it) and a
-// warp's copy covers 64 contiguous bytes of 8 rows. Keys >= keys and columns >= d are zero-filled.
-// async: cp.async (rows 16-byte aligned), else element loads through registers.
+// A K and a V tile (BN keys) into a warp's slot by its 32 lanes: lane l takes 16-byte chunk l % (D /
+// 8) of rows l / (D / 8) + (32 / (D / 8)) j, so one copy instruction covers whole rows (whole 128-byte
+// lines; 8 rows x 64 bytes a copy ran at 0.78x the split kernel, D-134) and a lane's chunks repeat
+// their swizzle every 8 rows. Keys >= keys and columns >= d are zero-filled. async: cp.async (rows
+// 16-byte aligned), else element loads through registers.
 template <typename T, int BN, int D>
 __device__ __forceinline__ void load_kv_warp(T *ks, T *vs, const T *kg, const T *vg, int64_t k_row, int64_t v_row,
                                              int keys, int d, bool async, int lane) {
     using Tile = SwizzledTile<BN, D>;
-    const int r0 = lane & 7;
+    constexpr int kPerRow = D / 8, kRowStep = 32 / kPerRow, kPeriod = 8 / kRowStep;  // j's swizzle period
+    static_assert(BN % kRowStep == 0 && (BN / kRowStep) % kPeriod == 0, "whole swizzle periods a tile");
+    const int r0 = lane / kPerRow, col = lane % kPerRow * 8;
+    int at[kPeriod];
 #pragma unroll
-    for (int c = 0; c < D / 32; c++) {
-        const int col = ((lane >> 3) + 4 * c) * 8;
-        const int at = Tile::offset(r0, col);  // row r0 + 8 j: + 8 j D
+    for (int j = 0; j < kPeriod; j++) at[j] = Tile::offset(r0 + kRowStep * j, col);  // + 8 D a period
 #pragma unroll
-        for (int j = 0; j < BN / 8; j++) {
-            const int r = r0 + 8 * j;
-            const bool in = r < keys && col < d;
-            const T *ksrc = in ? kg + r * k_row + col : kg, *vsrc = in ? vg + r * v_row + col : vg;
-            if (async) {
-                cp_async_16(ks + at + 8 * j * D, ksrc, in ? 16 : 0);
-                cp_async_16(vs + at + 8 * j * D, vsrc, in ? 16 : 0);
-            } else {
-                Pack<T> kp, vp;
+    for (int j = 0; j < BN / kRowStep; j++) {
+        const int r = r0 + kRowStep * j, dst = at[j % kPeriod] + j / kPeriod * 8 * D;
+        const bool in = r < keys && col < d;
+        const T *ksrc = in ? kg + r * k_row + col : kg, *vsrc = in ? vg + r * v_row + col : vg;
+        if (async) {
+#if FK_ATTN_DECODE_L2_256
+            mm::cp_async_16_l2_256(ks + dst, ksrc, in ? 16 : 0);
+            mm::cp_async_16_l2_256(vs + dst, vsrc, in ? 16 : 0);
+#else
+            cp_async_16(ks + dst, ksrc, in ? 16 : 0);
+            cp_async_16(vs + dst, vsrc, in ? 16 : 0);
+#endif
+        } else {
+            Pack<T> kp, vp;
 #pragma unroll
-                for (int e = 0; e < 8; e++) {
-                    kp.v[e] = in ? ksrc[e] : from_f32<T>(0.0f);
-                    vp.v[e] = in ? vsrc[e] : from_f32<T>(0.0f);
-                }
-                store_pack(ks + at + 8 * j * D, kp);
-                store_pack(vs + at + 8 * j * D, vp);
+            for (int e = 0; e < 8; e++) {
+                kp.v[e] = in ? ksrc[e] : from_f32<T>(0.0f);
+                vp.v[e] = in ? vsrc[e] : from_f32<T>(0.0f);
             }
+            store_pack(ks + dst, kp);
+            store_pack(vs + dst, vp);
         }
     }
 }
