@@ -98,8 +98,8 @@ constexpr int split_slots(int bucket) { return bucket <= 128 ? 3 : 2; }
 
 // fwd_decode_mma_sm80: the rows of a kv head (sq x group) in one 16-row mma tile, 4 warps
 // (FK_ATTN_DECODE_WARPS) each streaming its own key tiles (K and V: 16 KB together, 32 keys at D
-// 128; 8 warps: 8 KB) through a ring of 2 or 3 slots (as shared memory allows). The splits of a kv
-// head merge in a cluster of at most 8.
+// 128; 8 warps: 8 KB, 16 keys, level within 1%, D-134) through a ring of 2 or 3 slots (as shared
+// memory allows). The splits of a kv head merge in a cluster of at most 8.
 #ifndef FK_ATTN_DECODE_WARPS
 #define FK_ATTN_DECODE_WARPS 4
 #endif

@@ -3,13 +3,15 @@
 // dir  dtype   device  shape                                          strategy          why
 // any  16-bit  any     batch or heads == 0, or sq == 0 (bwd: sq ==    empty             nothing to do
 //                      sk == 0; other empty sides get zero grads)
-// fwd  16-bit  sm_80+  d <= 128, sq x group <= 16 (a kv head's rows    fwd_decode_mma_   decoding: K / V
-//                      fill one 16-row tile), a CTA's 2-slot ring fits sm80              once per kv head,
-//                      (3 where it fits): splits = min(floor(SMs /                       4 warps streaming,
-//                      (batch kv_heads)), key tiles / 8, 64) >= 1;                       no idle rows (D-134)
-//                      sm_90a, not FK_ATTN_FORCE_GENERAL, 2..8 splits
-//                      whose clusters all fit at once: merged in the
-//                      cluster, else by attention_fwd_combine
+// fwd  16-bit  sm_80+  d <= 128, sq x group <= 16 (a kv head's rows    fwd_decode_mma_   decoding: 1.04 /
+//                      fill one 16-row tile), a CTA's 2-slot ring fits sm80              1.00x compile,
+//                      (3 where it fits); units = batch kv_heads CTAs,                   split kernel
+//                      one an SM: splits <= key tiles / 8 and 64, as                     0.93 / 0.97x
+//                      many as one wave holds (units <= SMs), else by                    (H200, D-134)
+//                      wave efficiency; sm_90a, not FK_ATTN_FORCE_
+//                      GENERAL, 2..8 splits whose clusters all fit
+//                      at once: merged in the cluster, else by
+//                      attention_fwd_combine
 // fwd  16-bit  sm_80+  query-tile CTAs < SMs and >= 4 key tiles a      fwd_split_mma_sm80 one query still
 //                      CTA: splits = min(floor(slots SMs / split         (64 x 32 tiles) fills the GPU
 //                      CTAs), 32-key tiles / 2, 64) >= 2 (slots:                         (flash-decoding)
@@ -40,12 +42,12 @@
 // the sm_80 kernel); its TMA copies need the alignment its row names; so does bwd_wgmma_sm90's.
 // (The fwd_wgmma_sm90 row's figures: its file's napkin math.)
 //
-// Workspace: forward split (and decode with splits > 1 and no cluster): splits x batch x heads x sq
-// x (1 + d) fp32 (partial lse, then outputs);
-// bwd_mma_sm80: batch x heads x sq fp32 (rowsum(dO * O)); bwd_wgmma_sm90 and bwd_atomic_mma_sm80:
-// batch x heads x sq rounded up to their query tile (bwd_wgmma_block_m, bwd_atomic_block_m) x (2 +
-// D) fp32 (lse log2 e, rowsum(dO * O), the dQ accumulators; D the head-dim instance; attention.cuh's
-// BwdWork). varlen sizes use the maximum lengths.
+// Workspace: forward split (and decode with splits > 1, no cluster): splits x batch x heads x sq x
+// (1 + d) fp32 (partial lse, then outputs); bwd_mma_sm80: batch x heads x sq fp32 (rowsum(dO * O));
+// bwd_wgmma_sm90 and bwd_atomic_mma_sm80: batch x heads x sq rounded up to their query tile
+// (bwd_wgmma_block_m, bwd_atomic_block_m) x (2 + D) fp32 (lse log2 e, rowsum(dO * O), the dQ
+// accumulators; D the head-dim instance; attention.cuh's BwdWork). varlen sizes use the maximum
+// lengths.
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -90,6 +92,11 @@ int64_t split_lse_floats(int64_t splits, const fk_attention_args &x) {
     return (splits * x.batch * x.heads * x.sq + 3) / 4 * 4;
 }
 
+// The split forwards' workspace: the partial lse, then the fp32 partial outputs.
+int64_t split_workspace_bytes(int64_t splits, const fk_attention_args &x) {
+    return (split_lse_floats(splits, x) + splits * x.batch * x.heads * x.sq * x.d) * (int64_t)sizeof(float);
+}
+
 // TMA describes a tensor whose base and (row, head, sequence) strides are 16-byte aligned and
 // whose strides are non-zero where their dimension has more than one index.
 bool tma_ok(const void *p, int64_t row, int64_t head, int64_t batch, const fk_attention_args &x, int64_t heads) {
@@ -105,6 +112,24 @@ struct DeviceFacts {
 };
 
 int decode_stages(int bucket, int smem) { return smem >= decode_smem_bytes(bucket, 3) ? 3 : 2; }
+
+// Splits of the decode kernel's `units` CTAs (one an SM), 1..most: within one wave, as many as
+// fit it; past one wave, flash-attn's num_splits_heuristic: the fewest splits whose waves are >= 85%
+// as full as the best count's (efficiency: waves / whole waves), so that a last wave of a few long
+// CTAs does not leave the DRAM idle (units 140: 4 splits in 4.2 waves, not 1 and a second wave of 8).
+int64_t decode_splits(int64_t units, int64_t most, int sms) {
+    if (most <= 1) return 1;
+    if (units <= sms) return std::min<int64_t>(sms / units, most);
+    auto efficiency = [&](int64_t s) {
+        const double waves = (double)(units * s) / sms;
+        return waves / std::ceil(waves);
+    };
+    double best = 0.0;
+    for (int64_t s = 1; s <= most; s++) best = std::max(best, efficiency(s));
+    int64_t s = 1;
+    while (efficiency(s) < 0.85 * best) s++;
+    return s;
+}
 
 // Pure: the strategy, instance and workspace for `x` on the device `dev` describes.
 Plan plan_attention(const fk_attention_args &x, int backward, const DeviceFacts &dev) {
@@ -137,18 +162,19 @@ Plan plan_attention(const fk_attention_args &x, int backward, const DeviceFacts 
     }
     const int64_t group = x.heads / x.kv_heads, bm = fwd_block_m(plan.d_bucket);
     if (x.sq * group <= kDecodeRows && x.d <= 128 && dev.smem >= decode_smem_bytes(plan.d_bucket, 2)) {
-        // One CTA an SM (its ring takes most of the shared memory), all in one wave; every warp
-        // gets 2 key tiles or more a split. A cluster holds a kv head's splits where all fit at once.
+        // One CTA an SM (its ring takes most of the shared memory); splits by wave efficiency,
+        // every warp getting 2 key tiles or more a split. A cluster holds a kv head's splits where
+        // all its clusters fit at once.
         plan.strategy = Strategy::kFwdDecodeMmaSm80;
         plan.stages = decode_stages(plan.d_bucket, dev.smem);
         const int64_t units = x.batch * x.kv_heads, bn = decode_block_n(plan.d_bucket);
         const int64_t rounds = (x.sk + bn - 1) / bn / kDecodeWarps;
-        const int64_t splits = std::max<int64_t>(1, std::min<int64_t>({sms / units, rounds / 2, kMaxSplits}));
+        const int64_t splits = decode_splits(units, std::min<int64_t>(rounds / 2, kMaxSplits), sms);
         plan.splits = (int)splits;
         plan.cluster = splits >= 2 && splits <= kDecodeMaxCluster && major == 9 && kBuiltForSm90a &&
                        !(x.flags & FK_ATTN_FORCE_GENERAL) && dev.decode_clusters[splits] >= units;
         if (splits > 1 && !plan.cluster)
-            plan.workspace_bytes = (split_lse_floats(splits, x) + splits * x.batch * x.heads * x.sq * x.d) * (int64_t)sizeof(float);
+            plan.workspace_bytes = split_workspace_bytes(splits, x);
         return plan;
     }
     plan.strategy = Strategy::kFwdMmaSm80;
@@ -166,7 +192,7 @@ Plan plan_attention(const fk_attention_args &x, int backward, const DeviceFacts 
         if (splits > 1) {
             plan.strategy = Strategy::kFwdSplitMmaSm80;
             plan.splits = (int)splits;
-            plan.workspace_bytes = (split_lse_floats(splits, x) + splits * x.batch * x.heads * x.sq * x.d) * (int64_t)sizeof(float);
+            plan.workspace_bytes = split_workspace_bytes(splits, x);
             return plan;
         }
     }

@@ -3,14 +3,16 @@
 // row "fwd decode".
 //
 // Napkin math: K and V are the whole cost. (8, 1 / 8192, 32 / 8, 128) bf16 reads 268 MB: 61 us at
-// the H200's ~4.4 TB/s read rate (64 at its 4.2 TB/s copy); 4 B H Sq Sk D = 4.3 GFLOP even as
-// 16-row tiles is ~1% of the tensor cores' time. Little's law: 4.4 TB/s x ~1 us of loaded DRAM
-// latency is ~4.4 MB in flight, 34 KB an SM; here every warp keeps 2 tiles of 16 KB in flight (3
-// slots; 1 on GPUs with less shared memory), 128 KB an SM. A warp's tile step (64 mma.sync, the
-// softmax of 16 x 32 scores) is ~1000 cycles against the ~3700 its 16 KB take at an SM's share of
-// the bandwidth, so one warp a scheduler keeps up. The rest is fixed cost: the splits' merge.
-// fwd_split_mma_sm80 (64-row tiles, one warp of 4 busy, a second kernel merging 6 splits) ran this
-// case at 0.91x torch.compile, 75 us (D-107, D-129).
+// the H200's ~4.4 TB/s read rate (64 at its 4.2 TB/s copy); 4 B H Sq Sk D = 1.1 GFLOP, even as
+// 16-row tiles ~1% of the tensor cores' time. Little's law: 4.4 TB/s x ~1 us of loaded DRAM latency
+// is ~4.4 MB in flight, 34 KB an SM; every warp here keeps 2 tiles of 16 KB in flight (3 slots),
+// 128 KB an SM, in copies of whole 128-byte lines (half-line copies ran at 3.4 TB/s: an SM's
+// outstanding requests, not its bytes, ran out). A warp's tile step (64 mma.sync, the softmax of
+// 16 x 32 scores, ~1000 cycles) is well under the ~3700 its 16 KB take at an SM's share of the
+// bandwidth, so one warp a scheduler keeps up. What is left is fixed cost, the merge of the splits.
+// Measured (H200, bf16, same process, D-134): Sk 8192 64.7 us (1.04x torch.compile's 67.1; the
+// split kernel it replaces 72.5, 0.93x), Sk 32768 245.7 us (1.00x; 252.7, 0.97x): 4.45 TB/s
+// marginal, ~4.4 us fixed (the split kernel ~12).
 //
 // Algorithm: one CTA of 4 warps per (split, kv head, sequence). Every warp holds all 16 rows (row r:
 // query r / group of head g group + r % group; Q's fragments in registers) and streams its own key
@@ -64,13 +66,8 @@ __device__ __forceinline__ void load_kv_warp(T *ks, T *vs, const T *kg, const T 
         const bool in = r < keys && col < d;
         const T *ksrc = in ? kg + r * k_row + col : kg, *vsrc = in ? vg + r * v_row + col : vg;
         if (async) {
-#if FK_ATTN_DECODE_L2_256
-            mm::cp_async_16_l2_256(ks + dst, ksrc, in ? 16 : 0);
-            mm::cp_async_16_l2_256(vs + dst, vsrc, in ? 16 : 0);
-#else
             cp_async_16(ks + dst, ksrc, in ? 16 : 0);
             cp_async_16(vs + dst, vsrc, in ? 16 : 0);
-#endif
         } else {
             Pack<T> kp, vp;
 #pragma unroll

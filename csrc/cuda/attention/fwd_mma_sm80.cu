@@ -15,8 +15,9 @@
 // compare against the warp's common key range, Q's fragments stay in registers at D 64.
 // Measured (H200, bf16, TFLOP/s and x SDPA FLASH in the same process, D-129): (16, 1024, 32, 64)
 // full / causal 268 / 192 (0.97 / 0.88x), (4, 4096, 16, 128) 316 / 281 (0.94 / 0.93x), (8, 2048,
-// 16, 128) 307 / 251 (0.94 / 0.90x); decoding B 8 H 32/8 Sq 1 Sk 8192 ~75 us a call (the K / V
-// read alone: 64 us at copy bandwidth; 97 before D-107).
+// 16, 128) 307 / 251 (0.94 / 0.90x). The split form now serves short queries whose rows exceed
+// one 16-row tile a kv head (decoding went to fwd_decode_mma_sm80, D-134: 72.5 -> 64.7 us for B 8
+// H 32/8 Sq 1 Sk 8192).
 //
 // Algorithm: one CTA per (query tile of BM rows, head, sequence[, key range]); 4 warps each own
 // 32 query rows (D 256: 16); query tiles launch last first (the longest under a causal band). Q is

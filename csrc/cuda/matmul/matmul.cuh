@@ -33,11 +33,6 @@ __device__ __forceinline__ void cp_async_16(void *dst, const void *src, int src_
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_addr(dst)), "l"(src),
                  "r"(src_bytes));
 }
-// The same with an L2 prefetch hint: L2 fetches the 256-byte block around src from DRAM at once.
-__device__ __forceinline__ void cp_async_16_l2_256(void *dst, const void *src, int src_bytes) {
-    asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16, %2;\n" ::"r"(smem_addr(dst)), "l"(src),
-                 "r"(src_bytes));
-}
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 template <int N> __device__ __forceinline__ void cp_async_wait() {
     asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
