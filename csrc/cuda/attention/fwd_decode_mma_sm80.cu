@@ -6,10 +6,10 @@
 // the H200's ~4.4 TB/s read rate (64 at its 4.2 TB/s copy); 4 B H Sq Sk D = 1.1 GFLOP, even as
 // 16-row tiles ~1% of the tensor cores' time. Little's law: 4.4 TB/s x ~1 us of loaded DRAM latency
 // is ~4.4 MB in flight, 34 KB an SM; every warp here keeps 2 tiles of 16 KB in flight (3 slots),
-// 128 KB an SM, in copies of whole 128-byte lines (half-line copies ran at 3.4 TB/s: an SM's
-// outstanding requests, not its bytes, ran out). A warp's tile step (64 mma.sync, the softmax of
-// 16 x 32 scores, ~1000 cycles) is well under the ~3700 its 16 KB take at an SM's share of the
-// bandwidth, so one warp a scheduler keeps up. What is left is fixed cost, the merge of the splits.
+// 128 KB an SM, in copies of whole 128-byte lines (half-line copies ran at 3.4 TB/s, presumably
+// the SM's outstanding requests running out before its bytes). A warp's tile step (64 mma.sync,
+// the softmax of 16 x 32 scores, ~1000 cycles) is well under the ~3700 its 16 KB take at an SM's
+// share of the bandwidth: one warp a scheduler keeps up. The rest is fixed cost, the splits' merge.
 // Measured (H200, bf16, same process, D-134): Sk 8192 64.7 us (1.04x torch.compile's 67.1; the
 // split kernel it replaces 72.5, 0.93x), Sk 32768 245.7 us (1.00x; 252.7, 0.97x): 4.45 TB/s
 // marginal, ~4.4 us fixed (the split kernel ~12).
