@@ -574,6 +574,52 @@ def test_cuda_decoding(sk, cuda_path, poison):
     check(*qkv(8, 1, sk, 32, 8, 128, torch.bfloat16, "cuda"), grad=sk == 8192)
 
 
+# fwd_decode_mma_sm80 (sq x group <= 16 rows a kv head; splits for a GPU of ~132 SMs): (b, sq, sk, h,
+# hkv, d, causal, window, dtype)
+DECODE_CASES = [
+    (3, 1, 1000, 8, 2, 64, False, (-1, -1), torch.bfloat16),   # 2 splits: a cluster of 2 on Hopper
+    (2, 2, 2000, 8, 8, 96, False, (-1, -1), torch.float16),    # MHA, 7 splits, d under its bucket (128)
+    (1, 4, 3000, 16, 4, 128, True, (-1, -1), torch.bfloat16),  # 16 rows, causal; 11 splits: the combine kernel
+    (2, 3, 5000, 10, 2, 128, False, (100, 0), torch.float16),  # 15 rows; 19 splits, most without a visible key
+    (1, 1, 37, 4, 1, 40, False, (-1, -1), torch.bfloat16),     # one split of one partial key tile
+]
+
+
+def _forward_workspace(q, k, v, causal):
+    """The forward's workspace bytes for these inputs (fk_cuda_attention_workspace)."""
+    plan = attention_ops._check(q, k, v, None, None, 0, 0, "attention")
+    window = attention_ops._window((-1, -1), causal, "attention")
+    tensors = (q, k, v, q, None, None, None, None, None, None, None)
+    args = attention_ops._args(plan, tensors, None, 0, plan[5] ** -0.5, window, attention_ops._flags(q, False, False))
+    return attention_ops._C.attention_workspace(False, *args, q.get_device())
+
+
+@needs_cuda
+@pytest.mark.parametrize("case", DECODE_CASES, ids=str)
+def test_cuda_decode_rows(case, cuda_path, poison):
+    """fwd_decode_mma_sm80: splits merged in a cluster (Hopper) or by the combine kernel (forced
+    general: no cluster), one split, empty splits, masks over a few queries of a GQA group."""
+    b, sq, sk, h, hkv, d, causal, window, dtype = case
+    q, k, v = qkv(b, sq, sk, h, hkv, d, dtype, "cuda")
+    assert attention_ops._plan(q, k, v, causal=causal) == "fwd_decode_mma_sm80"
+    if case is DECODE_CASES[0] and 100 <= _sms() <= 150:  # 2 splits: a cluster needs no workspace
+        assert (_forward_workspace(q, k, v, causal) == 0) == (_hopper() and cuda_path == "default")
+    check(q, k, v, causal=causal, window=window)
+
+
+@needs_cuda
+def test_cuda_decode_rows_misaligned_and_varlen(cuda_path, poison):
+    """fwd_decode_mma_sm80 with rows that are not 16-byte aligned (element loads), and varlen with
+    an empty query sequence and a one-key one (max_seqlen_q 4 x group 4 = 16 rows)."""
+    b, sk, h, hkv, d = 2, 1500, 8, 2, 64
+    flat = [torch.randn(n + 1, device="cuda", dtype=torch.bfloat16)[1:] for n in (b * h * d, 2 * b * sk * hkv * d)]
+    q = flat[0].view(b, 1, h, d)
+    k, v = flat[1].view(b, sk, 2, hkv, d).unbind(2)  # 2-byte offset bases, rows 2 hkv d apart
+    assert attention_ops._plan(q, k, v) == "fwd_decode_mma_sm80"
+    check(q, k, v)
+    varlen_check([1, 4, 0, 2], [700, 1, 5, 3000], 16, 4, 64, torch.bfloat16, causal=True, device="cuda")
+
+
 @needs_cuda
 @pytest.mark.parametrize("window", [(64, 0), (100, 30), (-1, 17)], ids=str)
 def test_cuda_windows_and_varlen(window, cuda_path, poison):
@@ -659,7 +705,10 @@ def _sms():
 # on Hopper at d 64 / 128 unless forced, else bwd_atomic_mma_sm80 at d <= 128, bwd_mma_sm80 above
 # (_bwd_strategy; deterministic mode: tests/test_attention_bwd.py).
 ATTENTION_ROWS = [
-    ("split", (1, 1, 4096, 8, 2, 128), False, False, lambda: "fwd_split_mma_sm80"),
+    ("decode", (1, 1, 4096, 8, 2, 128), False, False, lambda: "fwd_decode_mma_sm80"),
+    ("decode-forced", (2, 4, 300, 8, 2, 64), True, True, lambda: "fwd_decode_mma_sm80"),
+    ("split", (1, 5, 4096, 8, 2, 128), False, False, lambda: "fwd_split_mma_sm80"),
+    ("split-d256", (1, 1, 4096, 8, 2, 256), False, False, lambda: "fwd_split_mma_sm80"),
     ("split-forced", (2, 100, 2048, 4, 4, 64), True, True, lambda: "fwd_split_mma_sm80"),
     ("hopper-d128-causal", (2, 1000, 1100, 16, 16, 128), True, False,
      lambda: "fwd_wgmma_sm90" if _hopper() else "fwd_mma_sm80"),

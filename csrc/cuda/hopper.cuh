@@ -1,7 +1,7 @@
 // Hopper (sm_90a) instruction wrappers shared by the warp-specialized kernels (matmul/, attention/):
-// mbarriers, TMA tensor copies, wgmma fences and smem descriptors, setmaxnreg. One function per
-// instruction, named after it; kernel files hold no asm. The bodies compile to nothing on other
-// targets (dispatch never selects these kernels there).
+// mbarriers, TMA tensor copies, the cluster barrier and distributed shared memory, wgmma fences and
+// smem descriptors, setmaxnreg. One function per instruction, named after it; kernel files hold no
+// asm. The bodies compile to nothing on other targets (dispatch never selects these kernels there).
 #pragma once
 
 #include <cuda.h>
@@ -178,6 +178,47 @@ __device__ __forceinline__ void prefetch_tensormap(const CUtensorMap *map) {
 #if FK_SM90A
     asm volatile("prefetch.tensormap [%0];\n" ::"l"(map) : "memory");
 #endif
+}
+
+// ---- clusters ----------------------------------------------------------------------------------
+// The cluster barrier in two halves: arrive releases this thread's earlier writes (shared and
+// global) to the cluster, wait returns once every thread of every CTA of the cluster has arrived
+// and acquires their writes. Every thread of a CTA calls both (.aligned: warp-uniform).
+__device__ __forceinline__ void barrier_cluster_arrive() {
+#if FK_SM90A
+    asm volatile("barrier.cluster.arrive.release.aligned;\n" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void barrier_cluster_wait() {
+#if FK_SM90A
+    asm volatile("barrier.cluster.wait.acquire.aligned;\n" ::: "memory");
+#endif
+}
+// The shared::cluster address of `p`'s counterpart in the CTA of cluster rank `rank`.
+__device__ __forceinline__ uint32_t mapa_shared_cluster(const void *p, uint32_t rank) {
+    uint32_t a = 0;
+#if FK_SM90A
+    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(a) : "r"(cvta_shared(p)), "r"(rank));
+#endif
+    return a;
+}
+// Loads from a shared::cluster address (mapa_shared_cluster): any CTA of the cluster's shared memory.
+__device__ __forceinline__ float ld_shared_cluster_f32(uint32_t addr) {
+    float v = 0.0f;
+#if FK_SM90A
+    asm volatile("ld.shared::cluster.f32 %0, [%1];\n" : "=f"(v) : "r"(addr) : "memory");
+#endif
+    return v;
+}
+__device__ __forceinline__ float4 ld_shared_cluster_v4_f32(uint32_t addr) {
+    float4 v = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+#if FK_SM90A
+    asm volatile("ld.shared::cluster.v4.f32 {%0, %1, %2, %3}, [%4];\n"
+                 : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w)
+                 : "r"(addr)
+                 : "memory");
+#endif
+    return v;
 }
 
 // ---- wgmma -------------------------------------------------------------------------------------

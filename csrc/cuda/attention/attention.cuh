@@ -68,7 +68,8 @@ struct Params {
 // ---- host side ----------------------------------------------------------------------------------
 
 enum class Strategy {
-    kEmpty, kFwdMmaSm80, kFwdSplitMmaSm80, kFwdWgmmaSm90, kBwdMmaSm80, kBwdAtomicMmaSm80, kBwdWgmmaSm90
+    kEmpty, kFwdMmaSm80, kFwdSplitMmaSm80, kFwdDecodeMmaSm80, kFwdWgmmaSm90, kBwdMmaSm80, kBwdAtomicMmaSm80,
+    kBwdWgmmaSm90
 };
 const char *strategy_name(Strategy s);
 
@@ -76,7 +77,9 @@ struct Plan {
     Strategy strategy = Strategy::kEmpty;
     int d_bucket = 0;   // 64, 128 or 256: the template instance; columns >= d are predicated off
                         // (fwd_wgmma_sm90: d itself, 64 or 128)
-    int splits = 1;     // split-KV forward: key ranges per query tile
+    int splits = 1;     // split-KV forward: key ranges per query tile (fwd_decode: per kv head)
+    int stages = 0;     // fwd_decode_mma_sm80: (K, V) slots of each warp's ring
+    bool cluster = false;   // fwd_decode_mma_sm80: the splits of a kv head merge in a cluster (sm_90)
     bool pack_gqa = false;  // forward: the heads sharing a kv head packed into one CTA's rows
     bool persistent = false;  // fwd_wgmma_sm90: one CTA an SM walking the query tiles (else one a tile)
     bool dynamic = false;     // fwd_wgmma_sm90 persistent: CTAs claim tiles from a counter (workspace)
@@ -92,6 +95,21 @@ constexpr int kSplitBM = 64, kSplitBN = 32;
 constexpr int fwd_block_n(int bucket) { return bucket <= 64 ? FK_ATTN_FWD_BN_D64 : bucket <= 128 ? FK_ATTN_FWD_BN : kSplitBN; }
 constexpr int split_stages(int bucket) { return bucket <= 128 ? 3 : 2; }
 constexpr int split_slots(int bucket) { return bucket <= 128 ? 3 : 2; }
+
+// fwd_decode_mma_sm80: the rows of a kv head (sq x group) in one 16-row mma tile, 4 warps
+// (FK_ATTN_DECODE_WARPS) each streaming its own key tiles (K and V: 16 KB together, 32 keys at D
+// 128; 8 warps: 8 KB, 16 keys, level within 1%, D-134) through a ring of 2 or 3 slots (as shared
+// memory allows). The splits of a kv head merge in a cluster of at most 8.
+#ifndef FK_ATTN_DECODE_WARPS
+#define FK_ATTN_DECODE_WARPS 4
+#endif
+constexpr int kDecodeRows = 16, kDecodeWarps = FK_ATTN_DECODE_WARPS, kDecodeMaxCluster = 8;
+constexpr int decode_block_n(int bucket) { return 4 * 32 * 128 / (kDecodeWarps * (bucket <= 64 ? 64 : 128)); }
+constexpr int decode_smem_bytes(int bucket, int stages) {
+    return 2 * (kDecodeRows * bucket + kDecodeWarps * stages * 2 * decode_block_n(bucket) * bucket);
+}
+// Clusters of k of its CTAs (stages slots, D 128) the device holds at once (0: none, or not sm_90a).
+int decode_clusters_fit(int device, int k, int stages);
 
 // bwd_wgmma_sm90's and bwd_atomic_mma_sm80's queries a step at head-dim instance D (their
 // workspace rounds sq up to them).
@@ -130,6 +148,10 @@ fk_status launch_bwd_dq_convert(const BwdWork &ws, int cols, const Params &p, fk
                                 cudaStream_t stream);
 
 fk_status launch_fwd_mma_sm80(const Plan &plan, const Params &p, fk_dtype dtype, int device, cudaStream_t stream);
+fk_status launch_fwd_decode_mma_sm80(const Plan &plan, const Params &p, fk_dtype dtype, int device,
+                                    cudaStream_t stream);
+// The split forwards' second pass: out and lse from p.splits fp32 partials (fwd_mma_sm80.cu).
+fk_status launch_fwd_combine(const Params &p, fk_dtype dtype, int device, cudaStream_t stream);
 fk_status launch_fwd_wgmma_sm90(const Plan &plan, const Params &p, fk_dtype dtype, int device, cudaStream_t stream);
 fk_status launch_bwd_mma_sm80(const Plan &plan, const Params &p, fk_dtype dtype, int device, cudaStream_t stream);
 fk_status launch_bwd_atomic_mma_sm80(const Plan &plan, const Params &p, fk_dtype dtype, int device,

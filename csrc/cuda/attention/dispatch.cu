@@ -3,6 +3,15 @@
 // dir  dtype   device  shape                                          strategy          why
 // any  16-bit  any     batch or heads == 0, or sq == 0 (bwd: sq ==    empty             nothing to do
 //                      sk == 0; other empty sides get zero grads)
+// fwd  16-bit  sm_80+  d <= 128, sq x group <= 16 (a kv head's rows    fwd_decode_mma_   decoding: 1.04 /
+//                      fill one 16-row tile), a CTA's 2-slot ring fits sm80              1.00x compile,
+//                      (3 where it fits); units = batch kv_heads CTAs,                   split kernel
+//                      one an SM: splits <= key tiles / 8 and 64, as                     0.93 / 0.97x
+//                      many as one wave holds (units <= SMs), else by                    (H200, D-134)
+//                      wave efficiency; sm_90a, not FK_ATTN_FORCE_
+//                      GENERAL, 2..8 splits whose clusters all fit
+//                      at once: merged in the cluster, else by
+//                      attention_fwd_combine
 // fwd  16-bit  sm_80+  query-tile CTAs < SMs and >= 4 key tiles a      fwd_split_mma_sm80 one query still
 //                      CTA: splits = min(floor(slots SMs / split         (64 x 32 tiles) fills the GPU
 //                      CTAs), 32-key tiles / 2, 64) >= 2 (slots:                         (flash-decoding)
@@ -33,11 +42,12 @@
 // the sm_80 kernel); its TMA copies need the alignment its row names; so does bwd_wgmma_sm90's.
 // (The fwd_wgmma_sm90 row's figures: its file's napkin math.)
 //
-// Workspace: forward split: splits x batch x heads x sq x (1 + d) fp32 (partial lse, then outputs);
-// bwd_mma_sm80: batch x heads x sq fp32 (rowsum(dO * O)); bwd_wgmma_sm90 and bwd_atomic_mma_sm80:
-// batch x heads x sq rounded up to their query tile (bwd_wgmma_block_m, bwd_atomic_block_m) x (2 +
-// D) fp32 (lse log2 e, rowsum(dO * O), the dQ accumulators; D the head-dim instance; attention.cuh's
-// BwdWork). varlen sizes use the maximum lengths.
+// Workspace: forward split (and decode with splits > 1, no cluster): splits x batch x heads x sq x
+// (1 + d) fp32 (partial lse, then outputs); bwd_mma_sm80: batch x heads x sq fp32 (rowsum(dO * O));
+// bwd_wgmma_sm90 and bwd_atomic_mma_sm80: batch x heads x sq rounded up to their query tile
+// (bwd_wgmma_block_m, bwd_atomic_block_m) x (2 + D) fp32 (lse log2 e, rowsum(dO * O), the dQ
+// accumulators; D the head-dim instance; attention.cuh's BwdWork). varlen sizes use the maximum
+// lengths.
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -50,6 +60,7 @@ const char *strategy_name(Strategy s) {
     switch (s) {
     case Strategy::kFwdMmaSm80: return "fwd_mma_sm80";
     case Strategy::kFwdSplitMmaSm80: return "fwd_split_mma_sm80";
+    case Strategy::kFwdDecodeMmaSm80: return "fwd_decode_mma_sm80";
     case Strategy::kFwdWgmmaSm90: return "fwd_wgmma_sm90";
     case Strategy::kBwdMmaSm80: return "bwd_mma_sm80";
     case Strategy::kBwdAtomicMmaSm80: return "bwd_atomic_mma_sm80";
@@ -81,6 +92,11 @@ int64_t split_lse_floats(int64_t splits, const fk_attention_args &x) {
     return (splits * x.batch * x.heads * x.sq + 3) / 4 * 4;
 }
 
+// The split forwards' workspace: the partial lse, then the fp32 partial outputs.
+int64_t split_workspace_bytes(int64_t splits, const fk_attention_args &x) {
+    return (split_lse_floats(splits, x) + splits * x.batch * x.heads * x.sq * x.d) * (int64_t)sizeof(float);
+}
+
 // TMA describes a tensor whose base and (row, head, sequence) strides are 16-byte aligned and
 // whose strides are non-zero where their dimension has more than one index.
 bool tma_ok(const void *p, int64_t row, int64_t head, int64_t batch, const fk_attention_args &x, int64_t heads) {
@@ -88,9 +104,36 @@ bool tma_ok(const void *p, int64_t row, int64_t head, int64_t batch, const fk_at
            (heads == 1 || head > 0) && (x.batch == 1 || batch > 0);
 }
 
-// Pure: the strategy, instance and workspace for `x` on a device of `sms` SMs, of compute
-// capability `major`.
-Plan plan_attention(const fk_attention_args &x, int backward, int sms, int major) {
+// What the plan reads of the device (device_facts), so that the plan stays a pure function.
+struct DeviceFacts {
+    int sms = 0, major = 0;
+    int smem = 0;  // shared memory one CTA may take
+    int decode_clusters[kDecodeMaxCluster + 1] = {};  // [k]: clusters of k decode CTAs resident at once
+};
+
+int decode_stages(int bucket, int smem) { return smem >= decode_smem_bytes(bucket, 3) ? 3 : 2; }
+
+// Splits of the decode kernel's `units` CTAs (one an SM), 1..most: within one wave, as many as
+// fit it; past one wave, flash-attn's num_splits_heuristic: the fewest splits whose waves are >= 85%
+// as full as the best count's (efficiency: waves / whole waves), so that a last wave of a few long
+// CTAs does not leave the DRAM idle (units 140: 4 splits in 4.2 waves, not 1 and a second wave of 8).
+int64_t decode_splits(int64_t units, int64_t most, int sms) {
+    if (most <= 1) return 1;
+    if (units <= sms) return std::min<int64_t>(sms / units, most);
+    auto efficiency = [&](int64_t s) {
+        const double waves = (double)(units * s) / sms;
+        return waves / std::ceil(waves);
+    };
+    double best = 0.0;
+    for (int64_t s = 1; s <= most; s++) best = std::max(best, efficiency(s));
+    int64_t s = 1;
+    while (efficiency(s) < 0.85 * best) s++;
+    return s;
+}
+
+// Pure: the strategy, instance and workspace for `x` on the device `dev` describes.
+Plan plan_attention(const fk_attention_args &x, int backward, const DeviceFacts &dev) {
+    const int sms = dev.sms, major = dev.major;
     Plan plan;
     if (nothing_to_do(x, backward)) return plan;
     plan.d_bucket = d_bucket(x.d);
@@ -117,8 +160,24 @@ Plan plan_attention(const fk_attention_args &x, int backward, int sms, int major
         plan.workspace_bytes = x.batch * x.heads * x.sq * (int64_t)sizeof(float);
         return plan;
     }
-    plan.strategy = Strategy::kFwdMmaSm80;
     const int64_t group = x.heads / x.kv_heads, bm = fwd_block_m(plan.d_bucket);
+    if (x.sq * group <= kDecodeRows && x.d <= 128 && dev.smem >= decode_smem_bytes(plan.d_bucket, 2)) {
+        // One CTA an SM (its ring takes most of the shared memory); splits by wave efficiency,
+        // every warp getting 2 key tiles or more a split. A cluster holds a kv head's splits where
+        // all its clusters fit at once.
+        plan.strategy = Strategy::kFwdDecodeMmaSm80;
+        plan.stages = decode_stages(plan.d_bucket, dev.smem);
+        const int64_t units = x.batch * x.kv_heads, bn = decode_block_n(plan.d_bucket);
+        const int64_t rounds = (x.sk + bn - 1) / bn / kDecodeWarps;
+        const int64_t splits = decode_splits(units, std::min<int64_t>(rounds / 2, kMaxSplits), sms);
+        plan.splits = (int)splits;
+        plan.cluster = splits >= 2 && splits <= kDecodeMaxCluster && major == 9 && kBuiltForSm90a &&
+                       !(x.flags & FK_ATTN_FORCE_GENERAL) && dev.decode_clusters[splits] >= units;
+        if (splits > 1 && !plan.cluster)
+            plan.workspace_bytes = split_workspace_bytes(splits, x);
+        return plan;
+    }
+    plan.strategy = Strategy::kFwdMmaSm80;
     plan.pack_gqa = group > 1 && x.sq * group <= bm;
     const int64_t ctas = plan.pack_gqa ? x.kv_heads * x.batch : (x.sq + bm - 1) / bm * x.heads * x.batch;
     const int64_t key_tiles = (x.sk + fwd_block_n(plan.d_bucket) - 1) / fwd_block_n(plan.d_bucket);
@@ -133,7 +192,7 @@ Plan plan_attention(const fk_attention_args &x, int backward, int sms, int major
         if (splits > 1) {
             plan.strategy = Strategy::kFwdSplitMmaSm80;
             plan.splits = (int)splits;
-            plan.workspace_bytes = (split_lse_floats(splits, x) + splits * x.batch * x.heads * x.sq * x.d) * (int64_t)sizeof(float);
+            plan.workspace_bytes = split_workspace_bytes(splits, x);
             return plan;
         }
     }
@@ -223,7 +282,8 @@ Params params_of(const fk_attention_args &x, const Plan &plan) {
     p.splits = plan.splits;
     p.pack_gqa = plan.pack_gqa;
     float *ws = static_cast<float *>(x.workspace);
-    if (plan.strategy == Strategy::kFwdSplitMmaSm80) {
+    if (plan.strategy == Strategy::kFwdSplitMmaSm80 ||
+        (plan.strategy == Strategy::kFwdDecodeMmaSm80 && plan.splits > 1 && !plan.cluster)) {
         p.part_lse = ws;
         p.part_out = ws + split_lse_floats(plan.splits, x);
     } else if (plan.strategy == Strategy::kBwdMmaSm80 || plan.strategy == Strategy::kBwdWgmmaSm90 ||
@@ -235,7 +295,15 @@ Params params_of(const fk_attention_args &x, const Plan &plan) {
     return p;
 }
 
-int device_sms(int device) { return sm_count(device); }
+DeviceFacts device_facts(int device) {
+    DeviceFacts dev;
+    dev.sms = sm_count(device), dev.major = compute_major(device);
+    dev.smem = smem_per_sm(device) - smem_reserved_per_cta(device);
+    if (dev.major == 9 && kBuiltForSm90a)
+        for (int k = 2; k <= kDecodeMaxCluster; k++)
+            dev.decode_clusters[k] = decode_clusters_fit(device, k, decode_stages(128, dev.smem));
+    return dev;
+}
 
 fk_status run(const fk_attention_args *args, int backward, int device, void *stream) {
     using namespace fk::attn;
@@ -247,7 +315,7 @@ fk_status run(const fk_attention_args *args, int backward, int device, void *str
     FK_CUDA_ENTER(op, device);
     if (compute_major(device) < 8)
         return fk_fail(FK_ERR_RUNTIME, "%s: needs a GPU of compute capability 8.0 or newer", op);
-    const Plan plan = plan_attention(x, backward, device_sms(device), compute_major(device));
+    const Plan plan = plan_attention(x, backward, device_facts(device));
     if (plan.workspace_bytes > 0 && (x.workspace == nullptr || x.workspace_bytes < plan.workspace_bytes))
         return fk_fail(FK_ERR_VALUE, "%s: workspace of %lld bytes needed (fk_cuda_attention_workspace), got %lld",
                        op, (long long)plan.workspace_bytes, (long long)x.workspace_bytes);
@@ -256,6 +324,7 @@ fk_status run(const fk_attention_args *args, int backward, int device, void *str
     switch (plan.strategy) {
     case Strategy::kFwdMmaSm80:
     case Strategy::kFwdSplitMmaSm80: return launch_fwd_mma_sm80(plan, p, x.dtype, device, s);
+    case Strategy::kFwdDecodeMmaSm80: return launch_fwd_decode_mma_sm80(plan, p, x.dtype, device, s);
     case Strategy::kFwdWgmmaSm90: return launch_fwd_wgmma_sm90(plan, p, x.dtype, device, s);
     case Strategy::kBwdMmaSm80: return launch_bwd_mma_sm80(plan, p, x.dtype, device, s);
     case Strategy::kBwdAtomicMmaSm80: return launch_bwd_atomic_mma_sm80(plan, p, x.dtype, device, s);
@@ -271,8 +340,7 @@ extern "C" int64_t fk_cuda_attention_workspace(const fk_attention_args *args, in
     if (fk::attn::check_args(*args, backward, backward ? "attention_bwd" : "attention_fwd", false) != FK_OK) return 0;
     fk::DeviceGuard guard(device);
     if (guard.error != cudaSuccess) return 0;
-    const int sms = fk::attn::device_sms(device), major = fk::compute_major(device);
-    return fk::attn::plan_attention(*args, backward, sms, major).workspace_bytes;
+    return fk::attn::plan_attention(*args, backward, fk::attn::device_facts(device)).workspace_bytes;
 }
 
 extern "C" fk_status fk_cuda_attention_fwd(const fk_attention_args *args, int device, void *stream) {
@@ -288,6 +356,5 @@ extern "C" const char *fk_cuda_attention_plan(const fk_attention_args *args, int
         return nullptr;
     fk::DeviceGuard guard(device);
     if (guard.error != cudaSuccess) return nullptr;
-    const int sms = fk::attn::device_sms(device), major = fk::compute_major(device);
-    return fk::attn::strategy_name(fk::attn::plan_attention(*args, backward, sms, major).strategy);
+    return fk::attn::strategy_name(fk::attn::plan_attention(*args, backward, fk::attn::device_facts(device)).strategy);
 }

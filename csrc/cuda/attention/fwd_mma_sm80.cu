@@ -15,8 +15,9 @@
 // compare against the warp's common key range, Q's fragments stay in registers at D 64.
 // Measured (H200, bf16, TFLOP/s and x SDPA FLASH in the same process, D-129): (16, 1024, 32, 64)
 // full / causal 268 / 192 (0.97 / 0.88x), (4, 4096, 16, 128) 316 / 281 (0.94 / 0.93x), (8, 2048,
-// 16, 128) 307 / 251 (0.94 / 0.90x); decoding B 8 H 32/8 Sq 1 Sk 8192 ~75 us a call (the K / V
-// read alone: 64 us at copy bandwidth; 97 before D-107).
+// 16, 128) 307 / 251 (0.94 / 0.90x). The split form now serves short queries whose rows exceed
+// one 16-row tile a kv head (decoding went to fwd_decode_mma_sm80, D-134: 72.5 -> 64.7 us for B 8
+// H 32/8 Sq 1 Sk 8192).
 //
 // Algorithm: one CTA per (query tile of BM rows, head, sequence[, key range]); 4 warps each own
 // 32 query rows (D 256: 16); query tiles launch last first (the longest under a causal band). Q is
@@ -368,8 +369,9 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks) attention_fwd_
     }
 }
 
-// Split-KV second pass: one warp per (sequence, head, row) merges the p.splits partial outputs,
-// weighting each by exp(lse_s - max lse); no visible key anywhere: out 0, lse +inf.
+// Split-KV second pass (this file's split form and fwd_decode_mma_sm80's without a cluster): one
+// warp per (sequence, head, row) merges the p.splits partial outputs, weighting each by exp(lse_s -
+// max lse); no visible key anywhere: out 0, lse +inf.
 template <typename T>
 __global__ void __launch_bounds__(128) attention_fwd_combine(Params p) {
     constexpr int kWarps = 4;
@@ -416,9 +418,7 @@ fk_status launch(const Plan &plan, const Params &p, int device, cudaStream_t str
                     (unsigned)(p.batch * plan.splits));
     fk_status st = Launch(grid, dim3(Cfg::kThreads), Cfg::kSmemBytes, stream, device)("attention_fwd", kernel, p);
     if (st != FK_OK || plan.splits == 1) return st;
-    const int64_t all_rows = p.batch * p.heads * p.sq;
-    return Launch(dim3((unsigned)((all_rows + 3) / 4)), dim3(128), 0, stream, device)("attention_fwd_combine",
-                                                                                attention_fwd_combine<T>, p);
+    return launch_fwd_combine(p, std::is_same_v<T, __half> ? FK_FLOAT16 : FK_BFLOAT16, device, stream);
 }
 
 template <typename T> fk_status launch_bucket(const Plan &plan, const Params &p, int device, cudaStream_t stream) {
@@ -434,6 +434,13 @@ template <typename T> fk_status launch_bucket(const Plan &plan, const Params &p,
 
 // Instances: attention_fwd_mma_sm80 x {__half, __nv_bfloat16} x (D {64, 128} x {whole, split} +
 // D 256) = 10, attention_fwd_combine x {__half, __nv_bfloat16} = 2; 12 in all.
+fk_status launch_fwd_combine(const Params &p, fk_dtype dtype, int device, cudaStream_t stream) {
+    const dim3 grid((unsigned)((p.batch * p.heads * p.sq + 3) / 4));  // a warp a row
+    if (dtype == FK_BFLOAT16)
+        return Launch(grid, dim3(128), 0, stream, device)("attention_fwd_combine", attention_fwd_combine<__nv_bfloat16>, p);
+    return Launch(grid, dim3(128), 0, stream, device)("attention_fwd_combine", attention_fwd_combine<__half>, p);
+}
+
 fk_status launch_fwd_mma_sm80(const Plan &plan, const Params &p, fk_dtype dtype, int device, cudaStream_t stream) {
     if (dtype == FK_BFLOAT16) return launch_bucket<__nv_bfloat16>(plan, p, device, stream);
     return launch_bucket<__half>(plan, p, device, stream);
