@@ -62,7 +62,7 @@ gpu_tests() {
       select_tests tests/test_matmul.py \
         "test_dispatch_table|test_operand_layouts\[.*-$dt\]|test_k_zero|test_cuda_hopper_consumer_arrangements\[.*-bf16\]|test_fp32_exact_wide_tiles"
       select_tests tests/test_attention.py \
-        "test_dispatch_table|test_cuda_forward_walks_many_tiles|test_cuda_first_cuda_work|test_cuda_values_and_gradients\[(default|force_general)-(1-4097|113-203|128-217|512-256)-(full|causal)-torch.bfloat16\]|test_cuda_head_dims|test_cuda_decoding\[.*-8192\]|test_cuda_windows|test_cuda_sdpa|test_cuda_deterministic|test_cuda_backward_tile_edges"
+        "test_dispatch_table|test_cuda_decode_rows|test_cuda_forward_walks_many_tiles|test_cuda_first_cuda_work|test_cuda_values_and_gradients\[(default|force_general)-(1-4097|113-203|128-217|512-256)-(full|causal)-torch.bfloat16\]|test_cuda_head_dims|test_cuda_decoding\[.*-8192\]|test_cuda_windows|test_cuda_sdpa|test_cuda_deterministic|test_cuda_backward_tile_edges"
       select_tests tests/test_attention_bwd.py \
         "test_cuda_atomic_backward_tile_edges\[[0-9]+-[0-9]+-(64|96)\]|test_cuda_atomic_backward_(varlen|misaligned)|test_cuda_deterministic"
       select_tests tests/test_cross_entropy.py \
@@ -78,7 +78,7 @@ gpu_tests() {
       select_tests tests/test_matmul.py \
         "test_dispatch_table|test_cuda_hopper_consumer_arrangements\[[0-9]+x[0-9]+x(40|72)-[a-z-]+-bf16\]|test_cuda_fp32_exact_wide_tiles_at_ragged_edges\[row-col\]|test_cuda_general_kernel_large_tile_edges\[k200-row-col\]"
       select_tests tests/test_attention.py \
-        "test_cuda_forward_walks_many_tiles|test_cuda_head_dims\[(default-(64|128)|force_general-(64|96|256))\]|test_cuda_values_and_gradients\[(default|force_general)-113-203-causal-torch.bfloat16\]|test_cuda_windows_and_varlen\[default-\(100, 30\)\]|test_cuda_backward_tile_edges\[129-300-64\]"
+        "test_cuda_decode_rows\[default|test_cuda_forward_walks_many_tiles|test_cuda_head_dims\[(default-(64|128)|force_general-(64|96|256))\]|test_cuda_values_and_gradients\[(default|force_general)-113-203-causal-torch.bfloat16\]|test_cuda_windows_and_varlen\[default-\(100, 30\)\]|test_cuda_backward_tile_edges\[129-300-64\]"
       select_tests tests/test_attention_bwd.py \
         "test_cuda_atomic_backward_tile_edges\[(129-300-64|127-129-128)\]|test_cuda_atomic_backward_varlen\[96\]"
       select_tests tests/test_cross_entropy.py "test_values_and_grads\[(33-1000|7-4097|4-50257)-mean-cuda-bfloat16\]" ;;
