@@ -446,6 +446,22 @@ def test_cuda_tf32_copies_only_operands_the_kernel_cannot_read(tf32, monkeypatch
     assert (unaligned[12:15] == (0, 1, 128)) == _hopper() and (forced[12:15] == (0, 1, 128)) == _hopper()
 
 
+@needs_cuda
+@pytest.mark.parametrize("b_major", ["row", "col"], ids=["n-major-b", "k-major-b"])
+@pytest.mark.parametrize("shape", _hopper_arrangement_shapes(), ids=lambda s: "x".join(map(str, s[:3])) + "-" + s[3])
+def test_cuda_tf32_consumer_arrangements(shape, b_major, tf32, poison):
+    """Both consumer arrangements of wgmma_sm90 under TF32 (ping-pong since D-137) on either side of
+    the boundary, for a row-major b (x @ w: the swapped tile, D-132) and a column-major one (K-major,
+    F.linear's weight), with bias, GELU and the pre-activation (one fp32 staging buffer a ping-pong
+    consumer, its blocks in turn), gradients included. The unaligned-C case's row-major b is copied."""
+    m, n, k, _ = shape
+    a = make((m, k), torch.float32, "cuda")
+    b = layout(make((k, n), torch.float32, "cuda"), b_major)
+    bias = make((n,), torch.float32, "cuda")
+    assert mm_ops._plan(a, b, bias, "gelu_tanh") == _tf32_strategy()
+    check(a, b, bias, "gelu_tanh", grads=True, tf32=True)
+
+
 # An N-major b read in place (D-132: the kernel computes C^T = B^T A^T, b's tile from registers): M /
 # N / K tails of the 128 x 128 tile and of the 32-wide k-tile, k below one k8 step, one row, a
 # batched b (a broadcast a), a's batch folded into rows, bias / activation / pre-activation, and the

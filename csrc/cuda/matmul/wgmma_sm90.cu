@@ -12,19 +12,21 @@
 // (empty[slot]), announces its bytes on full[slot] and issues the TMA copies of A's and B's k-tile
 // (128-byte swizzle, zero-filled past the matrix edges, so any M, N, K). Warpgroups 1 and 2 are
 // consumers, in one of two arrangements (launch() picks, D-114):
-//   ping-pong (16-bit, two tiles or more a CTA, TMA-stored C): each consumer owns whole tiles, the
-//     CTA's tiles alternating between them; their mainloops take turns (named barriers kOrder0 + c),
-//     so one consumer's epilogue runs under the other's mainloop. Eight wgmma m64n128k16 a stage.
+//   ping-pong (two tiles or more a CTA, TMA-stored C): each consumer owns whole tiles, the CTA's
+//     tiles alternating between them; their mainloops take turns (named barriers kOrder0 + c), so
+//     one consumer's epilogue runs under the other's mainloop. Eight wgmma m64n128k16 (k8) a stage.
 //   cooperative: each consumer owns 64 rows of every tile, four wgmma m64n128k16 a stage.
 // A consumer waits full[slot], issues its wgmmas (K- or M/N-major operands through the descriptors'
 // transpose bits), keeps one wgmma group in flight and releases the previous stage. The epilogue
 // (bias, pre-activation, GELU; compiled once per activation, D-112) writes 64-row blocks into
 // swizzled shared staging, stored by TMA, or, where C's rows are not 16-byte aligned, by coalesced
 // element stores (D-113).
-// TF32 (fp32 operands): the same kernel in bytes, cooperative. A 128-byte swizzled row holds 32 fp32
+// TF32 (fp32 operands): the same kernel in bytes, either arrangement. A 128-byte swizzled row holds 32 fp32
 // instead of 64 halves, so a stage is still 32 KB (BK = 32) and a wgmma m64n128k8 step still 32
 // bytes along it; the TMA rounds fp32 to tf32 on load (TFLOAT32 maps, round to nearest like cuBLAS).
-// fp32 C needs 64 KB of staging, so the ring has 5 stages. TF32 4096^3: 0.39 ms at cuBLAS's ~350
+// fp32 C needs 64 KB of staging (cooperative: a 64 x 128 block a consumer; ping-pong: one such
+// buffer a consumer, its tile's two blocks taken in turn, D-137), so the ring has 5 stages (5 x 32 +
+// 64 + 1 KB of bias = 225 KB, 227 KB with alignment). TF32 4096^3: 0.39 ms at cuBLAS's ~350
 // TFLOP/s (H200). wgmma reads tf32 K-major only. An N-major B (x @ w) is taken as it is (D-132):
 // the tile is computed transposed, C^T = B^T A^T, B's tile the A operand from registers (each
 // thread loads its fragment from the 32 x 32 boxes, 8-byte loads, no extra shared-memory bytes),
@@ -43,9 +45,9 @@ namespace {
 
 constexpr int kBM = 128, kBN = 128;
 constexpr int kConsumers = 2, kThreads = 128 * (1 + kConsumers);
-// kPP (ping-pong, 16-bit only): each consumer owns whole tiles (two 64-row blocks), the two taking
-// turns, so one's epilogue runs under the other's mainloop. Else cooperative: each consumer owns 64
-// rows of every tile (TF32: fp32 staging for two whole tiles would leave 3 stages). launch() picks.
+// kPP (ping-pong): each consumer owns whole tiles (two 64-row blocks), the two taking turns, so
+// one's epilogue runs under the other's mainloop. Else cooperative: each consumer owns 64 rows of
+// every tile. launch() picks.
 template <bool kPP> constexpr int kRowBlocks = kPP ? 2 : 1;  // 64-row blocks a consumer owns
 constexpr int kRegsProducer = 40, kRegsConsumer = 232;
 static_assert(registers_fit(kConsumers, kRegsProducer, kRegsConsumer), "register pool");
@@ -61,6 +63,9 @@ template <typename T> constexpr int kChunk = 16 / (int)sizeof(T);
 template <typename T, bool kAKMajor, bool kBKMajor>
 constexpr bool kSwapAB = sizeof(T) == 4 && kAKMajor && !kBKMajor;
 // Staging: 16 KB per 64-row block of 16-bit C (64 KB ping-pong, 32 KB cooperative), 32 KB of fp32.
+// Buffers a consumer: a ping-pong 16-bit consumer alternates two (D-119); fp32 ping-pong has room for
+// one (two would leave 3 stages), its blocks waiting for the previous block's store (D-137).
+template <typename T, bool kPP> constexpr int kOutBuffers = kPP && sizeof(T) == 2 ? 2 : 1;
 template <typename T, bool kPP> constexpr int kStages = kPP || sizeof(T) == 4 ? 5 : 6;
 constexpr int kStageBytes = (kBM + kBN) * 128;        // 32 KB for every T
 
@@ -72,13 +77,13 @@ template <typename T, bool kPP> struct Smem {
     static constexpr int kStages = ::fk::mm::kStages<T, kPP>;
     alignas(1024) T a[kStages][kBM * kBK<T>];
     alignas(1024) T b[kStages][kBN * kBK<T>];
-    alignas(1024) T out[kConsumers * kRowBlocks<kPP>][64 * kBN];  // a 64 x 128 block as swizzled 64 x kBK boxes
+    alignas(1024) T out[kConsumers * kOutBuffers<T, kPP>][64 * kBN];  // a 64 x 128 block as swizzled 64 x kBK boxes
     alignas(16) T bias[kConsumers][kBN];                             // each consumer's tile of the bias
     uint64_t full[kStages], empty[kStages];
 };
 template <typename T, bool kPP> constexpr int kSmemBytes = sizeof(Smem<T, kPP>) + 1024;  // + room to align
 static_assert(kSmemBytes<__half, true> <= 227 * 1024 && kSmemBytes<__half, false> <= 227 * 1024 &&
-                  kSmemBytes<float, false> <= 227 * 1024,
+                  kSmemBytes<float, true> <= 227 * 1024 && kSmemBytes<float, false> <= 227 * 1024,
               "the operand ring and staging fit Hopper's shared memory");
 
 // Tile `tile` of the persistent walk: its batch, then grouped (tm, tn).
@@ -144,10 +149,11 @@ template <typename T> __device__ __forceinline__ int staged_at(int r, int col) {
 // copy drains), or, where C's rows are not 16-byte aligned (n = 1793), by the whole warpgroup, a
 // row at a time, consecutive threads on consecutive columns (coalesced 2-byte stores; stores of
 // accumulator pairs from registers touched 8 rows an instruction: 1793^3 ran 1.7x slower, D-113).
-// The pre-activation, when asked, goes first. Staging buffers: a ping-pong consumer has two and
-// alternates them, block after block (pre-activation and C of a block when there is a pre-activation,
-// else one block then the other), so a block is written while the previous block's TMA store still
-// reads the other buffer; a cooperative consumer has one, and each block waits for the store before.
+// The pre-activation, when asked, goes first. Staging buffers: a 16-bit ping-pong consumer has two
+// and alternates them, block after block (pre-activation and C of a block when there is a
+// pre-activation, else one block then the other), so a block is written while the previous block's
+// TMA store still reads the other buffer; a cooperative or fp32 ping-pong consumer has one, and each
+// block waits for the store before.
 // The bias is loaded once a block, a column a thread, into the consumer's `bias_s`, and added to the
 // accumulators before both passes (per-element global loads, twice with a pre-activation, were where
 // ncu found the epilogue waiting; D-119).
@@ -216,38 +222,61 @@ __device__ __forceinline__ void epilogue(T (*buffers)[64 * kBN], T *bias_s, cons
 }
 
 // ---- TF32 with an N-major B (kSwapAB, D-132): C^T = B^T A^T ------------------------------------
-// Consumer c owns B's columns 64c .. 64c + 63 of the tile (its accumulator rows) against all 128 of
-// A's rows (its accumulator columns). Accumulator rows g and g + 8 of warp u's 16 are made the
-// adjacent columns swapped_col(t) and + 1 of B, so a thread loads its fragment's pairs with 8-byte
-// loads and stores C's pairs with 8-byte stores. A half warp's 8 columns are the 16-byte chunks h
-// and h ^ 5 of a 128-byte row (h = its index 0..3 in the box): under the swizzle (chunk ^ row % 8)
-// its four k-rows of a load (row % 8 in 0..3 or 4..7) and its four C rows of a store (row % 8 in
-// {0, 2, 4, 6} + e) then fall in 8 different chunks: neither conflicts. Consumer-local, 0..62, even.
+// Each 64-column half of B's tile (a cooperative consumer c owns half c, a ping-pong consumer both)
+// is a set of accumulator rows against all 128 of A's rows (the accumulator columns). Accumulator
+// rows g and g + 8 of warp u's 16 are made the adjacent columns swapped_col(t) and + 1 of the half,
+// so a thread loads its fragment's pairs with 8-byte loads and stores C's pairs with 8-byte stores.
+// A half warp's 8 columns are the 16-byte chunks h and h ^ 5 of a 128-byte row (h = its index 0..3
+// in the box): under the swizzle (chunk ^ row % 8) its four k-rows of a load (row % 8 in 0..3 or
+// 4..7) and its four C rows of a store (row % 8 in {0, 2, 4, 6} + e) then fall in 8 different
+// chunks: neither conflicts. Half-local, 0..62, even.
 __device__ __forceinline__ int swapped_col(int t) {
     const int u = t / 32, g = (t % 32) / 4, h = 2 * (u % 2) + g / 4, p = g % 4;
     return 32 * (u / 2) + 4 * (p / 2 ? h ^ 5 : h) + 2 * (p % 2);
 }
 
-// One k-tile: each thread loads its A fragments (B's tile, 32 x 32 boxes of 32 k-rows of 128 bytes)
-// for the four k8 steps into `frag`, then the warpgroup issues the four wgmmas on them and A's
-// K-major tile. `other` holds the previous k-tile's fragments, read by the group still in flight
-// until the wait here: fencing them after it keeps the compiler from reusing their registers sooner.
-__device__ __forceinline__ void swapped_k_tile(Smem<float, false> &s, RingStage<kStages<float, false>> &st,
-                                               float (&acc)[kBN / 2], uint32_t (&frag)[4][4],
-                                               uint32_t (&other)[4][4], const int (&at)[2], int kt, int t,
-                                               int &previous) {
-    mbar_wait(&s.full[st.slot], st.phase);
-    const float *b = s.b[st.slot];
+// Where this thread's fragments of half `half` start in a stage's B tile (32 x 32 boxes of 32 k-rows
+// of 128 bytes): element (k, col) is in box col / 32, k-row k, 16-byte chunk (col % 32 / 4) ^ (k % 8);
+// the thread reads columns col, col + 1 at k-rows t % 4 (at[0]) and t % 4 + 4 (at[1]), then 8 k-rows
+// further a k8 step.
+__device__ __forceinline__ void swapped_fragment_at(int (&at)[2], int half, int t) {
+    const int col = 64 * half + swapped_col(t), box = col / 32, chunk = col % 32 / 4;
+#pragma unroll
+    for (int q = 0; q < 2; q++) {
+        const int kr = t % 4 + 4 * q;
+        at[q] = box * 32 * 32 + kr * 32 + ((chunk ^ kr) * 4) + col % 4;
+    }
+}
+
+// The four k8 steps' fragments of one k-tile (B's tile of the stage at `b`) into `frag`.
+__device__ __forceinline__ void load_swapped_fragments(uint32_t (&frag)[4][4], const float *b, const int (&at)[2]) {
 #pragma unroll
     for (int kk = 0; kk < 4; kk++) {  // k8 step kk: box rows 8 kk + t % 4 (a0, a1) and + 4 (a2, a3)
         ld_shared_v2_b32(frag[kk][0], frag[kk][1], b + at[0] + kk * 8 * 32);
         ld_shared_v2_b32(frag[kk][2], frag[kk][3], b + at[1] + kk * 8 * 32);
     }
-    wgmma_fence();
+}
+
+// The four wgmmas of one k-tile of one half: `frag` against A's K-major tile `a`, into `acc`.
+__device__ __forceinline__ void swapped_wgmmas(float (&acc)[kBN / 2], const uint32_t (&frag)[4][4], const float *a,
+                                               int kt) {
 #pragma unroll
     for (int kk = 0; kk < 4; kk++)
-        wgmma_m64n128k8_tf32_rs(acc, frag[kk], smem_desc_sw128(s.a[st.slot] + kk * kStepK<float>, 16, 1024),
-                                kt > 0 || kk > 0);
+        wgmma_m64n128k8_tf32_rs(acc, frag[kk], smem_desc_sw128(a + kk * kStepK<float>, 16, 1024), kt > 0 || kk > 0);
+}
+
+// Cooperative, one k-tile: each thread loads its A fragments for the four k8 steps into `frag`, then
+// the warpgroup issues the four wgmmas on them and A's K-major tile. `other` holds the previous
+// k-tile's fragments, read by the group still in flight until the wait here: fencing them after it
+// keeps the compiler from reusing their registers sooner.
+__device__ __forceinline__ void swapped_k_tile(Smem<float, false> &s, RingStage<kStages<float, false>> &st,
+                                               float (&acc)[kBN / 2], uint32_t (&frag)[4][4],
+                                               uint32_t (&other)[4][4], const int (&at)[2], int kt, int t,
+                                               int &previous) {
+    mbar_wait(&s.full[st.slot], st.phase);
+    load_swapped_fragments(frag, s.b[st.slot], at);
+    wgmma_fence();
+    swapped_wgmmas(acc, frag, s.a[st.slot], kt);
     wgmma_commit();
     wgmma_wait<1>();  // the previous k-tile's wgmmas are done: release its stage, reuse its registers
 #pragma unroll
@@ -258,43 +287,66 @@ __device__ __forceinline__ void swapped_k_tile(Smem<float, false> &s, RingStage<
 }
 
 // The mainloop of one tile; returns the last stage read (released by the caller after wait<0>).
+// Cooperative (consumer c: half c): two fragment sets taken in turn, k-tile after k-tile.
 __device__ __forceinline__ int swapped_mainloop(Smem<float, false> &s, RingStage<kStages<float, false>> &st,
-                                                float (&acc)[kBN / 2], int k_tiles, int c, int t) {
-    // Element (k, col) of the stage's B tile: box col / 32, its k-row k, 16-byte chunk
-    // (col % 32 / 4) ^ (k % 8); this thread reads columns col, col + 1 at k-rows t % 4 and t % 4 + 4.
-    const int col = 64 * c + swapped_col(t), box = col / 32, chunk = col % 32 / 4;
+                                                float (&acc)[1][kBN / 2], int k_tiles, int c, int t) {
     int at[2];
-#pragma unroll
-    for (int q = 0; q < 2; q++) {
-        const int kr = t % 4 + 4 * q;
-        at[q] = box * 32 * 32 + kr * 32 + ((chunk ^ kr) * 4) + col % 4;
-    }
+    swapped_fragment_at(at, c, t);
     uint32_t frag0[4][4] = {}, frag1[4][4] = {};
     int previous = -1, kt = 0;
     for (; kt + 1 < k_tiles; kt += 2) {  // two fragment sets, taken in turn
-        swapped_k_tile(s, st, acc, frag0, frag1, at, kt, t, previous);
-        swapped_k_tile(s, st, acc, frag1, frag0, at, kt + 1, t, previous);
+        swapped_k_tile(s, st, acc[0], frag0, frag1, at, kt, t, previous);
+        swapped_k_tile(s, st, acc[0], frag1, frag0, at, kt + 1, t, previous);
     }
-    if (kt < k_tiles) swapped_k_tile(s, st, acc, frag0, frag1, at, kt, t, previous);
+    if (kt < k_tiles) swapped_k_tile(s, st, acc[0], frag0, frag1, at, kt, t, previous);
     return previous;
 }
 
-// The epilogue of a swapped tile: consumer c's block of C is A's 128 rows x its 64 columns of B,
-// staged as two 64-row halves of two 64 x 32 swizzled boxes (out + 64 * 64 * (row / 64)), stored
-// by TMA (4 boxes) or by element stores (64 threads a row, coalesced). A thread's accumulators
-// 4 j + e (row g) and 4 j + 2 + e (row g + 8) are C's columns col, col + 1 of row 8 j + 2 (t % 4) + e:
-// one 8-byte shared store, conflict-free per half warp. Bias, pre-activation and the order of the
-// passes as in epilogue() (cooperative: one buffer).
+// Ping-pong (the consumer owns both halves, acc[h]): a k-tile is two wgmma groups, one a half, each
+// on its own fragment set, so one group's loads run under the other's wgmmas with 2 x 16 fragment
+// registers beside the 128 accumulators (the launch bound leaves 168). Half 1 of the previous k-tile
+// is done once half 0's group is committed and waited to one: its stage is released then.
+__device__ __forceinline__ int swapped_mainloop(Smem<float, true> &s, RingStage<kStages<float, true>> &st,
+                                                float (&acc)[2][kBN / 2], int k_tiles, int, int t) {
+    int at[2];
+    swapped_fragment_at(at, 0, t);  // half 1: two 32 x 32 boxes further
+    uint32_t frag[2][4][4] = {};
+    int previous = -1;
+    for (int kt = 0; kt < k_tiles; kt++, st.next()) {
+        mbar_wait(&s.full[st.slot], st.phase);
+#pragma unroll
+        for (int h = 0; h < 2; h++) {
+            load_swapped_fragments(frag[h], s.b[st.slot] + h * 2 * 32 * 32, at);
+            wgmma_fence();
+            swapped_wgmmas(acc[h], frag[h], s.a[st.slot], kt);
+            wgmma_commit();
+            wgmma_wait<1>();  // the group before (the other half) is done: its registers are free
+#pragma unroll
+            for (int kk = 0; kk < 4; kk++) wgmma_fence_operands(frag[1 - h][kk]);
+            if (h == 0 && previous >= 0 && t == 0) mbar_arrive(&s.empty[previous]);
+        }
+        previous = st.slot;
+    }
+    return previous;
+}
+
+// The epilogue of one half of a swapped tile (consumer c, its accumulators of half `half`): a block
+// of C of A's 128 rows x the half's 64 columns of B, staged in consumer c's buffer as two 64-row
+// halves of two 64 x 32 swizzled boxes (out + 64 * 64 * (row / 64)), stored by TMA (4 boxes) or by
+// element stores (64 threads a row, coalesced). A thread's accumulators 4 j + e (row g) and
+// 4 j + 2 + e (row g + 8) are C's columns col, col + 1 of row 8 j + 2 (t % 4) + e: one 8-byte shared
+// store, conflict-free per half warp. Bias, pre-activation and the order of the passes as in
+// epilogue() with one buffer (a ping-pong consumer's second half waits for its first half's store).
 template <int kAct, bool kPre>
 __device__ __forceinline__ void swapped_epilogue(float *out, float *bias_s, const CUtensorMap *map_c,
                                                  const CUtensorMap *map_pre, const Params &p,
-                                                 float (&acc)[kBN / 2], const Work &w, int c, int t) {
+                                                 float (&acc)[kBN / 2], const Work &w, int half, int c, int t) {
     const int col = swapped_col(t), row_lane = 2 * (t % 4);
-    if (p.bias) {  // the last reads of the previous tile's bias were before its last barrier
+    if (p.bias) {  // the last reads of the previous half's bias were before its last barrier
         const int64_t n = w.n0 + t;
         bias_s[t] = n < p.n ? static_cast<const float *>(p.bias)[n] : 0.0f;
         named_barrier_sync(kConsumer0 + c, 128);
-        const float b0 = bias_s[64 * c + col], b1 = bias_s[64 * c + col + 1];
+        const float b0 = bias_s[64 * half + col], b1 = bias_s[64 * half + col + 1];
 #pragma unroll
         for (int j = 0; j < kBN / 8; j++)
 #pragma unroll
@@ -320,18 +372,18 @@ __device__ __forceinline__ void swapped_epilogue(float *out, float *bias_s, cons
             named_barrier_sync(kConsumer0 + c, 128);
             if (t == 0) {
 #pragma unroll
-                for (int half = 0; half < 2; half++)
+                for (int rows = 0; rows < 2; rows++)
 #pragma unroll
                     for (int box = 0; box < 2; box++)
-                        tma_store_3d(pass == 0 ? map_pre : map_c, out + half * 64 * 64 + box * 64 * 32,
-                                     (int)w.n0 + 64 * c + 32 * box, (int)w.m0 + 64 * half, (int)w.batch);
+                        tma_store_3d(pass == 0 ? map_pre : map_c, out + rows * 64 * 64 + box * 64 * 32,
+                                     (int)w.n0 + 64 * half + 32 * box, (int)w.m0 + 64 * rows, (int)w.batch);
                 bulk_commit_group();
             }
             continue;
         }
         named_barrier_sync(kConsumer0 + c, 128);
         float *dst = static_cast<float *>(pass == 0 ? p.pre : p.c) + w.batch * p.c_batch;
-        const int64_t n = w.n0 + 64 * c + t % 64, row_end = p.m - w.m0;
+        const int64_t n = w.n0 + 64 * half + t % 64, row_end = p.m - w.m0;
         if (n < p.n) {
 #pragma unroll 8
             for (int r = t / 64; r < kBM && r < row_end; r += 2)
@@ -366,7 +418,7 @@ __device__ __forceinline__ void consumer(Smem<T, kPP> &s, const CUtensorMap *map
 #pragma unroll
         for (int h = 0; h < kRB; h++) wgmma_fence_operands(acc[h]);
         if constexpr (kSwapAB<T, kAKMajor, kBKMajor>) {
-            previous = swapped_mainloop(s, st, acc[0], k_tiles, c, t);
+            previous = swapped_mainloop(s, st, acc, k_tiles, c, t);
         } else {
             for (int kt = 0; kt < k_tiles; kt++, st.next()) {
                 mbar_wait(&s.full[st.slot], st.phase);
@@ -414,12 +466,16 @@ __device__ __forceinline__ void consumer(Smem<T, kPP> &s, const CUtensorMap *map
         with_activation(p.activation, [&](auto act) {
             auto run = [&](auto pre) {
                 if constexpr (kSwapAB<T, kAKMajor, kBKMajor>) {
-                    swapped_epilogue<act.value, pre.value>(s.out[c], s.bias[c], map_c, map_pre, p, acc[0], w, c, t);
+#pragma unroll
+                    for (int h = 0; h < kRB; h++)  // the halves of B's columns
+                        swapped_epilogue<act.value, pre.value>(s.out[c], s.bias[c], map_c, map_pre, p, acc[h], w,
+                                                               kPP ? h : c, c, t);
                 } else {
+                    constexpr int kBuf = kOutBuffers<T, kPP>;
 #pragma unroll
                     for (int h = 0; h < kRB; h++)
-                        epilogue<act.value, pre.value, T, kRB>(s.out + c * kRB, s.bias[c], map_c, map_pre, p, acc[h],
-                                                               w, kPP ? h : c, c, t);
+                        epilogue<act.value, pre.value, T, kBuf>(s.out + c * kBuf, s.bias[c], map_c, map_pre, p, acc[h],
+                                                                w, kPP ? h : c, c, t);
                 }
             };
             if (p.pre) run(std::true_type{}); else run(std::false_type{});
@@ -436,7 +492,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     matmul_wgmma_sm90(const __grid_constant__ CUtensorMap map_a, const __grid_constant__ CUtensorMap map_b,
                       const __grid_constant__ CUtensorMap map_c, const __grid_constant__ CUtensorMap map_pre,
                       KernelParams p) {
-    static_assert(!std::is_same_v<T, float> || (kAKMajor && !kPP), "tf32: A K-major, cooperative");
+    static_assert(!std::is_same_v<T, float> || kAKMajor, "tf32: A K-major");
 #if FK_SM90A
     extern __shared__ unsigned char smem_raw[];
     auto &s = *reinterpret_cast<Smem<T, kPP> *>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
@@ -527,10 +583,9 @@ fk_status launch(const Params &p, fk_dtype dtype, int device, cudaStream_t strea
     // Ping-pong where every CTA has two tiles or more and C takes TMA stores. Else cooperative: with
     // one tile a CTA both consumers work on it (512^3: 0.57x cuBLAS ping-pong, 0.65x cooperative),
     // and element-stored C ran slower ping-pong (the LM head's linear 3.73x cuBLAS, against 4.32x; D-114).
-    if constexpr (sizeof(T) == 2) {
-        if (q.tma_store && tiles >= 2 * (int64_t)sms)
-            return go(matmul_wgmma_sm90<T, true, kAKMajor, kBKMajor>, kSmemBytes<T, true>);
-    }
+    // TF32 alike (D-137).
+    if (q.tma_store && tiles >= 2 * (int64_t)sms)
+        return go(matmul_wgmma_sm90<T, true, kAKMajor, kBKMajor>, kSmemBytes<T, true>);
     return go(matmul_wgmma_sm90<T, false, kAKMajor, kBKMajor>, kSmemBytes<T, false>);
 }
 
@@ -543,8 +598,8 @@ fk_status launch_majors(const Params &p, fk_dtype dtype, bool a_kmajor, bool b_k
 
 }  // namespace
 
-// 2 16-bit dtypes x 4 operand majors x (ping-pong, cooperative) + fp32 (tf32), cooperative, with A
-// K-major and B K-major or N-major (swapped, D-132) = 18 instances.
+// 2 16-bit dtypes x 4 operand majors x (ping-pong, cooperative) + fp32 (tf32) with A K-major and B
+// K-major or N-major (swapped, D-132) x (ping-pong, cooperative; D-137) = 20 instances.
 fk_status launch_wgmma_sm90(const Plan &, const Params &p, fk_dtype dtype, bool a_kmajor, bool b_kmajor,
                             int device, cudaStream_t stream) {
     if (dtype == FK_FLOAT32) {
