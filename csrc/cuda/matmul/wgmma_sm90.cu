@@ -583,11 +583,9 @@ fk_status launch(const Params &p, fk_dtype dtype, int device, cudaStream_t strea
     // Ping-pong where every CTA has two tiles or more and C takes TMA stores. Else cooperative: with
     // one tile a CTA both consumers work on it (512^3: 0.57x cuBLAS ping-pong, 0.65x cooperative),
     // and element-stored C ran slower ping-pong (the LM head's linear 3.73x cuBLAS, against 4.32x; D-114).
-    // TF32 alike with a K-major B; the swapped tile (x @ w) stays cooperative (D-137).
-    if constexpr (!kSwapAB<T, kAKMajor, kBKMajor>) {
-        if (q.tma_store && tiles >= 2 * (int64_t)sms)
-            return go(matmul_wgmma_sm90<T, true, kAKMajor, kBKMajor>, kSmemBytes<T, true>);
-    }
+    // TF32 alike (D-137).
+    if (q.tma_store && tiles >= 2 * (int64_t)sms)
+        return go(matmul_wgmma_sm90<T, true, kAKMajor, kBKMajor>, kSmemBytes<T, true>);
     return go(matmul_wgmma_sm90<T, false, kAKMajor, kBKMajor>, kSmemBytes<T, false>);
 }
 
