@@ -1,7 +1,7 @@
 // Hopper (sm_90a) instruction wrappers shared by the warp-specialized kernels (matmul/, attention/):
-// mbarriers, TMA tensor copies, wgmma fences and smem descriptors, setmaxnreg. One function per
-// instruction, named after it; kernel files hold no asm. The bodies compile to nothing on other
-// targets (dispatch never selects these kernels there).
+// mbarriers, TMA tensor copies, cluster barriers and remote stores, wgmma fences and smem
+// descriptors, setmaxnreg. One function per instruction, named after it; kernel files hold no asm.
+// The bodies compile to nothing on other targets (dispatch never selects these kernels there).
 #pragma once
 
 #include <cuda.h>
@@ -177,6 +177,48 @@ __device__ __forceinline__ void named_barrier_arrive(int id, int count) {
 __device__ __forceinline__ void prefetch_tensormap(const CUtensorMap *map) {
 #if FK_SM90A
     asm volatile("prefetch.tensormap [%0];\n" ::"l"(map) : "memory");
+#endif
+}
+
+// ---- clusters (distributed shared memory) -------------------------------------------------------
+// This CTA's rank in its cluster.
+__device__ __forceinline__ uint32_t cluster_ctarank() {
+    uint32_t r = 0;
+#if FK_SM90A
+    asm volatile("mov.u32 %0, %%cluster_ctarank;\n" : "=r"(r));
+#endif
+    return r;
+}
+// Split cluster barrier (the forms that need no converged warp): every thread arrives once, after
+// what peers may touch is ready (relaxed: mbarrier inits are released by fence_barrier_init), and
+// waits once, before its first access to a peer or else before it exits.
+__device__ __forceinline__ void barrier_cluster_arrive_relaxed() {
+#if FK_SM90A
+    asm volatile("barrier.cluster.arrive.relaxed;\n" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void barrier_cluster_wait() {
+#if FK_SM90A
+    asm volatile("barrier.cluster.wait;\n" ::: "memory");
+#endif
+}
+// The shared::cluster address of `p`'s counterpart in the CTA of cluster rank `rank`.
+__device__ __forceinline__ uint32_t mapa_shared_cluster(const void *p, uint32_t rank) {
+    uint32_t a = 0;
+#if FK_SM90A
+    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(a) : "r"(cvta_shared(p)), "r"(rank));
+#endif
+    return a;
+}
+// 16 bytes from registers into a peer's shared memory (`dst`, 16-byte aligned), their bytes
+// completing on the peer's mbarrier `bar` (both shared::cluster addresses from mapa_shared_cluster).
+__device__ __forceinline__ void st_async_v4(uint32_t dst, float a, float b, float c, float d, uint32_t bar) {
+#if FK_SM90A
+    asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.v4.b32 [%0], {%1, %2, %3, %4}, [%5];\n" ::"r"(
+                     dst),
+                 "r"(__float_as_uint(a)), "r"(__float_as_uint(b)), "r"(__float_as_uint(c)), "r"(__float_as_uint(d)),
+                 "r"(bar)
+                 : "memory");
 #endif
 }
 

@@ -9,6 +9,10 @@
 // fp32    any      otherwise                          simt_fp32     128 x 256 when its grid  exact (tile: D-121,
 //                                                                   fills the SMs twice,     chosen in its
 //                                                                   else 128 x 128           launcher)
+// 16-bit  sm_90    built for sm_90a, not forced       wgmma_sm90    K split over 2-CTA       small problems:
+//                  general, operands TMA-describable,  "split-k",    clusters, a tile each;   more CTAs, lean
+//                  128 x 128 tiles <= SMs / 2,         "128x64       128 x 64 where 128 x 128 prologue (D-128,
+//                  K >= 193 (4 k-steps)                split-k"      tiles <= SMs / 4         D-136)
 // 16-bit  sm_90    built for sm_90a, not forced       wgmma_sm90    128 x 128, persistent    TMA + wgmma
 //                  general, operands TMA-describable
 //                  (16-byte aligned base and strides)
@@ -64,6 +68,16 @@ Plan plan_matmul(const fk_matmul_args &x, int device) {
                    operand_aligned(x.b, b_kmajor(x) ? x.b_col : x.b_row, x.b_batch, 2);
     if (hopper && plan.aligned) {
         plan.strategy = Strategy::kWgmmaSm90;
+        // Where 128 x 128 tiles would leave most SMs idle, each SM's k-loop is the time (512^3: 16
+        // tiles of 8 k-steps, ~490 cycles each at the tensor-core rate, 1.9 of 4.4 us; D-136): a K split
+        // over 2-CTA clusters doubles the CTAs where K has 4 k-steps or more, 128 x 64 tiles double
+        // them again where split tiles still fill <= half (D-128).
+        const int64_t rows = (x.m + 127) / 128 * x.batch, k_steps = (x.k + 63) / 64;
+        const int64_t wide = rows * ((x.n + 127) / 128), sms = sm_count(device);
+        if (2 * wide <= sms && k_steps >= 4) {
+            plan.split_k = 2;
+            plan.tile = 4 * wide <= sms ? 1 : 0;
+        }
         return plan;
     }
     plan.strategy = Strategy::kMmaSm80;
@@ -73,6 +87,12 @@ Plan plan_matmul(const fk_matmul_args &x, int device) {
     const bool large_fills = ((x.m + 127) / 128) * ((x.n + 255) / 256) * x.batch * 8 >= sm_count(device) * 7;
     plan.tile = plan.aligned && large_fits && large_fills ? 0 : 1;
     return plan;
+}
+
+// The plan's name: the strategy's, and wgmma_sm90's small-problem variants (the table's row).
+const char *plan_name(const Plan &p) {
+    if (p.strategy != Strategy::kWgmmaSm90 || p.split_k == 1) return strategy_name(p.strategy);
+    return p.tile == 1 ? "wgmma_sm90 128x64 split-k" : "wgmma_sm90 split-k";
 }
 
 fk_status check_args(const fk_matmul_args &x) {
@@ -113,7 +133,7 @@ Params params_of(const fk_matmul_args &x) {
 extern "C" const char *fk_cuda_matmul_plan(const fk_matmul_args *args, int device) {
     fk::DeviceGuard guard(device);
     if (guard.error != cudaSuccess) return "none";
-    return fk::mm::strategy_name(fk::mm::plan_matmul(*args, device).strategy);
+    return fk::mm::plan_name(fk::mm::plan_matmul(*args, device));
 }
 
 extern "C" fk_status fk_cuda_matmul(const fk_matmul_args *args, int device, void *stream) {
