@@ -45,6 +45,12 @@ __device__ __forceinline__ void mbar_arrive(uint64_t *bar) {
     asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(cvta_shared(bar)) : "memory");
 #endif
 }
+// Arrives on a peer CTA's mbarrier (a shared::cluster address from mapa_shared_cluster).
+__device__ __forceinline__ void mbar_arrive_cluster(uint32_t bar) {
+#if FK_SM90A
+    asm volatile("mbarrier.arrive.shared::cluster.b64 _, [%0];\n" ::"r"(bar) : "memory");
+#endif
+}
 // Blocks until the phase of parity `phase` has completed.
 __device__ __forceinline__ void mbar_wait(uint64_t *bar, uint32_t phase) {
 #if FK_SM90A
@@ -82,6 +88,18 @@ __device__ __forceinline__ void tma_load_3d(void *dst, const CUtensorMap *map, u
         "cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%3, %4, %5}], [%2];\n" ::"r"(
             cvta_shared(dst)),
         "l"(map), "r"(cvta_shared(bar)), "r"(c0), "r"(c1), "r"(c2)
+        : "memory");
+#endif
+}
+// The same box into the shared memory of each CTA in `mask` (cluster ranks' bits), at dst's offset
+// there, completing its bytes on each one's mbarrier at bar's offset.
+__device__ __forceinline__ void tma_load_3d_multicast(void *dst, const CUtensorMap *map, uint64_t *bar, int c0,
+                                                      int c1, int c2, uint16_t mask) {
+#if FK_SM90A
+    asm volatile(
+        "cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes.multicast::cluster [%0], [%1, "
+        "{%3, %4, %5}], [%2], %6;\n" ::"r"(cvta_shared(dst)),
+        "l"(map), "r"(cvta_shared(bar)), "r"(c0), "r"(c1), "r"(c2), "h"(mask)
         : "memory");
 #endif
 }
@@ -195,6 +213,13 @@ __device__ __forceinline__ uint32_t cluster_ctarank() {
 __device__ __forceinline__ void barrier_cluster_arrive_relaxed() {
 #if FK_SM90A
     asm volatile("barrier.cluster.arrive.relaxed;\n" ::: "memory");
+#endif
+}
+// The same with release semantics: this thread's earlier memory operations on peers (remote mbarrier
+// arrivals) are performed before the barrier completes.
+__device__ __forceinline__ void barrier_cluster_arrive() {
+#if FK_SM90A
+    asm volatile("barrier.cluster.arrive;\n" ::: "memory");
 #endif
 }
 __device__ __forceinline__ void barrier_cluster_wait() {

@@ -9,10 +9,15 @@
 // fp32    any      otherwise                          simt_fp32     128 x 256 when its grid  exact (tile: D-121,
 //                                                                   fills the SMs twice,     chosen in its
 //                                                                   else 128 x 128           launcher)
-// 16-bit  sm_90    built for sm_90a, not forced       wgmma_sm90    K split over 2-CTA       small problems:
-//                  general, operands TMA-describable,  "split-k",    clusters, a tile each;   more CTAs, lean
-//                  128 x 128 tiles <= SMs / 2,         "128x64       128 x 64 where 128 x 128 prologue (D-128,
-//                  K >= 193 (4 k-steps)                split-k"      tiles <= SMs / 4         D-136)
+// 16-bit  sm_90    built for sm_90a, not forced       wgmma_sm90    128 x 64, K split over   small problems:
+//                  general, operands TMA-describable,  "128x64       2-CTA clusters           4x the CTAs, lean
+//                  128 x 128 tiles <= SMs / 4,         split-k"                               prologue (D-128,
+//                  K >= 193 (4 k-steps)                                                       D-136)
+// 16-bit  sm_90    as above, tiles <= SMs / 2, an     wgmma_sm90    128 x 128, a tile a CTA, L2 traffic: 24 of
+//                  even count of 128-row tiles         "shared-b"    2-CTA clusters share B   32 KB a k-step
+//                                                                    (multicast halves)       (D-136)
+// 16-bit  sm_90    as above, odd 128-row tiles        wgmma_sm90    128 x 128, K split over  2x the CTAs
+//                                                      "split-k"     2-CTA clusters           (D-128, D-136)
 // 16-bit  sm_90    built for sm_90a, not forced       wgmma_sm90    128 x 128, persistent    TMA + wgmma
 //                  general, operands TMA-describable
 //                  (16-byte aligned base and strides)
@@ -69,14 +74,17 @@ Plan plan_matmul(const fk_matmul_args &x, int device) {
     if (hopper && plan.aligned) {
         plan.strategy = Strategy::kWgmmaSm90;
         // Where 128 x 128 tiles would leave most SMs idle, each SM's k-loop is the time (512^3: 16
-        // tiles of 8 k-steps, ~490 cycles each at the tensor-core rate, 1.9 of 4.4 us; D-136): a K split
-        // over 2-CTA clusters doubles the CTAs where K has 4 k-steps or more, 128 x 64 tiles double
-        // them again where split tiles still fill <= half (D-128).
-        const int64_t rows = (x.m + 127) / 128 * x.batch, k_steps = (x.k + 63) / 64;
-        const int64_t wide = rows * ((x.n + 127) / 128), sms = sm_count(device);
+        // tiles of 8 k-steps, ~490 cycles each at the tensor-core rate, 1.9 of 4.4 us; D-136): 128 x 64
+        // tiles with K split over 2-CTA clusters give 4x the CTAs where K has 4 k-steps or more. With
+        // 128 x 128 tiles for a quarter to half of the SMs, the L2 is the limit (1000^3: 64 CTAs at
+        // ~6 TB/s, 650 cycles a k-step): pairs of tiles share B's loads where tile rows pair up,
+        // else K is split (D-128, D-136).
+        const int64_t tiles_m = (x.m + 127) / 128, k_steps = (x.k + 63) / 64;
+        const int64_t wide = tiles_m * x.batch * ((x.n + 127) / 128), sms = sm_count(device);
         if (2 * wide <= sms && k_steps >= 4) {
-            plan.split_k = 2;
             plan.tile = 4 * wide <= sms ? 1 : 0;
+            plan.share_b = plan.tile == 0 && tiles_m % 2 == 0;
+            plan.split_k = plan.share_b ? 1 : 2;
         }
         return plan;
     }
@@ -89,9 +97,11 @@ Plan plan_matmul(const fk_matmul_args &x, int device) {
     return plan;
 }
 
-// The plan's name: the strategy's, and wgmma_sm90's small-problem variants (the table's row).
+// The plan's name: the strategy's, and wgmma_sm90's small-problem variants (the table's rows).
 const char *plan_name(const Plan &p) {
-    if (p.strategy != Strategy::kWgmmaSm90 || p.split_k == 1) return strategy_name(p.strategy);
+    if (p.strategy != Strategy::kWgmmaSm90) return strategy_name(p.strategy);
+    if (p.share_b) return "wgmma_sm90 shared-b";
+    if (p.split_k == 1) return strategy_name(p.strategy);
     return p.tile == 1 ? "wgmma_sm90 128x64 split-k" : "wgmma_sm90 split-k";
 }
 

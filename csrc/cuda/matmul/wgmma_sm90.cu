@@ -25,8 +25,12 @@
 // the SMs and K has 4 k-steps or more, K is split over a 2-CTA cluster a tile (kSplit): rank r takes
 // half the k-steps, row block c's partial accumulators (fp32) go by st.async into rank c's staging
 // buffers (64 x kBN fp32 fit them), and consumer c adds them and runs the epilogue; where 128 x 128
-// tiles are <= SMs / 4 the tile is also 128 x 64 (wgmma m64n64k16). These instances take the lean
-// prologue (stamps.cuh). 512^3: 64 CTAs of 4 k-steps, 1000^3: 128 CTAs of 8 k-steps (measured: D-136).
+// tiles are <= SMs / 4 the tile is also 128 x 64 (wgmma m64n64k16). Where a tile a CTA fills the SMs
+// less than twice over and tile rows pair up, two CTAs of a cluster share B (kShareB): tiles 2i and
+// 2i + 1 (one tile column) each load half of B's k-tile and multicast it to both, so each SM reads
+// 24 KB a k-step instead of 32 (1000^3: 64 CTAs reading 32 KB a k-step from L2 ran ~650 cycles a
+// k-step against 490 at 512^3's 16 CTAs: ~6 TB/s, the L2's rate); each stage is then released by
+// the four consumers of both CTAs. Both take the lean prologue (stamps.cuh; D-136).
 // TF32 (fp32 operands): the same kernel in bytes, cooperative. A 128-byte swizzled row holds 32 fp32
 // instead of 64 halves, so a stage is still 32 KB (BK = 32) and a wgmma m64n128k8 step still 32
 // bytes along it; the TMA rounds fp32 to tf32 on load (TFLOAT32 maps, round to nearest like cuBLAS).
@@ -72,7 +76,10 @@ constexpr bool kSwapAB = sizeof(T) == 4 && kAKMajor && !kBKMajor;
 template <typename T, bool kPP> constexpr int kStages = kPP || sizeof(T) == 4 ? 5 : 6;
 template <int kBN> constexpr int kStageBytes = (kBM + kBN) * 128;  // 32 KB (24 KB at kBN 64) for every T
 // The lean prologue (stamps.cuh, D-133): always in the split-K instances, elsewhere by the switch.
-template <bool kSplit> constexpr bool kLean = FK_MM_LEAN_PROLOGUE || kSplit;
+// How a CTA works with another (small problems; 2-CTA clusters): alone (persistent), split K, or
+// sharing B with the CTA of the next tile.
+enum Pairing { kAlone, kSplitK, kShareB };
+template <int kPair> constexpr bool kLean = FK_MM_LEAN_PROLOGUE || kPair != kAlone;
 
 // Named barriers: 0 is __syncthreads; consumer warpgroup c syncs its 128 threads on kConsumer0 + c;
 // ping-pong consumer c may start a mainloop once the other has arrived on kOrder0 + c.
@@ -106,28 +113,31 @@ template <int kBN = 128> __device__ __forceinline__ Work work_of(int64_t tile, i
     return {tile / per_batch, (int64_t)t.tm * kBM, (int64_t)t.tn * kBN};
 }
 
-// Which output tiles and k-tiles a CTA takes: persistent, or with split K (kSplit: a 2-CTA cluster a
-// tile, one tile a cluster) cluster rank r takes k-tiles [r k_tiles / 2, (r + 1) k_tiles / 2).
+// Which output tiles and k-tiles a CTA takes: persistent; with split K (a 2-CTA cluster a tile, one
+// tile a cluster) cluster rank r takes k-tiles [r k_tiles / 2, (r + 1) k_tiles / 2); sharing B, tile
+// blockIdx.x (one a CTA), all k-tiles.
 struct Walk {
     int64_t first, step;  // tiles first, first + step, ...
     int kt_begin, kt_end;
-    int rank;             // split K: the cluster rank, whose consumer `rank` finishes the tile (else 0)
+    int rank;             // the cluster rank (split K: its consumer `rank` finishes the tile), else 0
 };
-template <bool kSplit> __device__ __forceinline__ Walk walk_of(int k_tiles) {
-    if constexpr (!kSplit) return {blockIdx.x, gridDim.x, 0, k_tiles, 0};
+template <int kPair> __device__ __forceinline__ Walk walk_of(int k_tiles) {
+    if constexpr (kPair == kAlone) return {blockIdx.x, gridDim.x, 0, k_tiles, 0};
     const int rank = (int)cluster_ctarank();
+    if constexpr (kPair == kShareB) return {blockIdx.x, gridDim.x, 0, k_tiles, rank};
     return {blockIdx.x / 2, gridDim.x / 2, k_tiles * rank / 2, k_tiles * (rank + 1) / 2, rank};
 }
 
-template <typename T, bool kPP, int kBN, bool kSplit, bool kAKMajor, bool kBKMajor>
+template <typename T, bool kPP, int kBN, int kPair, bool kAKMajor, bool kBKMajor>
 __device__ __forceinline__ void producer(Smem<T, kPP, kBN> &s, const CUtensorMap *map_a, const CUtensorMap *map_b,
                                          const KernelParams &p, int tiles_m, int tiles_n, int k_tiles) {
     RingStage<kStages<T, kPP>> st;
     const int64_t total = (int64_t)tiles_m * tiles_n * p.batch;
-    const Walk wk = walk_of<kSplit>(k_tiles);
+    const Walk wk = walk_of<kPair>(k_tiles);
+    if constexpr (kPair == kShareB) barrier_cluster_wait();  // the peer's barriers are ready for its B half
     for (int64_t tile = wk.first; tile < total; tile += wk.step) {
         Work w = work_of<kBN>(tile, tiles_m, tiles_n);
-        if constexpr (kLean<kSplit>) {
+        if constexpr (kLean<kPair>) {
             if (tile == wk.first) {  // the first tile's coordinates are made before the wait
                 grid_dependency_wait(w.batch, w.m0, w.n0);
                 FK_MM_STAMP(p, kStampWaited);
@@ -146,7 +156,16 @@ __device__ __forceinline__ void producer(Smem<T, kPP, kBN> &s, const CUtensorMap
                     tma_load_3d(s.a[st.slot] + h * kBK<T> * kBK<T>, map_a, &s.full[st.slot], (int)w.m0 + kBK<T> * h,
                                 k0, ca);
             }
-            if constexpr (kBKMajor) {
+            if constexpr (kPair == kShareB) {  // B's half `rank` (64 rows of N), into both CTAs
+                const int h = wk.rank;
+                if constexpr (kBKMajor) {
+                    tma_load_3d_multicast(s.b[st.slot] + h * 64 * kBK<T>, map_b, &s.full[st.slot], k0,
+                                          (int)w.n0 + 64 * h, cb, 0b11);
+                } else {
+                    tma_load_3d_multicast(s.b[st.slot] + h * kBK<T> * kBK<T>, map_b, &s.full[st.slot],
+                                          (int)w.n0 + kBK<T> * h, k0, cb, 0b11);
+                }
+            } else if constexpr (kBKMajor) {
                 tma_load_3d(s.b[st.slot], map_b, &s.full[st.slot], k0, (int)w.n0, cb);
             } else {
 #pragma unroll
@@ -371,6 +390,14 @@ __device__ __forceinline__ void swapped_epilogue(float *out, float *bias_s, cons
     }
 }
 
+// A consumer's release of stage `slot`: to its producer, and sharing B (peer_empty: the peer CTA's
+// empty[0]) to the peer's, whose half of B it read too.
+template <int kPair, typename T, bool kPP, int kBN>
+__device__ __forceinline__ void release(Smem<T, kPP, kBN> &s, uint32_t peer_empty, int slot) {
+    mbar_arrive(&s.empty[slot]);
+    if constexpr (kPair == kShareB) mbar_arrive_cluster(peer_empty + (uint32_t)(slot * sizeof(uint64_t)));
+}
+
 // Split K: the partial tile of consumer c (fp32, 64 x kBN) into the `out` buffers of cluster rank
 // `to`, 16 bytes a store (thread t's accumulators i..i+3 at float4 (i / 4) x 128 + t), counted on that
 // CTA's partial_full. The caller has waited on the cluster barrier: the peer's mbarrier is ready.
@@ -393,17 +420,23 @@ __device__ __forceinline__ void add_partial(Smem<T, false, kBN> &s, float (&acc)
     }
 }
 
-template <typename T, bool kPP, int kBN, bool kSplit, bool kAKMajor, bool kBKMajor>
+template <typename T, bool kPP, int kBN, int kPair, bool kAKMajor, bool kBKMajor>
 __device__ __forceinline__ void consumer(Smem<T, kPP, kBN> &s, const CUtensorMap *map_c, const CUtensorMap *map_pre,
                                          const KernelParams &p, int tiles_m, int tiles_n, int k_tiles_all) {
     constexpr int kRB = kRowBlocks<kPP>;
-    static_assert(!(kSplit && kPP), "split K is cooperative");
+    static_assert(!(kPair != kAlone && kPP), "paired CTAs are cooperative");
     const int c = threadIdx.x / 128 - 1, t = threadIdx.x % 128;
-    if constexpr (kLean<kSplit>) grid_dependency_wait();  // off the critical path: the first full[] comes after the producer's
+    if constexpr (kLean<kPair>) grid_dependency_wait();  // off the critical path: the first full[] comes after the producer's
     RingStage<kStages<T, kPP>> st;
     float acc[kRB][kBN / 2];
     const int64_t total = (int64_t)tiles_m * tiles_n * p.batch;
-    const Walk wk = walk_of<kSplit>(k_tiles_all);
+    const Walk wk = walk_of<kPair>(k_tiles_all);
+    // sharing B: a stage is released to both producers (the peer's barriers are ready after the wait)
+    uint32_t peer_empty = 0;
+    if constexpr (kPair == kShareB) {
+        barrier_cluster_wait();
+        peer_empty = mapa_shared_cluster(&s.empty[0], (uint32_t)(wk.rank ^ 1));
+    }
     // timestamps (stamps.cuh): consumer wk.rank's first thread, the one that finishes the tile
     if (c == wk.rank && t == 0) FK_MM_STAMP(p, kStampReady);
     const int k_tiles = wk.kt_end - wk.kt_begin;  // this CTA's
@@ -451,7 +484,7 @@ __device__ __forceinline__ void consumer(Smem<T, kPP, kBN> &s, const CUtensorMap
                 }
                 wgmma_commit();
                 wgmma_wait<1>();  // the previous stage's wgmmas are done: release it
-                if (previous >= 0 && t == 0) mbar_arrive(&s.empty[previous]);
+                if (previous >= 0 && t == 0) release<kPair>(s, peer_empty, previous);
                 previous = st.slot;
             }
         }
@@ -460,14 +493,14 @@ __device__ __forceinline__ void consumer(Smem<T, kPP, kBN> &s, const CUtensorMap
 #pragma unroll
         for (int h = 0; h < kRB; h++) wgmma_fence_operands(acc[h]);
         if (c == wk.rank && t == 0 && tile == wk.first) FK_MM_STAMP(p, kStampMmaDone);
-        if (previous >= 0 && t == 0) mbar_arrive(&s.empty[previous]);
+        if (previous >= 0 && t == 0) release<kPair>(s, peer_empty, previous);
         if (k_tiles == 0) {
 #pragma unroll
             for (int h = 0; h < kRB; h++)
 #pragma unroll
                 for (int i = 0; i < kBN / 2; i++) acc[h][i] = 0.0f;
         }
-        if constexpr (kSplit) {  // rank c finishes row block c, the other rank's consumer c sends its partial
+        if constexpr (kPair == kSplitK) {  // rank c finishes row block c, the other rank's consumer c sends its partial
             if (wk.rank != c) {
                 barrier_cluster_wait();  // pairs with the kernel's arrival: the peer's mbarrier is ready
                 send_partial(s, acc[0], (uint32_t)c, t);
@@ -495,15 +528,16 @@ __device__ __forceinline__ void consumer(Smem<T, kPP, kBN> &s, const CUtensorMap
     }
     if (p.tma_store && t == 0) bulk_wait_group<0>();  // the last stores finish before the CTA exits
     if (t == 0) FK_MM_STAMP(p, c == wk.rank ? kStampEnd : kStampEnd1);
-    if constexpr (kSplit) barrier_cluster_wait();  // the kernel's arrival, paired
+    if constexpr (kPair == kSplitK) barrier_cluster_wait();  // the kernel's arrival, paired
+    if constexpr (kPair == kShareB) barrier_cluster_arrive(), barrier_cluster_wait();  // see the kernel
 }
 
-template <typename T, bool kPP, int kBN, bool kSplit, bool kAKMajor, bool kBKMajor>
+template <typename T, bool kPP, int kBN, int kPair, bool kAKMajor, bool kBKMajor>
 __global__ void __launch_bounds__(kThreads, 1)
     matmul_wgmma_sm90(const __grid_constant__ CUtensorMap map_a, const __grid_constant__ CUtensorMap map_b,
                       const __grid_constant__ CUtensorMap map_c, const __grid_constant__ CUtensorMap map_pre,
                       KernelParams p) {
-    static_assert(!std::is_same_v<T, float> || (kAKMajor && !kPP && kBN == 128 && !kSplit),
+    static_assert(!std::is_same_v<T, float> || (kAKMajor && !kPP && kBN == 128 && kPair == kAlone),
                   "tf32: A K-major, cooperative, 128 x 128");
 #if FK_SM90A
     extern __shared__ unsigned char smem_raw[];
@@ -512,8 +546,8 @@ __global__ void __launch_bounds__(kThreads, 1)
     if (threadIdx.x == 0) {
         FK_MM_STAMP(p, kStampEntry);
         for (int i = 0; i < kStages<T, kPP>; i++)  // a stage is released by each consumer reading it
-            mbar_init(&s.full[i], 1), mbar_init(&s.empty[i], kPP ? 1 : kConsumers);
-        if constexpr (kSplit) mbar_init(&s.partial_full, 1);
+            mbar_init(&s.full[i], 1), mbar_init(&s.empty[i], kPP ? 1 : kConsumers * (kPair == kShareB ? 2 : 1));
+        if constexpr (kPair == kSplitK) mbar_init(&s.partial_full, 1);
         fence_barrier_init();
         prefetch_tensormap(&map_a);
         prefetch_tensormap(&map_b);
@@ -521,11 +555,15 @@ __global__ void __launch_bounds__(kThreads, 1)
     }
     __syncthreads();
     if (threadIdx.x == 0) FK_MM_STAMP(p, kStampSynced);
-    if constexpr (kSplit) {  // partial_full takes thread 0's arrival and the peer's bytes; then peers may send
-        if (threadIdx.x == 0) mbar_arrive_expect_tx(&s.partial_full, 64 * kBN * 4);
+    // Paired CTAs: each thread arrives on the cluster barrier once its CTA's barriers are ready (split K:
+    // partial_full takes thread 0's arrival and the peer's bytes) and waits before its first access to
+    // the peer. Sharing B, a second arrival and wait at the end keep each CTA alive while the peer may
+    // still release its stages (remote arrivals on empty[]).
+    if constexpr (kPair != kAlone) {
+        if (kPair == kSplitK && threadIdx.x == 0) mbar_arrive_expect_tx(&s.partial_full, 64 * kBN * 4);
         barrier_cluster_arrive_relaxed();
     }
-    if constexpr (kLean<kSplit>) {
+    if constexpr (kLean<kPair>) {
         grid_dependency_launch();  // each role waits for the previous grid itself, as late as it can
     } else {
         grid_dependency_sync();
@@ -536,11 +574,14 @@ __global__ void __launch_bounds__(kThreads, 1)
     if (threadIdx.x < 128) {
         setmaxnreg_dec<kRegsProducer>();
         if (threadIdx.x == 0)
-            producer<T, kPP, kBN, kSplit, kAKMajor, kBKMajor>(s, &map_a, &map_b, p, tiles_m, tiles_n, k_tiles);
-        if constexpr (kSplit) barrier_cluster_wait();  // the kernel's arrival, paired
+            producer<T, kPP, kBN, kPair, kAKMajor, kBKMajor>(s, &map_a, &map_b, p, tiles_m, tiles_n, k_tiles);
+        if constexpr (kPair != kAlone) {  // the kernel's arrival, paired (the producer thread's, sharing B: there)
+            if (kPair == kSplitK || threadIdx.x != 0) barrier_cluster_wait();
+            if (kPair == kShareB) barrier_cluster_arrive(), barrier_cluster_wait();
+        }
     } else {
         setmaxnreg_inc<kRegsConsumer>();
-        consumer<T, kPP, kBN, kSplit, kAKMajor, kBKMajor>(s, &map_c, &map_pre, p, tiles_m, tiles_n, k_tiles);
+        consumer<T, kPP, kBN, kPair, kAKMajor, kBKMajor>(s, &map_c, &map_pre, p, tiles_m, tiles_n, k_tiles);
     }
 #endif
 }
@@ -579,13 +620,15 @@ template <typename T, bool kAKMajor, bool kBKMajor>
 fk_status launch(const Plan &plan, const Params &p, fk_dtype dtype, int device, cudaStream_t stream) {
     constexpr MapUse kIn = MapUse::kOperand, kOut = MapUse::kOutput;
     // plan.split_k 2 (16-bit): K split over 2-CTA clusters, one tile a cluster, 128 x 64 tiles where
-    // plan.tile is 1 (dispatch.cu's small-problem row, D-128).
+    // plan.tile is 1; plan.share_b: tiles 2i and 2i + 1 (one tile column) in a 2-CTA cluster, each
+    // loading half of B (dispatch.cu's small-problem rows, D-128, D-136).
     const bool split = sizeof(T) == 2 && plan.split_k == 2, narrow = split && plan.tile == 1;
-    const int bn = narrow ? 64 : 128;
+    const bool share_b = sizeof(T) == 2 && plan.share_b && !split;
+    const int bn = narrow ? 64 : 128, b_box = share_b ? 64 : bn;  // a K-major B's box: its rows of N
     CUtensorMap map_a, map_b, map_c = {}, map_pre = {};
     const bool ok_a = kAKMajor ? encode(&map_a, dtype, kIn, p.a, p.k, p.m, p.a_row, p.batch, p.a_batch, kBM)
                                : encode(&map_a, dtype, kIn, p.a, p.m, p.k, p.a_col, p.batch, p.a_batch, kBK<T>);
-    const bool ok_b = kBKMajor ? encode(&map_b, dtype, kIn, p.b, p.k, p.n, p.b_col, p.batch, p.b_batch, bn)
+    const bool ok_b = kBKMajor ? encode(&map_b, dtype, kIn, p.b, p.k, p.n, p.b_col, p.batch, p.b_batch, b_box)
                                : encode(&map_b, dtype, kIn, p.b, p.n, p.k, p.b_row, p.batch, p.b_batch, kBK<T>);
     if (!ok_a || !ok_b) return fk_fail(FK_ERR_RUNTIME, "matmul: cuTensorMapEncodeTiled failed");
     // C (and pre) through TMA stores when their rows are 16-byte aligned; else element stores.
@@ -597,25 +640,28 @@ fk_status launch(const Plan &plan, const Params &p, fk_dtype dtype, int device, 
                   (p.pre == nullptr || encode(&map_pre, dtype, kOut, p.pre, p.n, p.m, p.c_row, p.batch, p.c_batch, 64));
     const int64_t tiles = ((p.m + kBM - 1) / kBM) * ((p.n + bn - 1) / bn) * p.batch;
     const int sms = sm_count(device);
-    // Persistent (one CTA an SM), or split: a cluster for every tile (partial_full serves one tile).
-    const unsigned grid = (unsigned)(split ? 2 * tiles : std::min<int64_t>(tiles, sms));
+    // Persistent (one CTA an SM); split: a cluster for every tile (partial_full serves one tile);
+    // sharing B: a CTA a tile (dispatch.cu: tile rows even, so pairs share a tile column).
+    const unsigned grid = (unsigned)(split ? 2 * tiles : share_b ? tiles : std::min<int64_t>(tiles, sms));
     auto go = [&](auto kernel, int smem) {
         cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
         if (e != cudaSuccess) return cuda_status(e, "matmul");
-        return Launch(dim3(grid), dim3(kThreads), smem, stream, device, split ? 2 : 1)("matmul", kernel, map_a,
+        return Launch(dim3(grid), dim3(kThreads), smem, stream, device, split || share_b ? 2 : 1)("matmul", kernel, map_a,
                                                                                         map_b, map_c, map_pre, q);
     };
     if constexpr (sizeof(T) == 2) {
-        if (narrow) return go(matmul_wgmma_sm90<T, false, 64, true, kAKMajor, kBKMajor>, kSmemBytes<T, false, 64>);
-        if (split) return go(matmul_wgmma_sm90<T, false, 128, true, kAKMajor, kBKMajor>, kSmemBytes<T, false>);
+        if (narrow)
+            return go(matmul_wgmma_sm90<T, false, 64, kSplitK, kAKMajor, kBKMajor>, kSmemBytes<T, false, 64>);
+        if (split) return go(matmul_wgmma_sm90<T, false, 128, kSplitK, kAKMajor, kBKMajor>, kSmemBytes<T, false>);
+        if (share_b) return go(matmul_wgmma_sm90<T, false, 128, kShareB, kAKMajor, kBKMajor>, kSmemBytes<T, false>);
         // Ping-pong where every CTA has two tiles or more and C takes TMA stores. Else cooperative:
         // with one tile a CTA both consumers work on it (512^3: 0.57x cuBLAS ping-pong, 0.65x
         // cooperative), and element-stored C ran slower ping-pong (the LM head's linear 3.73x
         // cuBLAS, against 4.32x; D-114).
         if (q.tma_store && tiles >= 2 * (int64_t)sms)
-            return go(matmul_wgmma_sm90<T, true, 128, false, kAKMajor, kBKMajor>, kSmemBytes<T, true>);
+            return go(matmul_wgmma_sm90<T, true, 128, kAlone, kAKMajor, kBKMajor>, kSmemBytes<T, true>);
     }
-    return go(matmul_wgmma_sm90<T, false, 128, false, kAKMajor, kBKMajor>, kSmemBytes<T, false>);
+    return go(matmul_wgmma_sm90<T, false, 128, kAlone, kAKMajor, kBKMajor>, kSmemBytes<T, false>);
 }
 
 template <typename T>
@@ -630,9 +676,9 @@ fk_status launch_majors(const Plan &plan, const Params &p, fk_dtype dtype, bool 
 
 }  // namespace
 
-// 2 16-bit dtypes x 4 operand majors x (128 x 128 ping-pong, 128 x 128 cooperative, and split K:
-// 128 x 128 and 128 x 64 cooperative) + fp32 (tf32), cooperative, with A K-major and B K-major or
-// N-major (swapped, D-132) = 34 instances.
+// 2 16-bit dtypes x 4 operand majors x (128 x 128 ping-pong, 128 x 128 cooperative, split K:
+// 128 x 128 and 128 x 64 cooperative, 128 x 128 sharing B) + fp32 (tf32), cooperative, with A
+// K-major and B K-major or N-major (swapped, D-132) = 42 instances.
 fk_status launch_wgmma_sm90(const Plan &plan, const Params &p, fk_dtype dtype, bool a_kmajor, bool b_kmajor,
                             int device, cudaStream_t stream) {
     if (dtype == FK_FLOAT32) {
