@@ -13,10 +13,10 @@
 //                  general, operands TMA-describable,  "128x64       2-CTA clusters           4x the CTAs, lean
 //                  128 x 128 tiles <= SMs / 4,         split-k"                               prologue (D-128,
 //                  K >= 193 (4 k-steps)                                                       D-136)
-// 16-bit  sm_90    as above, tiles <= SMs / 2, an     wgmma_sm90    128 x 128, a tile a CTA, L2 traffic: 24 of
-//                  even count of 128-row tiles         "shared-b"    2-CTA clusters share B   32 KB a k-step
-//                                                                    (multicast halves)       (D-136)
-// 16-bit  sm_90    as above, odd 128-row tiles        wgmma_sm90    128 x 128, K split over  2x the CTAs
+// 16-bit  sm_90    as above, tiles <= SMs / 2, B's    wgmma_sm90    128 x 128, a tile a CTA, L2-bound: 24 of
+//                  rows not 128-byte aligned, an       "shared-b"    2-CTA clusters share B   32 KB a k-step
+//                  even count of 128-row tiles                       (multicast halves)       (D-136)
+// 16-bit  sm_90    as above, otherwise                wgmma_sm90    128 x 128, K split over  2x the CTAs
 //                                                      "split-k"     2-CTA clusters           (D-128, D-136)
 // 16-bit  sm_90    built for sm_90a, not forced       wgmma_sm90    128 x 128, persistent    TMA + wgmma
 //                  general, operands TMA-describable
@@ -75,15 +75,17 @@ Plan plan_matmul(const fk_matmul_args &x, int device) {
         plan.strategy = Strategy::kWgmmaSm90;
         // Where 128 x 128 tiles would leave most SMs idle, each SM's k-loop is the time (512^3: 16
         // tiles of 8 k-steps, ~490 cycles each at the tensor-core rate, 1.9 of 4.4 us; D-136): 128 x 64
-        // tiles with K split over 2-CTA clusters give 4x the CTAs where K has 4 k-steps or more. With
-        // 128 x 128 tiles for a quarter to half of the SMs, the L2 is the limit (1000^3: 64 CTAs at
-        // ~6 TB/s, 650 cycles a k-step): pairs of tiles share B's loads where tile rows pair up,
-        // else K is split (D-128, D-136).
+        // tiles with K split over 2-CTA clusters give 4x the CTAs where K has 4 k-steps or more, and
+        // 128 x 128 tiles split K for a quarter to half of the SMs. Rows that are not 128-byte aligned
+        // make the loads L2-bound there (1000^3: 64 CTAs at ~6 TB/s, 650 cycles a k-step; D-113): pairs
+        // of tiles share B's loads instead where tile rows pair up (1000^3 0.88x -> 0.96x cuBLAS, 768^3
+        // and 1024^3 lose; D-136).
         const int64_t tiles_m = (x.m + 127) / 128, k_steps = (x.k + 63) / 64;
         const int64_t wide = tiles_m * x.batch * ((x.n + 127) / 128), sms = sm_count(device);
+        const bool b_rows_aligned = (b_kmajor(x) ? x.b_col : x.b_row) * 2 % 128 == 0;
         if (2 * wide <= sms && k_steps >= 4) {
             plan.tile = 4 * wide <= sms ? 1 : 0;
-            plan.share_b = plan.tile == 0 && tiles_m % 2 == 0;
+            plan.share_b = plan.tile == 0 && tiles_m % 2 == 0 && !b_rows_aligned;
             plan.split_k = plan.share_b ? 1 : 2;
         }
         return plan;
