@@ -5,7 +5,7 @@
 // CUDA-graph timing). A 128 x 128 CTA tile moves (128 + 128) x 64 x 2 = 32 KB of operands a k-step
 // for 2 x 128^2 x 64 = 2.1 MFLOP (64 FLOPs a byte); 5-6 stages keep that many k-steps of TMA
 // latency in flight. Measured (H200, benchmarks/results/matmul-h200-2026-11-27.json): 4096^3 721
-// TFLOP/s (1.10x cuBLAS), 8192^3 0.97x, the six training shapes 0.87-1.00x, 512^3 0.64x.
+// TFLOP/s (1.10x cuBLAS), 8192^3 0.97x, the six training shapes 0.87-1.00x.
 //
 // Algorithm (STYLE.md's producer / consumer skeleton): a persistent grid, one CTA an SM, walks the
 // output tiles in grouped order. Warpgroup 0 is the producer: one thread waits for a free stage
@@ -25,12 +25,12 @@
 // the SMs and K has 4 k-steps or more, K is split over a 2-CTA cluster a tile (kSplit): rank r takes
 // half the k-steps, row block c's partial accumulators (fp32) go by st.async into rank c's staging
 // buffers (64 x kBN fp32 fit them), and consumer c adds them and runs the epilogue; where 128 x 128
-// tiles are <= SMs / 4 the tile is also 128 x 64 (wgmma m64n64k16). Where a tile a CTA fills the SMs
-// less than twice over and tile rows pair up, two CTAs of a cluster share B (kShareB): tiles 2i and
-// 2i + 1 (one tile column) each load half of B's k-tile and multicast it to both, so each SM reads
-// 24 KB a k-step instead of 32 (1000^3: 64 CTAs reading 32 KB a k-step from L2 ran ~650 cycles a
-// k-step against 490 at 512^3's 16 CTAs: ~6 TB/s, the L2's rate); each stage is then released by
-// the four consumers of both CTAs. Both take the lean prologue (stamps.cuh; D-136).
+// tiles are <= SMs / 4 the tile is also 128 x 64 (wgmma m64n64k16). Where B's rows are not 128-byte
+// aligned (L2-bound loads: 1000^3's 64 CTAs read 32 KB a k-step at ~6 TB/s, 650 cycles against 490 at
+// 512^3) and tile rows pair up, two CTAs of a cluster share B instead (kShareB): tiles 2i and 2i + 1
+// (one tile column) each load half of B's k-tile and multicast it to both (24 KB a k-step from L2
+// instead of 32); a stage is then released by the four consumers of both CTAs. Both take the lean
+// prologue (stamps.cuh). H200 x cuBLAS: 512^3 0.65 -> 1.03x, 1000^3 0.77 -> 0.96x (D-136).
 // TF32 (fp32 operands): the same kernel in bytes, cooperative. A 128-byte swizzled row holds 32 fp32
 // instead of 64 halves, so a stage is still 32 KB (BK = 32) and a wgmma m64n128k8 step still 32
 // bytes along it; the TMA rounds fp32 to tf32 on load (TFLOAT32 maps, round to nearest like cuBLAS).
