@@ -317,26 +317,76 @@ def _hopper():
     return CUDA and torch.cuda.get_device_capability() == (9, 0) and "sm_90a" in fastkern.BUILD_INFO["archs"]
 
 
-# csrc/cuda/matmul/dispatch.cu's table, row by row: (dtype, operand view, forced general) -> strategy.
+def _sms():
+    return torch.cuda.get_device_properties(0).multi_processor_count if CUDA else 132
+
+
+def _b_rows_aligned(b):
+    """Whether b's rows (along its non-unit stride) start 128-byte aligned as the kernel reads them:
+    rows that are not 16-byte aligned are copied into 128-byte aligned ones (ops/matmul.py's _padded)."""
+    stride = b.stride(-2) if b.stride(-1) == 1 else b.stride(-1)
+    return stride % 8 != 0 or stride % 64 == 0
+
+
+def _wgmma_plan(m, n, k, batch=1, b_aligned=True):
+    """wgmma_sm90's plan name for 16-bit operands (dispatch.cu's 16-bit sm_90 rows), where K has 4
+    steps of 64 or more: 128 x 64 tiles with K split over 2-CTA clusters where 128 x 128 tiles number
+    at most a quarter of the SMs; up to half, pairs of tiles sharing B where B's rows are not 128-byte
+    aligned (b_aligned False) and 128-row tiles are even in number, else K split (D-128, D-136)."""
+    sms, tiles_m, steps = _sms(), -(-m // 128), -(-k // 64)
+    wide = tiles_m * batch * -(-n // 128)
+    if 2 * wide > sms or steps < 4:
+        return "wgmma_sm90"
+    if 4 * wide <= sms:
+        return "wgmma_sm90 128x64 split-k"
+    return "wgmma_sm90 shared-b" if tiles_m % 2 == 0 and not b_aligned else "wgmma_sm90 split-k"
+
+
+def _even_tile_rows():
+    """An even number of 128-row tiles near SMs / 12: with 4 tile columns, a quarter to half the SMs."""
+    return 2 * ((_sms() // 12 + 1) // 2)
+
+
+# csrc/cuda/matmul/dispatch.cu's table, row by row: (dtype, operand view, forced general, size) ->
+# strategy. "large": 128 x 128 tiles for more than half the SMs; "small": 6 of them, k 3 steps;
+# "small-long-k": the same with k 16 steps; "mid-long-k": a third of the SMs' tiles (an odd number of
+# tile rows), k 16 steps; "mid-even": the same with an even number and B's rows not 128-byte aligned
+# (n 504, k 1000); "half": exactly half the SMs' tiles, k 4 steps (the paired rows' edges).
 DISPATCH_ROWS = [
-    (torch.float32, "row", False, lambda: "simt_fp32"),
-    (torch.float32, "col", True, lambda: "simt_fp32"),
-    (torch.bfloat16, "row", False, lambda: "wgmma_sm90" if _hopper() else "mma_sm80"),
-    (torch.float16, "col", False, lambda: "wgmma_sm90" if _hopper() else "mma_sm80"),
+    (torch.float32, "row", False, "small", lambda: "simt_fp32"),
+    (torch.float32, "col", True, "small", lambda: "simt_fp32"),
+    (torch.bfloat16, "row", False, "small", lambda: "wgmma_sm90" if _hopper() else "mma_sm80"),
+    (torch.float16, "col", False, "small-long-k",
+     lambda: "wgmma_sm90 128x64 split-k" if _hopper() else "mma_sm80"),
+    (torch.bfloat16, "row", False, "mid-long-k",
+     lambda: _wgmma_plan(128 * (_sms() // 12), 512, 1000) if _hopper() else "mma_sm80"),
+    (torch.float16, "col", False, "mid-even",
+     lambda: _wgmma_plan(128 * _even_tile_rows(), 504, 1000, b_aligned=False) if _hopper() else "mma_sm80"),
+    (torch.bfloat16, "col", False, "half",
+     lambda: _wgmma_plan(128 * (_sms() // 2), 128, 193) if _hopper() else "mma_sm80"),
+    (torch.bfloat16, "row", False, "large", lambda: "wgmma_sm90" if _hopper() else "mma_sm80"),
+    (torch.float16, "col", False, "large", lambda: "wgmma_sm90" if _hopper() else "mma_sm80"),
     # a 1793-wide operand is copied into 16-byte aligned rows, so it takes the fast kernel too
-    (torch.bfloat16, "ragged", False, lambda: "wgmma_sm90" if _hopper() else "mma_sm80"),
-    (torch.bfloat16, "row", True, lambda: "mma_sm80"),
-    (torch.float16, "ragged", True, lambda: "mma_sm80"),
+    (torch.bfloat16, "ragged", False, "large", lambda: "wgmma_sm90" if _hopper() else "mma_sm80"),
+    (torch.bfloat16, "row", True, "small", lambda: "mma_sm80"),
+    (torch.bfloat16, "row", True, "small-long-k", lambda: "mma_sm80"),
+    (torch.float16, "ragged", True, "large", lambda: "mma_sm80"),
 ]
 
 
 @needs_cuda
-@pytest.mark.parametrize("dtype,view,forced,strategy", DISPATCH_ROWS,
-                         ids=[f"cuda-{str(d)[6:]}-{v}-{'forced' if f else 'auto'}" for d, v, f, _ in DISPATCH_ROWS])
-def test_dispatch_table(dtype, view, forced, strategy, monkeypatch):
+@pytest.mark.parametrize("dtype,view,forced,size,strategy", DISPATCH_ROWS,
+                         ids=[f"cuda-{str(d)[6:]}-{v}-{s}-{'forced' if f else 'auto'}"
+                              for d, v, f, s, _ in DISPATCH_ROWS])
+def test_dispatch_table(dtype, view, forced, size, strategy, monkeypatch):
     if forced:
         monkeypatch.setenv("FASTKERN_MATMUL_FORCE_GENERAL", "1")
-    m, n, k = (257, 1793, 1793) if view == "ragged" else (384, 256, 192)
+    tall = 128 * (_sms() // 2 + 1)  # one column of 128 x 128 tiles, more than half the SMs
+    m, n, k = {"small": (384, 256, 192), "small-long-k": (384, 256, 1000), "large": (tall, 256, 193),
+               "mid-long-k": (128 * (_sms() // 12), 512, 1000), "mid-even": (128 * _even_tile_rows(), 504, 1000),
+               "half": (128 * (_sms() // 2), 128, 193)}[size]
+    if view == "ragged":
+        m, n, k = (tall // 2 + 1, 1793, 1793)
     a = make((m, k), dtype, "cuda")
     b = make((k, n), dtype, "cuda")
     if view == "col":
@@ -346,6 +396,56 @@ def test_dispatch_table(dtype, view, forced, strategy, monkeypatch):
     out = fastkern.matmul(a, b, bias=bias, activation="gelu_tanh")
     ref = torch_forward(a.double(), b.double(), bias.double(), "gelu_tanh")
     assert_within_torch_error(out, torch_forward(a, b, bias, "gelu_tanh"), ref, strategy())
+
+
+# (m, n, k, batch) around the small-problem row (K split over 2 CTAs, 128 x 64 tiles or 128 x 128):
+# m and n one short of, past and inside a tile (m = 37 leaves a split tile's second row block empty),
+# C rows 16-byte aligned (n = 184, 504: TMA stores) or not (185, 503: element stores), k of 1 and 3
+# steps (not split), 4 to 16 steps, odd counts split 2 + 3 and 3 + 4, a K tail inside the last step
+# (k = 257: one element past 4 steps), a batch; the last five take 128 x 128 tiles for a third of the
+# SMs (4 tile columns): an odd number of tile rows (K split), an even one (pairs sharing B where B's
+# rows are not 128-byte aligned: n 488 row-major, k 1000 column-major; else K split), a batch of
+# 3 x 2 x 8 tiles.
+_MID = 128 * (_sms() // 12) - 5
+_MID_EVEN = 128 * _even_tile_rows() - 5
+SMALL_SHAPES = [(251, 185, 189, 1), (251, 184, 257, 1), (37, 185, 300, 1), (129, 64, 1000, 1), (200, 63, 16, 1),
+                (130, 120, 260, 3), (500, 504, 420, 1), (_MID, 503, 323, 1), (_MID, 504, 1000, 1),
+                (_MID_EVEN, 488, 257, 1), (_MID_EVEN, 503, 1000, 1), (250, 904, 300, 3)]
+
+
+@needs_cuda
+@pytest.mark.parametrize("majors", list(itertools.product(("row", "col"), repeat=2)), ids="-".join)
+@pytest.mark.parametrize("shape", SMALL_SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_cuda_hopper_small_problem_edges(shape, majors, poison):
+    """wgmma_sm90's small-problem rows (D-128, D-136) at ragged edges, every operand major, bias, GELU,
+    and gradients (the pre-activation pass, and backward GEMMs of other shapes) for four shapes."""
+    m, n, k, batch = shape
+    lead = (batch,) if batch > 1 else ()
+    a = layout(make(lead + (m, k), torch.bfloat16, "cuda"), majors[0])
+    b = layout(make(lead + (k, n), torch.bfloat16, "cuda"), majors[1])
+    bias = make((n,), torch.bfloat16, "cuda")
+    if _hopper():
+        assert mm_ops._plan(a, b, bias, "gelu") == _wgmma_plan(m, n, k, batch, _b_rows_aligned(b))
+    check(a, b, bias, "gelu", grads=shape in SMALL_SHAPES[1:3] + SMALL_SHAPES[7:8] + SMALL_SHAPES[9:10])
+
+
+@needs_cuda
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+def test_cuda_hopper_split_k_plain_and_chained(dtype, poison):
+    """The split-K instances without bias or activation (C = A B alone), fp16, and three calls in a
+    row on one stream (the lean prologue waits for the previous grid per role: each call reads the
+    previous call's output)."""
+    m, n, k = 384, 320, 640
+    a, b = make((m, k), dtype, "cuda"), make((k, n), dtype, "cuda")
+    if _hopper():
+        assert mm_ops._plan(a, b) == _wgmma_plan(m, n, k, b_aligned=_b_rows_aligned(b))
+    check(a, b, None, None, grads=False)
+    w = make((n, n), dtype, "cuda") / n ** 0.5
+    x, ref = fastkern.matmul(a, b), a.double() @ b.double()
+    for _ in range(3):
+        x, ref = fastkern.matmul(x, w), ref @ w.double()
+    torch_x = (a @ b) @ w @ w @ w
+    assert_within_torch_error(x, torch_x, ref, "chained split-K calls")
 
 
 def _hopper_arrangement_shapes():

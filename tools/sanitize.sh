@@ -60,7 +60,7 @@ gpu_tests() {
       select_tests tests/test_gelu.py \
         "test_matches_float64_reference\[.*-$dt\]|test_views\[.*-$dt\]|chained_calls|special_values"
       select_tests tests/test_matmul.py \
-        "test_dispatch_table|test_operand_layouts\[.*-$dt\]|test_k_zero|test_cuda_hopper_consumer_arrangements\[.*-bf16\]|test_fp32_exact_wide_tiles"
+        "test_dispatch_table|test_operand_layouts\[.*-$dt\]|test_k_zero|test_cuda_hopper_consumer_arrangements\[.*-bf16\]|test_fp32_exact_wide_tiles|test_cuda_hopper_small_problem_edges\[.*-row-col\]|test_cuda_hopper_split_k"
       select_tests tests/test_attention.py \
         "test_dispatch_table|test_cuda_decode_rows|test_cuda_forward_walks_many_tiles|test_cuda_first_cuda_work|test_cuda_values_and_gradients\[(default|force_general)-(1-4097|113-203|128-217|512-256)-(full|causal)-torch.bfloat16\]|test_cuda_head_dims|test_cuda_decoding\[.*-8192\]|test_cuda_windows|test_cuda_sdpa|test_cuda_deterministic|test_cuda_backward_tile_edges"
       select_tests tests/test_attention_bwd.py \
@@ -76,7 +76,7 @@ gpu_tests() {
         "test_rows\[3-(1000|4097|8192|12001|16384|65543|300000|1000003)-softmax-$dt\]|test_dims\[\((3, 1000, 4|2000, 5, 8|6000, 2, 8|20000, 2, 4)\)-(0|1)-softmax-$dt\]|test_looped_columns_cuda\[softmax-torch.float32\]"
       select_tests tests/test_gelu.py "test_matches_float64_reference\[bias-\(33, 1000\)-tanh-$dt\]"
       select_tests tests/test_matmul.py \
-        "test_dispatch_table|test_cuda_hopper_consumer_arrangements\[[0-9]+x[0-9]+x(40|72)-[a-z-]+-bf16\]|test_cuda_fp32_exact_wide_tiles_at_ragged_edges\[row-col\]|test_cuda_general_kernel_large_tile_edges\[k200-row-col\]"
+        "test_dispatch_table|test_cuda_hopper_small_problem_edges\[((37x185x300|251x184x257)x1-col-row|[0-9]+x488x257x1-row-row)\]|test_cuda_hopper_consumer_arrangements\[[0-9]+x[0-9]+x(40|72)-[a-z-]+-bf16\]|test_cuda_fp32_exact_wide_tiles_at_ragged_edges\[row-col\]|test_cuda_general_kernel_large_tile_edges\[k200-row-col\]"
       select_tests tests/test_attention.py \
         "test_cuda_decode_rows\[default|test_cuda_forward_walks_many_tiles|test_cuda_head_dims\[(default-(64|128)|force_general-(64|96|256))\]|test_cuda_values_and_gradients\[(default|force_general)-113-203-causal-torch.bfloat16\]|test_cuda_windows_and_varlen\[default-\(100, 30\)\]|test_cuda_backward_tile_edges\[129-300-64\]"
       select_tests tests/test_attention_bwd.py \

@@ -136,6 +136,24 @@ __device__ __forceinline__ void grid_dependency_sync() {
     asm volatile("griddepcontrol.wait;" ::: "memory");
 #endif
 }
+// Its two halves, for kernels whose roles wait separately (wgmma_sm90's lean prologue, D-133): the
+// launch at once, and each role's wait right before its first global access.
+__device__ __forceinline__ void grid_dependency_launch() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void grid_dependency_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+// The wait, with a, b and c computed before it (operands, so the compiler cannot sink them past it).
+__device__ __forceinline__ void grid_dependency_wait(int64_t &a, int64_t &b, int64_t &c) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" : "+l"(a), "+l"(b), "+l"(c)::"memory");
+#endif
+}
 
 // Whether launches on `device` ask for programmatic dependent launch (see grid_dependency_sync).
 bool pdl_on(int device);

@@ -1,7 +1,8 @@
 // Hopper (sm_90a) instruction wrappers shared by the warp-specialized kernels (matmul/, attention/):
-// mbarriers, TMA tensor copies, the cluster barrier and distributed shared memory, wgmma fences and
-// smem descriptors, setmaxnreg. One function per instruction, named after it; kernel files hold no
-// asm. The bodies compile to nothing on other targets (dispatch never selects these kernels there).
+// mbarriers, TMA tensor copies, the cluster barrier and distributed shared memory (remote loads and
+// stores), wgmma fences and smem descriptors, setmaxnreg. One function per instruction, named after
+// it; kernel files hold no asm. The bodies compile to nothing on other targets (dispatch never
+// selects these kernels there).
 #pragma once
 
 #include <cuda.h>
@@ -45,6 +46,12 @@ __device__ __forceinline__ void mbar_arrive(uint64_t *bar) {
     asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(cvta_shared(bar)) : "memory");
 #endif
 }
+// Arrives on a peer CTA's mbarrier (a shared::cluster address from mapa_shared_cluster).
+__device__ __forceinline__ void mbar_arrive_cluster(uint32_t bar) {
+#if FK_SM90A
+    asm volatile("mbarrier.arrive.shared::cluster.b64 _, [%0];\n" ::"r"(bar) : "memory");
+#endif
+}
 // Blocks until the phase of parity `phase` has completed.
 __device__ __forceinline__ void mbar_wait(uint64_t *bar, uint32_t phase) {
 #if FK_SM90A
@@ -82,6 +89,18 @@ __device__ __forceinline__ void tma_load_3d(void *dst, const CUtensorMap *map, u
         "cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%3, %4, %5}], [%2];\n" ::"r"(
             cvta_shared(dst)),
         "l"(map), "r"(cvta_shared(bar)), "r"(c0), "r"(c1), "r"(c2)
+        : "memory");
+#endif
+}
+// The same box into the shared memory of each CTA in `mask` (cluster ranks' bits), at dst's offset
+// there, completing its bytes on each one's mbarrier at bar's offset.
+__device__ __forceinline__ void tma_load_3d_multicast(void *dst, const CUtensorMap *map, uint64_t *bar, int c0,
+                                                      int c1, int c2, uint16_t mask) {
+#if FK_SM90A
+    asm volatile(
+        "cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes.multicast::cluster [%0], [%1, "
+        "{%3, %4, %5}], [%2], %6;\n" ::"r"(cvta_shared(dst)),
+        "l"(map), "r"(cvta_shared(bar)), "r"(c0), "r"(c1), "r"(c2), "h"(mask)
         : "memory");
 #endif
 }
@@ -180,18 +199,34 @@ __device__ __forceinline__ void prefetch_tensormap(const CUtensorMap *map) {
 #endif
 }
 
-// ---- clusters ----------------------------------------------------------------------------------
-// The cluster barrier in two halves: arrive releases this thread's earlier writes (shared and
-// global) to the cluster, wait returns once every thread of every CTA of the cluster has arrived
-// and acquires their writes. Every thread of a CTA calls both (.aligned: warp-uniform).
+// ---- clusters (distributed shared memory) -------------------------------------------------------
+// This CTA's rank in its cluster.
+__device__ __forceinline__ uint32_t cluster_ctarank() {
+    uint32_t r = 0;
+#if FK_SM90A
+    asm volatile("mov.u32 %0, %%cluster_ctarank;\n" : "=r"(r));
+#endif
+    return r;
+}
+// Split cluster barrier (the forms that need no converged warp): every thread of every CTA of the
+// cluster arrives once, after what peers may touch is ready (relaxed: mbarrier inits are released
+// by fence_barrier_init), and waits once, before its first access to a peer or else before it exits.
+__device__ __forceinline__ void barrier_cluster_arrive_relaxed() {
+#if FK_SM90A
+    asm volatile("barrier.cluster.arrive.relaxed;\n" ::: "memory");
+#endif
+}
+// The same with release semantics: this thread's earlier memory operations (shared, global, on peers:
+// remote mbarrier arrivals) are performed before the barrier completes; the wait acquires the
+// others' (the decoding kernel's merge reads its peers' partial outputs after it).
 __device__ __forceinline__ void barrier_cluster_arrive() {
 #if FK_SM90A
-    asm volatile("barrier.cluster.arrive.release.aligned;\n" ::: "memory");
+    asm volatile("barrier.cluster.arrive;\n" ::: "memory");
 #endif
 }
 __device__ __forceinline__ void barrier_cluster_wait() {
 #if FK_SM90A
-    asm volatile("barrier.cluster.wait.acquire.aligned;\n" ::: "memory");
+    asm volatile("barrier.cluster.wait;\n" ::: "memory");
 #endif
 }
 // The shared::cluster address of `p`'s counterpart in the CTA of cluster rank `rank`.
@@ -219,6 +254,17 @@ __device__ __forceinline__ float4 ld_shared_cluster_v4_f32(uint32_t addr) {
                  : "memory");
 #endif
     return v;
+}
+// 16 bytes from registers into a peer's shared memory (`dst`, 16-byte aligned), their bytes
+// completing on the peer's mbarrier `bar` (both shared::cluster addresses from mapa_shared_cluster).
+__device__ __forceinline__ void st_async_v4(uint32_t dst, float a, float b, float c, float d, uint32_t bar) {
+#if FK_SM90A
+    asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.v4.b32 [%0], {%1, %2, %3, %4}, [%5];\n" ::"r"(
+                     dst),
+                 "r"(__float_as_uint(a)), "r"(__float_as_uint(b)), "r"(__float_as_uint(c)), "r"(__float_as_uint(d)),
+                 "r"(bar)
+                 : "memory");
+#endif
 }
 
 // ---- wgmma -------------------------------------------------------------------------------------

@@ -9,6 +9,15 @@
 // fp32    any      otherwise                          simt_fp32     128 x 256 when its grid  exact (tile: D-121,
 //                                                                   fills the SMs twice,     chosen in its
 //                                                                   else 128 x 128           launcher)
+// 16-bit  sm_90    built for sm_90a, not forced       wgmma_sm90    128 x 64, K split over   small problems:
+//                  general, operands TMA-describable,  "128x64       2-CTA clusters           4x the CTAs, lean
+//                  128 x 128 tiles <= SMs / 4,         split-k"                               prologue (D-128,
+//                  K >= 193 (4 k-steps)                                                       D-136)
+// 16-bit  sm_90    as above, tiles <= SMs / 2, B's    wgmma_sm90    128 x 128, a tile a CTA, L2-bound: 24 of
+//                  rows not 128-byte aligned, an       "shared-b"    2-CTA clusters share B   32 KB a k-step
+//                  even count of 128-row tiles                       (multicast halves)       (D-136)
+// 16-bit  sm_90    as above, otherwise                wgmma_sm90    128 x 128, K split over  2x the CTAs
+//                                                      "split-k"     2-CTA clusters           (D-128, D-136)
 // 16-bit  sm_90    built for sm_90a, not forced       wgmma_sm90    128 x 128, persistent    TMA + wgmma
 //                  general, operands TMA-describable
 //                  (16-byte aligned base and strides)
@@ -64,6 +73,21 @@ Plan plan_matmul(const fk_matmul_args &x, int device) {
                    operand_aligned(x.b, b_kmajor(x) ? x.b_col : x.b_row, x.b_batch, 2);
     if (hopper && plan.aligned) {
         plan.strategy = Strategy::kWgmmaSm90;
+        // Where 128 x 128 tiles would leave most SMs idle, each SM's k-loop is the time (512^3: 16
+        // tiles of 8 k-steps, ~490 cycles each at the tensor-core rate, 1.9 of 4.4 us; D-136): 128 x 64
+        // tiles with K split over 2-CTA clusters give 4x the CTAs where K has 4 k-steps or more, and
+        // 128 x 128 tiles split K for a quarter to half of the SMs. Rows that are not 128-byte aligned
+        // make the loads L2-bound there (1000^3: 64 CTAs at ~6 TB/s, 650 cycles a k-step; D-113): pairs
+        // of tiles share B's loads instead where tile rows pair up (1000^3 0.88x -> 0.96x cuBLAS, 768^3
+        // and 1024^3 lose; D-136).
+        const int64_t tiles_m = (x.m + 127) / 128, k_steps = (x.k + 63) / 64;
+        const int64_t wide = tiles_m * x.batch * ((x.n + 127) / 128), sms = sm_count(device);
+        const bool b_rows_aligned = (b_kmajor(x) ? x.b_col : x.b_row) * 2 % 128 == 0;
+        if (2 * wide <= sms && k_steps >= 4) {
+            plan.tile = 4 * wide <= sms ? 1 : 0;
+            plan.share_b = plan.tile == 0 && tiles_m % 2 == 0 && !b_rows_aligned;
+            plan.split_k = plan.share_b ? 1 : 2;
+        }
         return plan;
     }
     plan.strategy = Strategy::kMmaSm80;
@@ -73,6 +97,14 @@ Plan plan_matmul(const fk_matmul_args &x, int device) {
     const bool large_fills = ((x.m + 127) / 128) * ((x.n + 255) / 256) * x.batch * 8 >= sm_count(device) * 7;
     plan.tile = plan.aligned && large_fits && large_fills ? 0 : 1;
     return plan;
+}
+
+// The plan's name: the strategy's, and wgmma_sm90's small-problem variants (the table's rows).
+const char *plan_name(const Plan &p) {
+    if (p.strategy != Strategy::kWgmmaSm90) return strategy_name(p.strategy);
+    if (p.share_b) return "wgmma_sm90 shared-b";
+    if (p.split_k == 1) return strategy_name(p.strategy);
+    return p.tile == 1 ? "wgmma_sm90 128x64 split-k" : "wgmma_sm90 split-k";
 }
 
 fk_status check_args(const fk_matmul_args &x) {
@@ -113,7 +145,7 @@ Params params_of(const fk_matmul_args &x) {
 extern "C" const char *fk_cuda_matmul_plan(const fk_matmul_args *args, int device) {
     fk::DeviceGuard guard(device);
     if (guard.error != cudaSuccess) return "none";
-    return fk::mm::strategy_name(fk::mm::plan_matmul(*args, device).strategy);
+    return fk::mm::plan_name(fk::mm::plan_matmul(*args, device));
 }
 
 extern "C" fk_status fk_cuda_matmul(const fk_matmul_args *args, int device, void *stream) {

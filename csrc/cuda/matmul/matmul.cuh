@@ -187,12 +187,14 @@ namespace fk::mm {
 enum class Strategy { kNone, kMmaSm80, kSimtFp32, kWgmmaSm90 };
 const char *strategy_name(Strategy s);
 
-// What dispatch.cu decided: the strategy, its tile variant and whether the operands take the
-// 16-byte asynchronous loads.
+// What dispatch.cu decided: the strategy, its tile variant, whether the operands take the 16-byte
+// asynchronous loads, and wgmma_sm90's K split.
 struct Plan {
     Strategy strategy = Strategy::kNone;
     int tile = 0;     // the strategy's tile variant (its launcher's table)
     bool aligned = false;
+    int split_k = 1;  // wgmma_sm90: 2 splits each tile's K over a 2-CTA cluster (tile 1: 128 x 64)
+    bool share_b = false;  // wgmma_sm90: tiles 2i and 2i + 1 in a 2-CTA cluster, B's k-tiles multicast
 };
 
 fk_status launch_mma_sm80(const Plan &plan, const Params &p, fk_dtype dtype, bool a_kmajor,

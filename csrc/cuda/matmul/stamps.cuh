@@ -12,6 +12,7 @@
 //   parameters (setmaxnreg, the tile counts, the first tile's coordinates: a 64-bit division) moves
 //   ahead of griddepcontrol.wait, where programmatic dependent launch hides it under the previous
 //   kernel; each role waits for the previous grid itself, right before its first global access.
+//   The split-K instances (small problems, D-136) take it whatever the switch says.
 #pragma once
 
 #include "matmul.cuh"
@@ -25,8 +26,9 @@
 
 namespace fk::mm {
 
-// A CTA's first tile, in order. Thread 0 (the producer) stamps kEntry..kIssued, thread 128 (consumer
-// 0's first thread) kReady..kEnd, thread 256 (consumer 1's) kEnd1.
+// A CTA's first tile, in order. Thread 0 (the producer) stamps kEntry..kIssued, the first thread of
+// consumer 0 (split K: of the consumer that finishes the tile, the cluster rank's) kReady..kEnd, the
+// other consumer's kEnd1 (split K: its partial sent).
 enum StampEvent {
     kStampEntry,     // kernel entry
     kStampInit,      // mbarriers initialized and fenced, operand maps prefetched
@@ -76,27 +78,6 @@ inline KernelParams stamped(const Params &p) {
 using KernelParams = Params;
 #define FK_MM_STAMP(p, event) ((void)0)
 inline Params stamped(const Params &p) { return p; }
-#endif
-
-#if FK_MM_LEAN_PROLOGUE
-// grid_dependency_sync (common.cuh) in its two halves, for the lean prologue; they move to
-// common.cuh if it is kept.
-__device__ __forceinline__ void grid_dependency_launch() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
-#endif
-}
-__device__ __forceinline__ void grid_dependency_wait() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    asm volatile("griddepcontrol.wait;" ::: "memory");
-#endif
-}
-// The wait, with a, b and c computed before it (operands, so the compiler cannot sink them past it).
-__device__ __forceinline__ void grid_dependency_wait(int64_t &a, int64_t &b, int64_t &c) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    asm volatile("griddepcontrol.wait;" : "+l"(a), "+l"(b), "+l"(c)::"memory");
-#endif
-}
 #endif
 
 }  // namespace fk::mm

@@ -5,7 +5,7 @@
 // CUDA-graph timing). A 128 x 128 CTA tile moves (128 + 128) x 64 x 2 = 32 KB of operands a k-step
 // for 2 x 128^2 x 64 = 2.1 MFLOP (64 FLOPs a byte); 5-6 stages keep that many k-steps of TMA
 // latency in flight. Measured (H200, benchmarks/results/matmul-h200-2026-11-27.json): 4096^3 721
-// TFLOP/s (1.10x cuBLAS), 8192^3 0.97x, the six training shapes 0.87-1.00x, 512^3 0.64x.
+// TFLOP/s (1.10x cuBLAS), 8192^3 0.97x, the six training shapes 0.87-1.00x.
 //
 // Algorithm (STYLE.md's producer / consumer skeleton): a persistent grid, one CTA an SM, walks the
 // output tiles in grouped order. Warpgroup 0 is the producer: one thread waits for a free stage
@@ -21,6 +21,16 @@
 // (bias, pre-activation, GELU; compiled once per activation, D-112) writes 64-row blocks into
 // swizzled shared staging, stored by TMA, or, where C's rows are not 16-byte aligned, by coalesced
 // element stores (D-113).
+// Small problems (dispatch.cu's row, 16-bit, D-128 / D-136): where 128 x 128 tiles number at most half
+// the SMs and K has 4 k-steps or more, K is split over a 2-CTA cluster a tile (kSplit): rank r takes
+// half the k-steps, row block c's partial accumulators (fp32) go by st.async into rank c's staging
+// buffers (64 x kBN fp32 fit them), and consumer c adds them and runs the epilogue; where 128 x 128
+// tiles are <= SMs / 4 the tile is also 128 x 64 (wgmma m64n64k16). Where B's rows are not 128-byte
+// aligned (L2-bound loads: 1000^3's 64 CTAs read 32 KB a k-step at ~6 TB/s, 650 cycles against 490 at
+// 512^3) and tile rows pair up, two CTAs of a cluster share B instead (kShareB): tiles 2i and 2i + 1
+// (one tile column) each load half of B's k-tile and multicast it to both (24 KB a k-step from L2
+// instead of 32); a stage is then released by the four consumers of both CTAs. Both take the lean
+// prologue (stamps.cuh). H200 x cuBLAS: 512^3 0.65 -> 1.03x, 1000^3 0.77 -> 0.96x (D-136).
 // TF32 (fp32 operands): the same kernel in bytes, cooperative. A 128-byte swizzled row holds 32 fp32
 // instead of 64 halves, so a stage is still 32 KB (BK = 32) and a wgmma m64n128k8 step still 32
 // bytes along it; the TMA rounds fp32 to tf32 on load (TFLOAT32 maps, round to nearest like cuBLAS).
@@ -41,7 +51,9 @@
 namespace fk::mm {
 namespace {
 
-constexpr int kBM = 128, kBN = 128;
+// Output tiles are kBM x kBN: 128 x 128, or 128 x 64 for problems whose 128 x 128 tiles leave most
+// SMs idle (the split-K instances of dispatch.cu's small-problem row, D-128; 16-bit, cooperative).
+constexpr int kBM = 128;
 constexpr int kConsumers = 2, kThreads = 128 * (1 + kConsumers);
 // kPP (ping-pong, 16-bit only): each consumer owns whole tiles (two 64-row blocks), the two taking
 // turns, so one's epilogue runs under the other's mainloop. Else cooperative: each consumer owns 64
@@ -62,52 +74,79 @@ template <typename T, bool kAKMajor, bool kBKMajor>
 constexpr bool kSwapAB = sizeof(T) == 4 && kAKMajor && !kBKMajor;
 // Staging: 16 KB per 64-row block of 16-bit C (64 KB ping-pong, 32 KB cooperative), 32 KB of fp32.
 template <typename T, bool kPP> constexpr int kStages = kPP || sizeof(T) == 4 ? 5 : 6;
-constexpr int kStageBytes = (kBM + kBN) * 128;        // 32 KB for every T
+template <int kBN> constexpr int kStageBytes = (kBM + kBN) * 128;  // 32 KB (24 KB at kBN 64) for every T
+// The lean prologue (stamps.cuh, D-133): always in the split-K instances, elsewhere by the switch.
+// How a CTA works with another (small problems; 2-CTA clusters): alone (persistent), split K, or
+// sharing B with the CTA of the next tile.
+enum Pairing { kAlone, kSplitK, kShareB };
+template <int kPair> constexpr bool kLean = FK_MM_LEAN_PROLOGUE || kPair != kAlone;
 
 // Named barriers: 0 is __syncthreads; consumer warpgroup c syncs its 128 threads on kConsumer0 + c;
 // ping-pong consumer c may start a mainloop once the other has arrived on kOrder0 + c.
 enum NamedBarrier { kConsumer0 = 1, kOrder0 = 3 };
 
-template <typename T, bool kPP> struct Smem {
+template <typename T, bool kPP, int kBN = 128> struct Smem {
     static constexpr int kStages = ::fk::mm::kStages<T, kPP>;
     alignas(1024) T a[kStages][kBM * kBK<T>];
     alignas(1024) T b[kStages][kBN * kBK<T>];
-    alignas(1024) T out[kConsumers * kRowBlocks<kPP>][64 * kBN];  // a 64 x 128 block as swizzled 64 x kBK boxes
+    // A 64 x kBN block as swizzled 64 x kBK boxes. Split K: also the fp32 partial tile (64 x kBN)
+    // the peer CTA sends in (as large as two 16-bit staging blocks), read before any staging.
+    alignas(1024) T out[kConsumers * kRowBlocks<kPP>][64 * kBN];
     alignas(16) T bias[kConsumers][kBN];                             // each consumer's tile of the bias
     uint64_t full[kStages], empty[kStages];
+    uint64_t partial_full;  // split K: the peer's partial tile has landed in `out`
 };
-template <typename T, bool kPP> constexpr int kSmemBytes = sizeof(Smem<T, kPP>) + 1024;  // + room to align
+template <typename T, bool kPP, int kBN = 128> constexpr int kSmemBytes = sizeof(Smem<T, kPP, kBN>) + 1024;  // + to align
 static_assert(kSmemBytes<__half, true> <= 227 * 1024 && kSmemBytes<__half, false> <= 227 * 1024 &&
                   kSmemBytes<float, false> <= 227 * 1024,
               "the operand ring and staging fit Hopper's shared memory");
+template <int kBN> constexpr bool kPartialFits = sizeof(Smem<__half, false, kBN>::out) >= 64 * kBN * 4;
+static_assert(kPartialFits<128> && kPartialFits<64>, "a split-K partial tile fits the staging buffers");
 
 // Tile `tile` of the persistent walk: its batch, then grouped (tm, tn).
 struct Work {
     int64_t batch, m0, n0;
 };
-__device__ __forceinline__ Work work_of(int64_t tile, int tiles_m, int tiles_n) {
+template <int kBN = 128> __device__ __forceinline__ Work work_of(int64_t tile, int tiles_m, int tiles_n) {
     const int64_t per_batch = (int64_t)tiles_m * tiles_n;
     const TileIndex t = grouped_tile((int)(tile % per_batch), tiles_m, tiles_n, 8);
     return {tile / per_batch, (int64_t)t.tm * kBM, (int64_t)t.tn * kBN};
 }
 
-template <typename T, bool kPP, bool kAKMajor, bool kBKMajor>
-__device__ __forceinline__ void producer(Smem<T, kPP> &s, const CUtensorMap *map_a, const CUtensorMap *map_b,
+// Which output tiles and k-tiles a CTA takes: persistent; with split K (a 2-CTA cluster a tile, one
+// tile a cluster) cluster rank r takes k-tiles [r k_tiles / 2, (r + 1) k_tiles / 2); sharing B, tile
+// blockIdx.x (one a CTA), all k-tiles.
+struct Walk {
+    int64_t first, step;  // tiles first, first + step, ...
+    int kt_begin, kt_end;
+    int rank;             // the cluster rank (split K: its consumer `rank` finishes the tile), else 0
+};
+template <int kPair> __device__ __forceinline__ Walk walk_of(int k_tiles) {
+    if constexpr (kPair == kAlone) return {blockIdx.x, gridDim.x, 0, k_tiles, 0};
+    const int rank = (int)cluster_ctarank();
+    if constexpr (kPair == kShareB) return {blockIdx.x, gridDim.x, 0, k_tiles, rank};
+    return {blockIdx.x / 2, gridDim.x / 2, k_tiles * rank / 2, k_tiles * (rank + 1) / 2, rank};
+}
+
+template <typename T, bool kPP, int kBN, int kPair, bool kAKMajor, bool kBKMajor>
+__device__ __forceinline__ void producer(Smem<T, kPP, kBN> &s, const CUtensorMap *map_a, const CUtensorMap *map_b,
                                          const KernelParams &p, int tiles_m, int tiles_n, int k_tiles) {
     RingStage<kStages<T, kPP>> st;
     const int64_t total = (int64_t)tiles_m * tiles_n * p.batch;
-    for (int64_t tile = blockIdx.x; tile < total; tile += gridDim.x) {
-        Work w = work_of(tile, tiles_m, tiles_n);
-#if FK_MM_LEAN_PROLOGUE
-        if (tile == blockIdx.x) {  // the first tile's coordinates are made before the wait
-            grid_dependency_wait(w.batch, w.m0, w.n0);
-            FK_MM_STAMP(p, kStampWaited);
+    const Walk wk = walk_of<kPair>(k_tiles);
+    if constexpr (kPair == kShareB) barrier_cluster_wait();  // the peer's barriers are ready for its B half
+    for (int64_t tile = wk.first; tile < total; tile += wk.step) {
+        Work w = work_of<kBN>(tile, tiles_m, tiles_n);
+        if constexpr (kLean<kPair>) {
+            if (tile == wk.first) {  // the first tile's coordinates are made before the wait
+                grid_dependency_wait(w.batch, w.m0, w.n0);
+                FK_MM_STAMP(p, kStampWaited);
+            }
         }
-#endif
         const int ca = p.a_batch ? (int)w.batch : 0, cb = p.b_batch ? (int)w.batch : 0;
-        for (int kt = 0; kt < k_tiles; kt++, st.next()) {
+        for (int kt = wk.kt_begin; kt < wk.kt_end; kt++, st.next()) {
             mbar_wait(&s.empty[st.slot], st.phase ^ 1);  // the first pass finds every slot free
-            mbar_arrive_expect_tx(&s.full[st.slot], kStageBytes);
+            mbar_arrive_expect_tx(&s.full[st.slot], kStageBytes<kBN>);
             const int k0 = kt * kBK<T>;
             if constexpr (kAKMajor) {
                 tma_load_3d(s.a[st.slot], map_a, &s.full[st.slot], k0, (int)w.m0, ca);
@@ -117,7 +156,16 @@ __device__ __forceinline__ void producer(Smem<T, kPP> &s, const CUtensorMap *map
                     tma_load_3d(s.a[st.slot] + h * kBK<T> * kBK<T>, map_a, &s.full[st.slot], (int)w.m0 + kBK<T> * h,
                                 k0, ca);
             }
-            if constexpr (kBKMajor) {
+            if constexpr (kPair == kShareB) {  // B's half `rank` (64 rows of N), into both CTAs
+                const int h = wk.rank;
+                if constexpr (kBKMajor) {
+                    tma_load_3d_multicast(s.b[st.slot] + h * 64 * kBK<T>, map_b, &s.full[st.slot], k0,
+                                          (int)w.n0 + 64 * h, cb, 0b11);
+                } else {
+                    tma_load_3d_multicast(s.b[st.slot] + h * kBK<T> * kBK<T>, map_b, &s.full[st.slot],
+                                          (int)w.n0 + kBK<T> * h, k0, cb, 0b11);
+                }
+            } else if constexpr (kBKMajor) {
                 tma_load_3d(s.b[st.slot], map_b, &s.full[st.slot], k0, (int)w.n0, cb);
             } else {
 #pragma unroll
@@ -125,7 +173,7 @@ __device__ __forceinline__ void producer(Smem<T, kPP> &s, const CUtensorMap *map
                     tma_load_3d(s.b[st.slot] + h * kBK<T> * kBK<T>, map_b, &s.full[st.slot], (int)w.n0 + kBK<T> * h,
                                 k0, cb);
             }
-            if (tile == blockIdx.x && kt == 0) FK_MM_STAMP(p, kStampIssued);
+            if (tile == wk.first && kt == wk.kt_begin) FK_MM_STAMP(p, kStampIssued);
         }
     }
 }
@@ -152,15 +200,15 @@ template <typename T> __device__ __forceinline__ int staged_at(int r, int col) {
 // accumulators before both passes (per-element global loads, twice with a pre-activation, were where
 // ncu found the epilogue waiting; D-119).
 // Row block rb (64 rows from w.m0 + 64 rb) through `buffers`, consumer c's kBuffers staging buffers.
-template <int kAct, bool kPre, typename T, int kBuffers>
+template <int kAct, bool kPre, typename T, int kBN, int kBuffers>
 __device__ __forceinline__ void epilogue(T (*buffers)[64 * kBN], T *bias_s, const CUtensorMap *map_c,
                                          const CUtensorMap *map_pre, const Params &p, float (&acc)[kBN / 2],
                                          const Work &w, int rb, int c, int t) {
-    static_assert(kBN == 128, "a bias column a consumer thread");
+    static_assert(kBN <= 128, "at most a bias column a consumer thread");
     const int row0 = (t / 32) * 16 + (t % 32) / 4;
     if (p.bias) {  // the last reads of the previous block's bias were before its last barrier
         const int64_t n = w.n0 + t;
-        bias_s[t] = n < p.n ? static_cast<const T *>(p.bias)[n] : from_f32<T>(0.0f);
+        if (t < kBN) bias_s[t] = n < p.n ? static_cast<const T *>(p.bias)[n] : from_f32<T>(0.0f);
         named_barrier_sync(kConsumer0 + c, 128);
 #pragma unroll
         for (int j = 0; j < kBN / 8; j++) {  // added to the accumulators once, for both passes
@@ -206,11 +254,12 @@ __device__ __forceinline__ void epilogue(T (*buffers)[64 * kBN], T *bias_s, cons
         }
         named_barrier_sync(kConsumer0 + c, 128);
         T *dst = static_cast<T *>(pass == 0 ? p.pre : p.c) + w.batch * p.c_batch;
-        const int64_t col = w.n0 + t, row_end = p.m - (w.m0 + rb * 64);
+        constexpr int kRowsAtOnce = 128 / kBN;  // a column a thread, 128 / kBN rows at once
+        const int64_t col = w.n0 + t % kBN, row_end = p.m - (w.m0 + rb * 64);
         if (col < p.n) {
 #pragma unroll 8
-            for (int r = 0; r < 64 && r < row_end; r++)
-                dst[(w.m0 + rb * 64 + r) * p.c_row + col] = out[staged_at<T>(r, t)];
+            for (int r = t / kBN; r < 64 && r < row_end; r += kRowsAtOnce)
+                dst[(w.m0 + rb * 64 + r) * p.c_row + col] = out[staged_at<T>(r, t % kBN)];
         }
     }
 }
@@ -223,6 +272,7 @@ __device__ __forceinline__ void epilogue(T (*buffers)[64 * kBN], T *bias_s, cons
 // and h ^ 5 of a 128-byte row (h = its index 0..3 in the box): under the swizzle (chunk ^ row % 8)
 // its four k-rows of a load (row % 8 in 0..3 or 4..7) and its four C rows of a store (row % 8 in
 // {0, 2, 4, 6} + e) then fall in 8 different chunks: neither conflicts. Consumer-local, 0..62, even.
+constexpr int kBNSwapped = 128;  // its tile is 128 x 128
 __device__ __forceinline__ int swapped_col(int t) {
     const int u = t / 32, g = (t % 32) / 4, h = 2 * (u % 2) + g / 4, p = g % 4;
     return 32 * (u / 2) + 4 * (p / 2 ? h ^ 5 : h) + 2 * (p % 2);
@@ -233,7 +283,7 @@ __device__ __forceinline__ int swapped_col(int t) {
 // K-major tile. `other` holds the previous k-tile's fragments, read by the group still in flight
 // until the wait here: fencing them after it keeps the compiler from reusing their registers sooner.
 __device__ __forceinline__ void swapped_k_tile(Smem<float, false> &s, RingStage<kStages<float, false>> &st,
-                                               float (&acc)[kBN / 2], uint32_t (&frag)[4][4],
+                                               float (&acc)[kBNSwapped / 2], uint32_t (&frag)[4][4],
                                                uint32_t (&other)[4][4], const int (&at)[2], int kt, int t,
                                                int &previous) {
     mbar_wait(&s.full[st.slot], st.phase);
@@ -259,7 +309,7 @@ __device__ __forceinline__ void swapped_k_tile(Smem<float, false> &s, RingStage<
 
 // The mainloop of one tile; returns the last stage read (released by the caller after wait<0>).
 __device__ __forceinline__ int swapped_mainloop(Smem<float, false> &s, RingStage<kStages<float, false>> &st,
-                                                float (&acc)[kBN / 2], int k_tiles, int c, int t) {
+                                                float (&acc)[kBNSwapped / 2], int k_tiles, int c, int t) {
     // Element (k, col) of the stage's B tile: box col / 32, its k-row k, 16-byte chunk
     // (col % 32 / 4) ^ (k % 8); this thread reads columns col, col + 1 at k-rows t % 4 and t % 4 + 4.
     const int col = 64 * c + swapped_col(t), box = col / 32, chunk = col % 32 / 4;
@@ -288,7 +338,7 @@ __device__ __forceinline__ int swapped_mainloop(Smem<float, false> &s, RingStage
 template <int kAct, bool kPre>
 __device__ __forceinline__ void swapped_epilogue(float *out, float *bias_s, const CUtensorMap *map_c,
                                                  const CUtensorMap *map_pre, const Params &p,
-                                                 float (&acc)[kBN / 2], const Work &w, int c, int t) {
+                                                 float (&acc)[kBNSwapped / 2], const Work &w, int c, int t) {
     const int col = swapped_col(t), row_lane = 2 * (t % 4);
     if (p.bias) {  // the last reads of the previous tile's bias were before its last barrier
         const int64_t n = w.n0 + t;
@@ -296,7 +346,7 @@ __device__ __forceinline__ void swapped_epilogue(float *out, float *bias_s, cons
         named_barrier_sync(kConsumer0 + c, 128);
         const float b0 = bias_s[64 * c + col], b1 = bias_s[64 * c + col + 1];
 #pragma unroll
-        for (int j = 0; j < kBN / 8; j++)
+        for (int j = 0; j < kBNSwapped / 8; j++)
 #pragma unroll
             for (int e = 0; e < 2; e++) acc[4 * j + e] += b0, acc[4 * j + 2 + e] += b1;
     }
@@ -306,7 +356,7 @@ __device__ __forceinline__ void swapped_epilogue(float *out, float *bias_s, cons
         if (p.tma_store && t == 0) bulk_wait_group_read<0>();  // its previous store has read it
         named_barrier_sync(kConsumer0 + c, 128);                // (element stores: every thread has read it)
 #pragma unroll
-        for (int j = 0; j < kBN / 8; j++) {
+        for (int j = 0; j < kBNSwapped / 8; j++) {
 #pragma unroll
             for (int e = 0; e < 2; e++) {
                 float v0 = acc[4 * j + e], v1 = acc[4 * j + 2 + e];
@@ -340,28 +390,66 @@ __device__ __forceinline__ void swapped_epilogue(float *out, float *bias_s, cons
     }
 }
 
-template <typename T, bool kPP, bool kAKMajor, bool kBKMajor>
-__device__ __forceinline__ void consumer(Smem<T, kPP> &s, const CUtensorMap *map_c, const CUtensorMap *map_pre,
-                                         const KernelParams &p, int tiles_m, int tiles_n, int k_tiles) {
+// A consumer's release of stage `slot`: to its producer, and sharing B (peer_empty: the peer CTA's
+// empty[0]) to the peer's, whose half of B it read too.
+template <int kPair, typename T, bool kPP, int kBN>
+__device__ __forceinline__ void release(Smem<T, kPP, kBN> &s, uint32_t peer_empty, int slot) {
+    mbar_arrive(&s.empty[slot]);
+    if constexpr (kPair == kShareB) mbar_arrive_cluster(peer_empty + (uint32_t)(slot * sizeof(uint64_t)));
+}
+
+// Split K: the partial tile of consumer c (fp32, 64 x kBN) into the `out` buffers of cluster rank
+// `to`, 16 bytes a store (thread t's accumulators i..i+3 at float4 (i / 4) x 128 + t), counted on that
+// CTA's partial_full. The caller has waited on the cluster barrier: the peer's mbarrier is ready.
+template <typename T, int kBN>
+__device__ __forceinline__ void send_partial(Smem<T, false, kBN> &s, const float (&acc)[kBN / 2], uint32_t to, int t) {
+    const uint32_t dst = mapa_shared_cluster(s.out, to), bar = mapa_shared_cluster(&s.partial_full, to);
+#pragma unroll
+    for (int i = 0; i < kBN / 2; i += 4)
+        st_async_v4(dst + (uint32_t)(((i / 4) * 128 + t) * 16), acc[i], acc[i + 1], acc[i + 2], acc[i + 3], bar);
+}
+// ... and its sum into the receiving consumer's accumulators, once all of it has landed.
+template <typename T, int kBN>
+__device__ __forceinline__ void add_partial(Smem<T, false, kBN> &s, float (&acc)[kBN / 2], int t) {
+    mbar_wait(&s.partial_full, 0);
+    const float4 *in = reinterpret_cast<const float4 *>(&s.out[0][0]);
+#pragma unroll
+    for (int i = 0; i < kBN / 2; i += 4) {
+        const float4 v = in[(i / 4) * 128 + t];
+        acc[i] += v.x, acc[i + 1] += v.y, acc[i + 2] += v.z, acc[i + 3] += v.w;
+    }
+}
+
+template <typename T, bool kPP, int kBN, int kPair, bool kAKMajor, bool kBKMajor>
+__device__ __forceinline__ void consumer(Smem<T, kPP, kBN> &s, const CUtensorMap *map_c, const CUtensorMap *map_pre,
+                                         const KernelParams &p, int tiles_m, int tiles_n, int k_tiles_all) {
     constexpr int kRB = kRowBlocks<kPP>;
+    static_assert(!(kPair != kAlone && kPP), "paired CTAs are cooperative");
     const int c = threadIdx.x / 128 - 1, t = threadIdx.x % 128;
-#if FK_MM_LEAN_PROLOGUE
-    grid_dependency_wait();  // off the critical path: the first full[] comes after the producer's
-#endif
-    if (c == 0 && t == 0) FK_MM_STAMP(p, kStampReady);
+    if constexpr (kLean<kPair>) grid_dependency_wait();  // off the critical path: the first full[] comes after the producer's
     RingStage<kStages<T, kPP>> st;
     float acc[kRB][kBN / 2];
     const int64_t total = (int64_t)tiles_m * tiles_n * p.batch;
+    const Walk wk = walk_of<kPair>(k_tiles_all);
+    // sharing B: a stage is released to both producers (the peer's barriers are ready after the wait)
+    uint32_t peer_empty = 0;
+    if constexpr (kPair == kShareB) {
+        barrier_cluster_wait();
+        peer_empty = mapa_shared_cluster(&s.empty[0], (uint32_t)(wk.rank ^ 1));
+    }
+    // timestamps (stamps.cuh): consumer wk.rank's first thread, the one that finishes the tile
+    if (c == wk.rank && t == 0) FK_MM_STAMP(p, kStampReady);
+    const int k_tiles = wk.kt_end - wk.kt_begin;  // this CTA's
     // Ping-pong: consumer c takes the CTA's tiles c, c + 2, ... and skips the other's ring stages.
-    const int64_t first = blockIdx.x + (kPP ? (int64_t)c * gridDim.x : 0);
-    const int64_t step = (int64_t)gridDim.x * (kPP ? kConsumers : 1);
+    const int64_t first = wk.first + (kPP ? (int64_t)c * wk.step : 0);
+    const int64_t step = wk.step * (kPP ? kConsumers : 1);
     if (kPP && c == 1) st.skip(k_tiles);
     for (int64_t tile = first; tile < total; tile += step) {
-        const Work w = work_of(tile, tiles_m, tiles_n);
+        const Work w = work_of<kBN>(tile, tiles_m, tiles_n);
         // Ping-pong: the mainloops take turns. Besides keeping the tensor cores to one consumer, the
         // turn makes the parity waits sound: the other's stages of every slot have completed before
         // this consumer waits on the slot again (a wait a whole tile ahead matched an old phase).
-        if (kPP && tile != blockIdx.x) named_barrier_sync(kOrder0 + c, 2 * 128);
+        if (kPP && tile != wk.first) named_barrier_sync(kOrder0 + c, 2 * 128);
         int previous = -1;
 #pragma unroll
         for (int h = 0; h < kRB; h++) wgmma_fence_operands(acc[h]);
@@ -370,8 +458,8 @@ __device__ __forceinline__ void consumer(Smem<T, kPP> &s, const CUtensorMap *map
         } else {
             for (int kt = 0; kt < k_tiles; kt++, st.next()) {
                 mbar_wait(&s.full[st.slot], st.phase);
-                if (c == 0 && t == 0 && tile == blockIdx.x && kt == 0) FK_MM_STAMP(p, kStampFull0);
-                if (c == 0 && t == 0 && tile == blockIdx.x && kt == k_tiles - 1) FK_MM_STAMP(p, kStampFullLast);
+                if (c == wk.rank && t == 0 && tile == wk.first && kt == 0) FK_MM_STAMP(p, kStampFull0);
+                if (c == wk.rank && t == 0 && tile == wk.first && kt == k_tiles - 1) FK_MM_STAMP(p, kStampFullLast);
                 wgmma_fence();
 #pragma unroll
                 for (int kk = 0; kk < kBK<T> / kStepK<T>; kk++) {
@@ -387,6 +475,8 @@ __device__ __forceinline__ void consumer(Smem<T, kPP> &s, const CUtensorMap *map
                                                      : smem_desc_sw128(s.b[st.slot] + kk * 16 * 64, kBoxBytes, 1024);
                         if constexpr (std::is_same_v<T, float>) {
                             wgmma_m64n128k8_tf32(acc[h], da, db, kt > 0 || kk > 0);
+                        } else if constexpr (kBN == 64) {
+                            wgmma_m64n64k16<T, !kAKMajor, !kBKMajor>(acc[h], da, db, kt > 0 || kk > 0);
                         } else {
                             wgmma_m64n128k16<T, !kAKMajor, !kBKMajor>(acc[h], da, db, kt > 0 || kk > 0);
                         }
@@ -394,7 +484,7 @@ __device__ __forceinline__ void consumer(Smem<T, kPP> &s, const CUtensorMap *map
                 }
                 wgmma_commit();
                 wgmma_wait<1>();  // the previous stage's wgmmas are done: release it
-                if (previous >= 0 && t == 0) mbar_arrive(&s.empty[previous]);
+                if (previous >= 0 && t == 0) release<kPair>(s, peer_empty, previous);
                 previous = st.slot;
             }
         }
@@ -402,13 +492,22 @@ __device__ __forceinline__ void consumer(Smem<T, kPP> &s, const CUtensorMap *map
         wgmma_wait<0>();
 #pragma unroll
         for (int h = 0; h < kRB; h++) wgmma_fence_operands(acc[h]);
-        if (c == 0 && t == 0 && tile == blockIdx.x) FK_MM_STAMP(p, kStampMmaDone);
-        if (previous >= 0 && t == 0) mbar_arrive(&s.empty[previous]);
+        if (c == wk.rank && t == 0 && tile == wk.first) FK_MM_STAMP(p, kStampMmaDone);
+        if (previous >= 0 && t == 0) release<kPair>(s, peer_empty, previous);
         if (k_tiles == 0) {
 #pragma unroll
             for (int h = 0; h < kRB; h++)
 #pragma unroll
                 for (int i = 0; i < kBN / 2; i++) acc[h][i] = 0.0f;
+        }
+        if constexpr (kPair == kSplitK) {  // rank c finishes row block c, the other rank's consumer c sends its partial
+            if (wk.rank != c) {
+                barrier_cluster_wait();  // pairs with the kernel's arrival: the peer's mbarrier is ready
+                send_partial(s, acc[0], (uint32_t)c, t);
+                if (t == 0) FK_MM_STAMP(p, kStampEnd1);
+                return;  // its one tile
+            }
+            add_partial(s, acc[0], t);
         }
         // compiled per activation and per pre-activation store (the buffers' order depends on it)
         with_activation(p.activation, [&](auto act) {
@@ -418,32 +517,37 @@ __device__ __forceinline__ void consumer(Smem<T, kPP> &s, const CUtensorMap *map
                 } else {
 #pragma unroll
                     for (int h = 0; h < kRB; h++)
-                        epilogue<act.value, pre.value, T, kRB>(s.out + c * kRB, s.bias[c], map_c, map_pre, p, acc[h],
-                                                               w, kPP ? h : c, c, t);
+                        epilogue<act.value, pre.value, T, kBN, kRB>(s.out + c * kRB, s.bias[c], map_c, map_pre, p,
+                                                                    acc[h], w, kPP ? h : c, c, t);
                 }
             };
             if (p.pre) run(std::true_type{}); else run(std::false_type{});
         });
-        if (c == 0 && t == 0 && tile == blockIdx.x) FK_MM_STAMP(p, kStampStored);
+        if (c == wk.rank && t == 0 && tile == wk.first) FK_MM_STAMP(p, kStampStored);
         if (kPP) st.skip(k_tiles);  // the other consumer's next tile
     }
     if (p.tma_store && t == 0) bulk_wait_group<0>();  // the last stores finish before the CTA exits
-    if (t == 0) FK_MM_STAMP(p, c == 0 ? kStampEnd : kStampEnd1);
+    if (t == 0) FK_MM_STAMP(p, c == wk.rank ? kStampEnd : kStampEnd1);
+    if constexpr (kPair == kSplitK) barrier_cluster_wait();  // the kernel's arrival, paired
+    if constexpr (kPair == kShareB) barrier_cluster_arrive(), barrier_cluster_wait();  // see the kernel
 }
 
-template <typename T, bool kPP, bool kAKMajor, bool kBKMajor>
+template <typename T, bool kPP, int kBN, int kPair, bool kAKMajor, bool kBKMajor>
 __global__ void __launch_bounds__(kThreads, 1)
     matmul_wgmma_sm90(const __grid_constant__ CUtensorMap map_a, const __grid_constant__ CUtensorMap map_b,
                       const __grid_constant__ CUtensorMap map_c, const __grid_constant__ CUtensorMap map_pre,
                       KernelParams p) {
-    static_assert(!std::is_same_v<T, float> || (kAKMajor && !kPP), "tf32: A K-major, cooperative");
+    static_assert(!std::is_same_v<T, float> || (kAKMajor && !kPP && kBN == 128 && kPair == kAlone),
+                  "tf32: A K-major, cooperative, 128 x 128");
 #if FK_SM90A
     extern __shared__ unsigned char smem_raw[];
-    auto &s = *reinterpret_cast<Smem<T, kPP> *>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
+    auto &s =
+        *reinterpret_cast<Smem<T, kPP, kBN> *>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
     if (threadIdx.x == 0) {
         FK_MM_STAMP(p, kStampEntry);
         for (int i = 0; i < kStages<T, kPP>; i++)  // a stage is released by each consumer reading it
-            mbar_init(&s.full[i], 1), mbar_init(&s.empty[i], kPP ? 1 : kConsumers);
+            mbar_init(&s.full[i], 1), mbar_init(&s.empty[i], kPP ? 1 : kConsumers * (kPair == kShareB ? 2 : 1));
+        if constexpr (kPair == kSplitK) mbar_init(&s.partial_full, 1);
         fence_barrier_init();
         prefetch_tensormap(&map_a);
         prefetch_tensormap(&map_b);
@@ -451,20 +555,33 @@ __global__ void __launch_bounds__(kThreads, 1)
     }
     __syncthreads();
     if (threadIdx.x == 0) FK_MM_STAMP(p, kStampSynced);
-#if FK_MM_LEAN_PROLOGUE
-    grid_dependency_launch();  // each role waits for the previous grid itself, as late as it can
-#else
-    grid_dependency_sync();
-    if (threadIdx.x == 0) FK_MM_STAMP(p, kStampWaited);
-#endif
+    // Paired CTAs: each thread arrives on the cluster barrier once its CTA's barriers are ready (split K:
+    // partial_full takes thread 0's arrival and the peer's bytes) and waits before its first access to
+    // the peer. Sharing B, a second arrival and wait at the end keep each CTA alive while the peer may
+    // still release its stages (remote arrivals on empty[]).
+    if constexpr (kPair != kAlone) {
+        if (kPair == kSplitK && threadIdx.x == 0) mbar_arrive_expect_tx(&s.partial_full, 64 * kBN * 4);
+        barrier_cluster_arrive_relaxed();
+    }
+    if constexpr (kLean<kPair>) {
+        grid_dependency_launch();  // each role waits for the previous grid itself, as late as it can
+    } else {
+        grid_dependency_sync();
+        if (threadIdx.x == 0) FK_MM_STAMP(p, kStampWaited);
+    }
     const int tiles_m = (int)((p.m + kBM - 1) / kBM), tiles_n = (int)((p.n + kBN - 1) / kBN);
     const int k_tiles = (int)((p.k + kBK<T> - 1) / kBK<T>);
     if (threadIdx.x < 128) {
         setmaxnreg_dec<kRegsProducer>();
-        if (threadIdx.x == 0) producer<T, kPP, kAKMajor, kBKMajor>(s, &map_a, &map_b, p, tiles_m, tiles_n, k_tiles);
+        if (threadIdx.x == 0)
+            producer<T, kPP, kBN, kPair, kAKMajor, kBKMajor>(s, &map_a, &map_b, p, tiles_m, tiles_n, k_tiles);
+        if constexpr (kPair != kAlone) {  // the kernel's arrival, paired (the producer thread's, sharing B: there)
+            if (kPair == kSplitK || threadIdx.x != 0) barrier_cluster_wait();
+            if (kPair == kShareB) barrier_cluster_arrive(), barrier_cluster_wait();
+        }
     } else {
         setmaxnreg_inc<kRegsConsumer>();
-        consumer<T, kPP, kAKMajor, kBKMajor>(s, &map_c, &map_pre, p, tiles_m, tiles_n, k_tiles);
+        consumer<T, kPP, kBN, kPair, kAKMajor, kBKMajor>(s, &map_c, &map_pre, p, tiles_m, tiles_n, k_tiles);
     }
 #endif
 }
@@ -496,12 +613,18 @@ bool encode(CUtensorMap *map, fk_dtype dtype, MapUse use, const void *base, int6
 }
 
 template <typename T, bool kAKMajor, bool kBKMajor>
-fk_status launch(const Params &p, fk_dtype dtype, int device, cudaStream_t stream) {
+fk_status launch(const Plan &plan, const Params &p, fk_dtype dtype, int device, cudaStream_t stream) {
     constexpr MapUse kIn = MapUse::kOperand, kOut = MapUse::kOutput;
+    // plan.split_k 2 (16-bit): K split over 2-CTA clusters, one tile a cluster, 128 x 64 tiles where
+    // plan.tile is 1; plan.share_b: tiles 2i and 2i + 1 (one tile column) in a 2-CTA cluster, each
+    // loading half of B (dispatch.cu's small-problem rows, D-128, D-136).
+    const bool split = sizeof(T) == 2 && plan.split_k == 2, narrow = split && plan.tile == 1;
+    const bool share_b = sizeof(T) == 2 && plan.share_b && !split;
+    const int bn = narrow ? 64 : 128, b_box = share_b ? 64 : bn;  // a K-major B's box: its rows of N
     CUtensorMap map_a, map_b, map_c = {}, map_pre = {};
     const bool ok_a = kAKMajor ? encode(&map_a, dtype, kIn, p.a, p.k, p.m, p.a_row, p.batch, p.a_batch, kBM)
                                : encode(&map_a, dtype, kIn, p.a, p.m, p.k, p.a_col, p.batch, p.a_batch, kBK<T>);
-    const bool ok_b = kBKMajor ? encode(&map_b, dtype, kIn, p.b, p.k, p.n, p.b_col, p.batch, p.b_batch, kBN)
+    const bool ok_b = kBKMajor ? encode(&map_b, dtype, kIn, p.b, p.k, p.n, p.b_col, p.batch, p.b_batch, b_box)
                                : encode(&map_b, dtype, kIn, p.b, p.n, p.k, p.b_row, p.batch, p.b_batch, kBK<T>);
     if (!ok_a || !ok_b) return fk_fail(FK_ERR_RUNTIME, "matmul: cuTensorMapEncodeTiled failed");
     // C (and pre) through TMA stores when their rows are 16-byte aligned; else element stores.
@@ -511,46 +634,58 @@ fk_status launch(const Params &p, fk_dtype dtype, int device, cudaStream_t strea
                   (p.c_batch * kElem) % 16 == 0 &&
                   encode(&map_c, dtype, kOut, p.c, p.n, p.m, p.c_row, p.batch, p.c_batch, 64) &&
                   (p.pre == nullptr || encode(&map_pre, dtype, kOut, p.pre, p.n, p.m, p.c_row, p.batch, p.c_batch, 64));
-    const int64_t tiles = ((p.m + kBM - 1) / kBM) * ((p.n + kBN - 1) / kBN) * p.batch;
+    const int64_t tiles = ((p.m + kBM - 1) / kBM) * ((p.n + bn - 1) / bn) * p.batch;
     const int sms = sm_count(device);
-    const unsigned grid = (unsigned)std::min<int64_t>(tiles, sms);
+    // Persistent (one CTA an SM); split: a cluster for every tile (partial_full serves one tile);
+    // sharing B: a CTA a tile (dispatch.cu: tile rows even, so pairs share a tile column).
+    const unsigned grid = (unsigned)(split ? 2 * tiles : share_b ? tiles : std::min<int64_t>(tiles, sms));
     auto go = [&](auto kernel, int smem) {
         cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
         if (e != cudaSuccess) return cuda_status(e, "matmul");
-        return Launch(dim3(grid), dim3(kThreads), smem, stream, device)("matmul", kernel, map_a, map_b, map_c,
-                                                                         map_pre, q);
+        return Launch(dim3(grid), dim3(kThreads), smem, stream, device, split || share_b ? 2 : 1)("matmul", kernel, map_a,
+                                                                                        map_b, map_c, map_pre, q);
     };
-    // Ping-pong where every CTA has two tiles or more and C takes TMA stores. Else cooperative: with
-    // one tile a CTA both consumers work on it (512^3: 0.57x cuBLAS ping-pong, 0.65x cooperative),
-    // and element-stored C ran slower ping-pong (the LM head's linear 3.73x cuBLAS, against 4.32x; D-114).
     if constexpr (sizeof(T) == 2) {
+        if (narrow)
+            return go(matmul_wgmma_sm90<T, false, 64, kSplitK, kAKMajor, kBKMajor>, kSmemBytes<T, false, 64>);
+        if (split) return go(matmul_wgmma_sm90<T, false, 128, kSplitK, kAKMajor, kBKMajor>, kSmemBytes<T, false>);
+        if (share_b) return go(matmul_wgmma_sm90<T, false, 128, kShareB, kAKMajor, kBKMajor>, kSmemBytes<T, false>);
+        // Ping-pong where every CTA has two tiles or more and C takes TMA stores. Else cooperative:
+        // with one tile a CTA both consumers work on it (512^3: 0.57x cuBLAS ping-pong, 0.65x
+        // cooperative), and element-stored C ran slower ping-pong (the LM head's linear 3.73x
+        // cuBLAS, against 4.32x; D-114).
         if (q.tma_store && tiles >= 2 * (int64_t)sms)
-            return go(matmul_wgmma_sm90<T, true, kAKMajor, kBKMajor>, kSmemBytes<T, true>);
+            return go(matmul_wgmma_sm90<T, true, 128, kAlone, kAKMajor, kBKMajor>, kSmemBytes<T, true>);
     }
-    return go(matmul_wgmma_sm90<T, false, kAKMajor, kBKMajor>, kSmemBytes<T, false>);
+    return go(matmul_wgmma_sm90<T, false, 128, kAlone, kAKMajor, kBKMajor>, kSmemBytes<T, false>);
 }
 
 template <typename T>
-fk_status launch_majors(const Params &p, fk_dtype dtype, bool a_kmajor, bool b_kmajor, int device, cudaStream_t s) {
+fk_status launch_majors(const Plan &plan, const Params &p, fk_dtype dtype, bool a_kmajor, bool b_kmajor, int device,
+                        cudaStream_t s) {
     if (a_kmajor)
-        return b_kmajor ? launch<T, true, true>(p, dtype, device, s) : launch<T, true, false>(p, dtype, device, s);
-    return b_kmajor ? launch<T, false, true>(p, dtype, device, s) : launch<T, false, false>(p, dtype, device, s);
+        return b_kmajor ? launch<T, true, true>(plan, p, dtype, device, s)
+                        : launch<T, true, false>(plan, p, dtype, device, s);
+    return b_kmajor ? launch<T, false, true>(plan, p, dtype, device, s)
+                    : launch<T, false, false>(plan, p, dtype, device, s);
 }
 
 }  // namespace
 
-// 2 16-bit dtypes x 4 operand majors x (ping-pong, cooperative) + fp32 (tf32), cooperative, with A
-// K-major and B K-major or N-major (swapped, D-132) = 18 instances.
-fk_status launch_wgmma_sm90(const Plan &, const Params &p, fk_dtype dtype, bool a_kmajor, bool b_kmajor,
+// 2 16-bit dtypes x 4 operand majors x (128 x 128 ping-pong, 128 x 128 cooperative, split K:
+// 128 x 128 and 128 x 64 cooperative, 128 x 128 sharing B) + fp32 (tf32), cooperative, with A
+// K-major and B K-major or N-major (swapped, D-132) = 42 instances.
+fk_status launch_wgmma_sm90(const Plan &plan, const Params &p, fk_dtype dtype, bool a_kmajor, bool b_kmajor,
                             int device, cudaStream_t stream) {
     if (dtype == FK_FLOAT32) {
         if (!a_kmajor)  // dispatch.cu sends fp32 here only with A K-major
             return fk_fail(FK_ERR_RUNTIME, "matmul: the tf32 kernel needs a K-major A");
-        return b_kmajor ? launch<float, true, true>(p, dtype, device, stream)
-                        : launch<float, true, false>(p, dtype, device, stream);
+        return b_kmajor ? launch<float, true, true>(plan, p, dtype, device, stream)
+                        : launch<float, true, false>(plan, p, dtype, device, stream);
     }
-    if (dtype == FK_BFLOAT16) return launch_majors<__nv_bfloat16>(p, dtype, a_kmajor, b_kmajor, device, stream);
-    return launch_majors<__half>(p, dtype, a_kmajor, b_kmajor, device, stream);
+    if (dtype == FK_BFLOAT16)
+        return launch_majors<__nv_bfloat16>(plan, p, dtype, a_kmajor, b_kmajor, device, stream);
+    return launch_majors<__half>(plan, p, dtype, a_kmajor, b_kmajor, device, stream);
 }
 
 }  // namespace fk::mm
