@@ -217,6 +217,15 @@ __device__ __forceinline__ Range query_range(const Params &p, const Seq &s, int 
     if (p.window_left >= 0) hi = min(hi, (int64_t)n1 - 1 - s.shift + p.window_left + 1);
     return {(int)lo, (int)max(hi, lo)};
 }
+// Intersects each lane's key range [lo, hi) with those of the lanes whose index differs from it in
+// bit kFirst and above (kFirst 1: the whole warp; 4: the lanes holding the same fragment column).
+template <int kFirst> __device__ __forceinline__ void warp_key_range(int &lo, int &hi) {
+#pragma unroll
+    for (int o = kFirst; o < 32; o *= 2) {
+        lo = max(lo, __shfl_xor_sync(0xffffffffu, lo, o));
+        hi = min(hi, __shfl_xor_sync(0xffffffffu, hi, o));
+    }
+}
 // Whether query i sees key j (both inside the sequence's lengths).
 __device__ __forceinline__ bool visible(const Params &p, const Seq &s, int i, int j) {
     const int64_t rel = (int64_t)j - i - s.shift;

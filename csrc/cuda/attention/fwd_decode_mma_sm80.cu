@@ -163,11 +163,7 @@ __global__ void __launch_bounds__(kThreads, 1) attention_fwd_decode_mma_sm80(Par
         const Range kr = row_keys(r0 + 8 * hr);
         w_lo = max(w_lo, kr.lo), w_hi = min(w_hi, kr.hi);
     }
-#pragma unroll
-    for (int o = 4; o < 32; o *= 2) {
-        w_lo = max(w_lo, __shfl_xor_sync(0xffffffffu, w_lo, o));
-        w_hi = min(w_hi, __shfl_xor_sync(0xffffffffu, w_hi, o));
-    }
+    warp_key_range<4>(w_lo, w_hi);
 
     // ldmatrix lane offsets (fwd_mma_sm80's): Q (A) rows lane % 16, column 8 (lane / 16); K (B, rows
     // n) block lane / 8 at n 8 (j / 2), k 8 (j % 2); V (B, rows k, .trans) k 8 (j % 2), n 8 (j / 2).

@@ -174,11 +174,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks) attention_fwd_
             const Range kr = row_keys(r0 + 16 * mt + 8 * hr);
             w_lo = max(w_lo, kr.lo), w_hi = min(w_hi, kr.hi);
         }
-#pragma unroll
-    for (int o = 1; o < 32; o *= 2) {
-        w_lo = max(w_lo, __shfl_xor_sync(0xffffffffu, w_lo, o));
-        w_hi = min(w_hi, __shfl_xor_sync(0xffffffffu, w_hi, o));
-    }
+    warp_key_range<1>(w_lo, w_hi);
     // The lanes' ldmatrix offsets for each operand's first block (ldsm_x4: the others are a column
     // XOR and a row add away). Q (A): rows lane % 16, column 8 (lane / 16); K (B, rows n): 8 x 8
     // block lane / 8 at n 8 (j / 2), k 8 (j % 2); V (B, rows k, .trans): k 8 (j % 2), n 8 (j / 2).

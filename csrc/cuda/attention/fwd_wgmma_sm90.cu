@@ -362,6 +362,14 @@ template <typename T, int D> __device__ __forceinline__ void consumer(Smem<T, D>
         issue_pv<T, D, kBN>(o, pa, s.v[vs.slot]);
         wgmma_commit();
     };
+    auto finish_last = [&]() {  // the held-back tile's last P V, in a turn of its own, and its epilogue
+        turn_begin<kC>(c);
+        wgmma_fence();
+        issue_pv_turn();
+        turn_end<kC>(c);
+        wait_pv();
+        epilogue<T, D>(s, p, last, last_slot, o, row_max, row_sum, mul);
+    };
     zero_o();
     if (c == kC - 1) turn_end<kC>(c);  // warpgroup 0 takes the first turn
     for (RingStage<2> ts;; ts.next()) {
@@ -381,12 +389,7 @@ template <typename T, int D> __device__ __forceinline__ void consumer(Smem<T, D>
         qs.next();
         if (w.t_lo == w.t_hi) {  // no key to see: out 0, lse +inf
             if (has_last) {
-                turn_begin<kC>(c);
-                wgmma_fence();
-                issue_pv_turn();
-                turn_end<kC>(c);
-                wait_pv();
-                epilogue<T, D>(s, p, last, last_slot, o, row_max, row_sum, mul);
+                finish_last();
                 zero_o();
                 has_last = false;
             }
@@ -447,14 +450,7 @@ template <typename T, int D> __device__ __forceinline__ void consumer(Smem<T, D>
         }
         last = w, last_slot = slot, has_last = true;
     }
-    if (has_last) {
-        turn_begin<kC>(c);
-        wgmma_fence();
-        issue_pv_turn();
-        turn_end<kC>(c);
-        wait_pv();
-        epilogue<T, D>(s, p, last, last_slot, o, row_max, row_sum, mul);
-    }
+    if (has_last) finish_last();
     if (c == 0) turn_begin<kC>(c);  // the last warpgroup's last hand-over
 }
 
