@@ -130,14 +130,8 @@ int compute_major(int device);
 // Set-up before the call (mbarriers, cluster arrival) overlaps the previous kernel's tail. The
 // call also lets the next kernel launch at once; its CTAs can only take the SM slots this grid's
 // last wave frees, and they wait in turn. FASTKERN_PDL=0 in the environment turns it off.
-__device__ __forceinline__ void grid_dependency_sync() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
-    asm volatile("griddepcontrol.wait;" ::: "memory");
-#endif
-}
-// Its two halves, for kernels whose roles wait separately (wgmma_sm90's lean prologue, D-133): the
-// launch at once, and each role's wait right before its first global access.
+// Its two halves are also called apart, by kernels whose roles wait separately (wgmma_sm90's lean
+// prologue, D-133): the launch at once, and each role's wait right before its first global access.
 __device__ __forceinline__ void grid_dependency_launch() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
@@ -147,6 +141,10 @@ __device__ __forceinline__ void grid_dependency_wait() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     asm volatile("griddepcontrol.wait;" ::: "memory");
 #endif
+}
+__device__ __forceinline__ void grid_dependency_sync() {
+    grid_dependency_launch();
+    grid_dependency_wait();
 }
 // The wait, with a, b and c computed before it (operands, so the compiler cannot sink them past it).
 __device__ __forceinline__ void grid_dependency_wait(int64_t &a, int64_t &b, int64_t &c) {
