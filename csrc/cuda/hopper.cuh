@@ -23,6 +23,14 @@ __device__ __forceinline__ uint32_t cvta_shared(const void *p) {
     return static_cast<uint32_t>(__cvta_generic_to_shared(p));
 }
 
+// The kernel's dynamic shared memory as an S starting on a 1024-byte boundary (the 128-byte swizzle
+// repeats every 1024 bytes; launches ask for sizeof(S) + 1024). The offset is added to `raw` itself:
+// rounding a uintptr_t of it lost the shared address space, and every access through the struct was
+// a generic LD / ST (sm_90a matmul: ~26k generic epilogue loads and stores against 288 STS).
+template <typename S> __device__ __forceinline__ S &smem_aligned_1024(unsigned char *raw) {
+    return *reinterpret_cast<S *>(raw + ((1024u - (cvta_shared(raw) & 1023u)) & 1023u));
+}
+
 // ---- mbarrier ------------------------------------------------------------------------------------
 __device__ __forceinline__ void mbar_init(uint64_t *bar, uint32_t count) {
 #if FK_SM90A

@@ -330,7 +330,7 @@ __global__ void __launch_bounds__(kThreads, 1)
                              const Params p, const BwdWork ws) {
 #if FK_SM90A
     extern __shared__ unsigned char smem_raw[];
-    auto &s = *reinterpret_cast<Smem<T, D> *>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
+    auto &s = smem_aligned_1024<Smem<T, D>>(smem_raw);
     if (threadIdx.x == 0) {
         mbar_init(&s.kv_full, 1);
         for (int i = 0; i < kStages; i++) mbar_init(&s.full[i], 1), mbar_init(&s.empty[i], kReleasers);

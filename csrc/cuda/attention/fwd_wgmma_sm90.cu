@@ -463,7 +463,7 @@ __global__ void __launch_bounds__(Cfg<D>::kThreads, 1)
                              const __grid_constant__ CUtensorMap map_v, const Params p) {
 #if FK_SM90A
     extern __shared__ unsigned char smem_raw[];
-    auto &s = *reinterpret_cast<Smem<T, D> *>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
+    auto &s = smem_aligned_1024<Smem<T, D>>(smem_raw);
     if (threadIdx.x == 0) {
         for (int i = 0; i < Cfg<D>::kQSlots; i++)
             mbar_init(&s.q_full[i], 1), mbar_init(&s.q_empty[i], Cfg<D>::kConsumers * 128);

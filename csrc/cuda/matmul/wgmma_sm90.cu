@@ -541,8 +541,7 @@ __global__ void __launch_bounds__(kThreads, 1)
                   "tf32: A K-major, cooperative, 128 x 128");
 #if FK_SM90A
     extern __shared__ unsigned char smem_raw[];
-    auto &s =
-        *reinterpret_cast<Smem<T, kPP, kBN> *>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
+    auto &s = smem_aligned_1024<Smem<T, kPP, kBN>>(smem_raw);
     if (threadIdx.x == 0) {
         FK_MM_STAMP(p, kStampEntry);
         for (int i = 0; i < kStages<T, kPP>; i++)  // a stage is released by each consumer reading it
