@@ -475,6 +475,28 @@ def test_cuda_hopper_consumer_arrangements(dtype, shape, poison):
     check(a, b, bias, "gelu_tanh", grads=True)
 
 
+def _ping_pong_shapes():
+    """(batch, m, n, k) with 128 x 128 tiles >= 2 x SMs (wgmma_sm90's ping-pong instances): 12 tile
+    columns, an even number of tile rows (pairs of tiles of one column: FK_MM_PAIRED_PINGPONG), an
+    odd one, and a batch of two; ragged edges, k-loops of 5 and 4 steps."""
+    rows = 2 * -(-_sms() // 12) + 2
+    return [(1, 128 * rows - 5, 128 * 12 - 8, 300), (1, 128 * (rows + 1) - 3, 128 * 12, 257),
+            (2, 64 * rows - 5, 128 * 12 - 8, 200)]
+
+
+@needs_cuda
+@pytest.mark.parametrize("majors", list(itertools.product(("row", "col"), repeat=2)), ids="-".join)
+@pytest.mark.parametrize("shape", _ping_pong_shapes(), ids=lambda s: "x".join(map(str, s)))
+def test_cuda_hopper_ping_pong_majors(shape, majors, poison):
+    """The persistent ping-pong instances (two tiles or more a CTA) with every operand major, bias,
+    GELU, the pre-activation and gradients."""
+    batch, m, n, k = shape
+    lead = (batch,) if batch > 1 else ()
+    a = layout(make(lead + (m, k), torch.bfloat16, "cuda"), majors[0])
+    b = layout(make(lead + (k, n), torch.bfloat16, "cuda"), majors[1])
+    check(a, b, make((n,), torch.bfloat16, "cuda"), "gelu_tanh", grads=True)
+
+
 # ---- CUDA, fp32 under TF32 (dispatch.cu's first row) ---------------------------------------------
 
 @pytest.fixture

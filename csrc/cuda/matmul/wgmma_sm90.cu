@@ -73,31 +73,37 @@ template <typename T> constexpr int kChunk = 16 / (int)sizeof(T);
 template <typename T, bool kAKMajor, bool kBKMajor>
 constexpr bool kSwapAB = sizeof(T) == 4 && kAKMajor && !kBKMajor;
 // Staging: 16 KB per 64-row block of 16-bit C (64 KB ping-pong, 32 KB cooperative), 32 KB of fp32.
-template <typename T, bool kPP> constexpr int kStages = kPP || sizeof(T) == 4 ? 5 : 6;
+// (FK_MM_PP_STAGES=6, stamps.cuh: ping-pong with one staging block a consumer and 6 stages.)
+template <bool kPP> constexpr int kStagingBlocks = kPP && FK_MM_PP_STAGES == 5 ? 2 : 1;  // a consumer's
+// (FK_MM_WIDE_TILES: 128 x 256 tiles, 48 KB a stage, 4 stages and one 64 x 128 block a consumer.)
+template <typename T, bool kPP, int kBN = 128>
+constexpr int kStages = kBN == 256 ? 4 : kPP ? FK_MM_PP_STAGES : sizeof(T) == 4 ? 5 : 6;
+template <int kBN> constexpr int kOutCols = kBN > 128 ? 128 : kBN;  // a staging block's columns
 template <int kBN> constexpr int kStageBytes = (kBM + kBN) * 128;  // 32 KB (24 KB at kBN 64) for every T
 // The lean prologue (stamps.cuh, D-133): always in the split-K instances, elsewhere by the switch.
 // How a CTA works with another (small problems; 2-CTA clusters): alone (persistent), split K, or
 // sharing B with the CTA of the next tile.
 enum Pairing { kAlone, kSplitK, kShareB };
-template <int kPair> constexpr bool kLean = FK_MM_LEAN_PROLOGUE || kPair != kAlone;
+template <int kPair, bool kPP> constexpr bool kLean = FK_MM_LEAN_PROLOGUE || (kPair != kAlone && !kPP);
 
 // Named barriers: 0 is __syncthreads; consumer warpgroup c syncs its 128 threads on kConsumer0 + c;
 // ping-pong consumer c may start a mainloop once the other has arrived on kOrder0 + c.
 enum NamedBarrier { kConsumer0 = 1, kOrder0 = 3 };
 
 template <typename T, bool kPP, int kBN = 128> struct Smem {
-    static constexpr int kStages = ::fk::mm::kStages<T, kPP>;
+    static constexpr int kStages = ::fk::mm::kStages<T, kPP, kBN>;
     alignas(1024) T a[kStages][kBM * kBK<T>];
     alignas(1024) T b[kStages][kBN * kBK<T>];
     // A 64 x kBN block as swizzled 64 x kBK boxes. Split K: also the fp32 partial tile (64 x kBN)
     // the peer CTA sends in (as large as two 16-bit staging blocks), read before any staging.
-    alignas(1024) T out[kConsumers * kRowBlocks<kPP>][64 * kBN];
-    alignas(16) T bias[kConsumers][kBN];                             // each consumer's tile of the bias
+    alignas(1024) T out[kConsumers * kStagingBlocks<kPP>][64 * kOutCols<kBN>];
+    alignas(16) T bias[kConsumers][kOutCols<kBN>];                             // each consumer's tile of the bias
     uint64_t full[kStages], empty[kStages];
     uint64_t partial_full;  // split K: the peer's partial tile has landed in `out`
 };
 template <typename T, bool kPP, int kBN = 128> constexpr int kSmemBytes = sizeof(Smem<T, kPP, kBN>) + 1024;  // + to align
 static_assert(kSmemBytes<__half, true> <= 227 * 1024 && kSmemBytes<__half, false> <= 227 * 1024 &&
+                  kSmemBytes<__half, false, 256> <= 227 * 1024 &&
                   kSmemBytes<float, false> <= 227 * 1024,
               "the operand ring and staging fit Hopper's shared memory");
 template <int kBN> constexpr bool kPartialFits = sizeof(Smem<__half, false, kBN>::out) >= 64 * kBN * 4;
@@ -131,13 +137,13 @@ template <int kPair> __device__ __forceinline__ Walk walk_of(int k_tiles) {
 template <typename T, bool kPP, int kBN, int kPair, bool kAKMajor, bool kBKMajor>
 __device__ __forceinline__ void producer(Smem<T, kPP, kBN> &s, const CUtensorMap *map_a, const CUtensorMap *map_b,
                                          const KernelParams &p, int tiles_m, int tiles_n, int k_tiles) {
-    RingStage<kStages<T, kPP>> st;
+    RingStage<kStages<T, kPP, kBN>> st;
     const int64_t total = (int64_t)tiles_m * tiles_n * p.batch;
     const Walk wk = walk_of<kPair>(k_tiles);
     if constexpr (kPair == kShareB) barrier_cluster_wait();  // the peer's barriers are ready for its B half
     for (int64_t tile = wk.first; tile < total; tile += wk.step) {
         Work w = work_of<kBN>(tile, tiles_m, tiles_n);
-        if constexpr (kLean<kPair>) {
+        if constexpr (kLean<kPair, kPP>) {
             if (tile == wk.first) {  // the first tile's coordinates are made before the wait
                 grid_dependency_wait(w.batch, w.m0, w.n0);
                 FK_MM_STAMP(p, kStampWaited);
@@ -424,10 +430,10 @@ template <typename T, bool kPP, int kBN, int kPair, bool kAKMajor, bool kBKMajor
 __device__ __forceinline__ void consumer(Smem<T, kPP, kBN> &s, const CUtensorMap *map_c, const CUtensorMap *map_pre,
                                          const KernelParams &p, int tiles_m, int tiles_n, int k_tiles_all) {
     constexpr int kRB = kRowBlocks<kPP>;
-    static_assert(!(kPair != kAlone && kPP), "paired CTAs are cooperative");
+    static_assert(!(kPair == kSplitK && kPP), "split K is cooperative");
     const int c = threadIdx.x / 128 - 1, t = threadIdx.x % 128;
-    if constexpr (kLean<kPair>) grid_dependency_wait();  // off the critical path: the first full[] comes after the producer's
-    RingStage<kStages<T, kPP>> st;
+    if constexpr (kLean<kPair, kPP>) grid_dependency_wait();  // off the critical path: the first full[] comes after the producer's
+    RingStage<kStages<T, kPP, kBN>> st;
     float acc[kRB][kBN / 2];
     const int64_t total = (int64_t)tiles_m * tiles_n * p.batch;
     const Walk wk = walk_of<kPair>(k_tiles_all);
@@ -477,6 +483,8 @@ __device__ __forceinline__ void consumer(Smem<T, kPP, kBN> &s, const CUtensorMap
                             wgmma_m64n128k8_tf32(acc[h], da, db, kt > 0 || kk > 0);
                         } else if constexpr (kBN == 64) {
                             wgmma_m64n64k16<T, !kAKMajor, !kBKMajor>(acc[h], da, db, kt > 0 || kk > 0);
+                        } else if constexpr (kBN == 256) {
+                            wgmma_m64n256k16<T, !kAKMajor, !kBKMajor>(acc[h], da, db, kt > 0 || kk > 0);
                         } else {
                             wgmma_m64n128k16<T, !kAKMajor, !kBKMajor>(acc[h], da, db, kt > 0 || kk > 0);
                         }
@@ -514,11 +522,17 @@ __device__ __forceinline__ void consumer(Smem<T, kPP, kBN> &s, const CUtensorMap
             auto run = [&](auto pre) {
                 if constexpr (kSwapAB<T, kAKMajor, kBKMajor>) {
                     swapped_epilogue<act.value, pre.value>(s.out[c], s.bias[c], map_c, map_pre, p, acc[0], w, c, t);
+                } else if constexpr (kBN == 256) {  // two 64 x 128 halves through one staging block
+#pragma unroll
+                    for (int h = 0; h < 2; h++)
+                        epilogue<act.value, pre.value, T, 128, 1>(s.out + c, s.bias[c], map_c, map_pre, p,
+                                                                  *reinterpret_cast<float(*)[64]>(&acc[0][64 * h]),
+                                                                  Work{w.batch, w.m0, w.n0 + 128 * h}, c, c, t);
                 } else {
 #pragma unroll
                     for (int h = 0; h < kRB; h++)
-                        epilogue<act.value, pre.value, T, kBN, kRB>(s.out + c * kRB, s.bias[c], map_c, map_pre, p,
-                                                                    acc[h], w, kPP ? h : c, c, t);
+                        epilogue<act.value, pre.value, T, kBN, kStagingBlocks<kPP>>(
+                            s.out + c * kStagingBlocks<kPP>, s.bias[c], map_c, map_pre, p, acc[h], w, kPP ? h : c, c, t);
                 }
             };
             if (p.pre) run(std::true_type{}); else run(std::false_type{});
@@ -545,8 +559,8 @@ __global__ void __launch_bounds__(kThreads, 1)
         *reinterpret_cast<Smem<T, kPP, kBN> *>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
     if (threadIdx.x == 0) {
         FK_MM_STAMP(p, kStampEntry);
-        for (int i = 0; i < kStages<T, kPP>; i++)  // a stage is released by each consumer reading it
-            mbar_init(&s.full[i], 1), mbar_init(&s.empty[i], kPP ? 1 : kConsumers * (kPair == kShareB ? 2 : 1));
+        for (int i = 0; i < kStages<T, kPP, kBN>; i++)  // a stage is released by each consumer reading it
+            mbar_init(&s.full[i], 1), mbar_init(&s.empty[i], (kPP ? 1 : kConsumers) * (kPair == kShareB ? 2 : 1));
         if constexpr (kPair == kSplitK) mbar_init(&s.partial_full, 1);
         fence_barrier_init();
         prefetch_tensormap(&map_a);
@@ -563,7 +577,7 @@ __global__ void __launch_bounds__(kThreads, 1)
         if (kPair == kSplitK && threadIdx.x == 0) mbar_arrive_expect_tx(&s.partial_full, 64 * kBN * 4);
         barrier_cluster_arrive_relaxed();
     }
-    if constexpr (kLean<kPair>) {
+    if constexpr (kLean<kPair, kPP>) {
         grid_dependency_launch();  // each role waits for the previous grid itself, as late as it can
     } else {
         grid_dependency_sync();
@@ -654,8 +668,36 @@ fk_status launch(const Plan &plan, const Params &p, fk_dtype dtype, int device, 
         // with one tile a CTA both consumers work on it (512^3: 0.57x cuBLAS ping-pong, 0.65x
         // cooperative), and element-stored C ran slower ping-pong (the LM head's linear 3.73x
         // cuBLAS, against 4.32x; D-114).
-        if (q.tma_store && tiles >= 2 * (int64_t)sms)
+        if (q.tma_store && tiles >= 2 * (int64_t)sms) {
+#if FK_MM_PAIRED_PINGPONG  // stamps.cuh; tile rows even, so tiles 2i, 2i + 1 share a column
+            if ((p.m + kBM - 1) / kBM % 2 == 0) {
+                auto kernel = matmul_wgmma_sm90<T, true, 128, kShareB, kAKMajor, kBKMajor>;
+                if (kBKMajor && !encode(&map_b, dtype, kIn, p.b, p.k, p.n, p.b_col, p.batch, p.b_batch, 64))
+                    return fk_fail(FK_ERR_RUNTIME, "matmul: cuTensorMapEncodeTiled failed");
+                cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                                     kSmemBytes<T, true>);
+                if (e != cudaSuccess) return cuda_status(e, "matmul");
+                Launch launch(dim3(2), dim3(kThreads), kSmemBytes<T, true>, stream, device, 2);
+                int clusters = 0;  // the clusters that fit at once: a persistent grid of them
+                if (cudaOccupancyMaxActiveClusters(&clusters, kernel, &launch.config) != cudaSuccess || clusters < 1)
+                    clusters = 1;
+                launch.config.gridDim.x = (unsigned)std::min<int64_t>(tiles, 2 * clusters);
+                return launch("matmul", kernel, map_a, map_b, map_c, map_pre, q);
+            }
+#elif FK_MM_WIDE_TILES  // stamps.cuh: 128 x 256 tiles, cooperative
+            auto kernel = matmul_wgmma_sm90<T, false, 256, kAlone, kAKMajor, kBKMajor>;
+            if (kBKMajor && !encode(&map_b, dtype, kIn, p.b, p.k, p.n, p.b_col, p.batch, p.b_batch, 256))
+                return fk_fail(FK_ERR_RUNTIME, "matmul: cuTensorMapEncodeTiled failed");
+            cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                                 kSmemBytes<T, false, 256>);
+            if (e != cudaSuccess) return cuda_status(e, "matmul");
+            const int64_t wide = (p.m + kBM - 1) / kBM * ((p.n + 255) / 256) * p.batch;
+            return Launch(dim3((unsigned)std::min<int64_t>(wide, sms)), dim3(kThreads), kSmemBytes<T, false, 256>,
+                          stream, device)("matmul", kernel, map_a, map_b, map_c, map_pre, q);
+#else
             return go(matmul_wgmma_sm90<T, true, 128, kAlone, kAKMajor, kBKMajor>, kSmemBytes<T, true>);
+#endif
+        }
     }
     return go(matmul_wgmma_sm90<T, false, 128, kAlone, kAKMajor, kBKMajor>, kSmemBytes<T, false>);
 }
