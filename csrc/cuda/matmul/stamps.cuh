@@ -13,15 +13,6 @@
 //   ahead of griddepcontrol.wait, where programmatic dependent launch hides it under the previous
 //   kernel; each role waits for the previous grid itself, right before its first global access.
 //   The split-K instances (small problems, D-136) take it whatever the switch says.
-// -DFK_MM_PP_STAGES=6: the ping-pong instances' ring has 6 stages and each consumer one 16 KB
-//   staging block (5 and two by default), for long K (D-139).
-// -DFK_MM_PAIRED_PINGPONG=1: the persistent ping-pong instances run in 2-CTA clusters that share B
-//   as the small-problem kShareB ones do (tiles 2i, 2i + 1 of one tile column; each CTA loads half
-//   of B's k-tile, multicast to both; a stage released by the consumers of both CTAs), a grid of
-//   the clusters that fit; with odd tile rows the cooperative instance runs instead (D-139).
-// -DFK_MM_WIDE_TILES=1: where the ping-pong instances would run, cooperative 128 x 256 tiles instead
-//   (wgmma m64n256k16: B's k-slice read once a consumer, not once a 64-row block; 4 stages of 48 KB,
-//   each consumer's 64 x 256 block stored as two 64 x 128 halves through one staging block; D-139).
 #pragma once
 
 #include "matmul.cuh"
@@ -31,15 +22,6 @@
 #endif
 #ifndef FK_MM_LEAN_PROLOGUE
 #define FK_MM_LEAN_PROLOGUE 0
-#endif
-#ifndef FK_MM_PP_STAGES
-#define FK_MM_PP_STAGES 5
-#endif
-#ifndef FK_MM_PAIRED_PINGPONG
-#define FK_MM_PAIRED_PINGPONG 0
-#endif
-#ifndef FK_MM_WIDE_TILES
-#define FK_MM_WIDE_TILES 0
 #endif
 
 namespace fk::mm {
