@@ -5,7 +5,8 @@
 
 Each PATH is a fastkern._C built with -DFK_MM_TIMESTAMPS=1 in FASTKERN_NVCC_FLAGS (other switches
 too, e.g. -DFK_MM_LEAN_PROLOGUE=1; tools/mm_variant.py makes one from a built tree): this script
-builds nothing. For each build and bf16 size (M = N = K, or MxNxK: a (M, K) @ b (K, N), as bench_matmul
+builds nothing. Its stamps are the persistent instances' (wgmma_sm90.cu); sizes that take the small-
+problem instances (K split, shared B) need wgmma_sm90_small.cu built with -DFK_MM_STAMP_SMALL=1 too. For each build and bf16 size (M = N = K, or MxNxK: a (M, K) @ b (K, N), as bench_matmul
 draws them) it captures `calls` fastkern.matmul calls
 in one CUDA graph, as fastkern.bench times them (inputs rotated through 16 copies, programmatic
 dependent launch unless FASTKERN_PDL=0), replays it `replays` times and reads the stamps after each

@@ -2,6 +2,9 @@
 // rows "16-bit / fp32 under TF32, sm_90, TMA-describable operands". A grid of one CTA an SM walks
 // 128 x 128 tiles, ping-pong or cooperative, or, for long K (plan.tile 2), 128 x 256 tiles, cooperative
 // (D-139). The small-problem instances (K split, shared B) are in wgmma_sm90_small.cu.
+#ifndef FK_MM_STAMP_SMALL
+#define FK_MM_STAMPS_EXPORT 1  // a timestamp build's stamps are this unit's (stamps.cuh)
+#endif
 #include "wgmma_sm90.cuh"
 
 namespace fk::mm {

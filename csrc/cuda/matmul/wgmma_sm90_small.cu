@@ -2,6 +2,9 @@
 // where 128 x 128 tiles number at most half the SMs. K split over a 2-CTA cluster a tile, in 128 x 128
 // or 128 x 64 tiles, or pairs of tiles (2i, 2i + 1 of one tile column) in a 2-CTA cluster sharing B's
 // loads (D-128, D-136: 512^3 0.65 -> 1.03x cuBLAS, 1000^3 0.77 -> 0.96x, H200).
+#ifdef FK_MM_STAMP_SMALL
+#define FK_MM_STAMPS_EXPORT 1  // a timestamp build's stamps are this unit's (stamps.cuh)
+#endif
 #include "wgmma_sm90.cuh"
 
 namespace fk::mm {
