@@ -79,7 +79,12 @@ def matmul_cases(device, quick=False):
         make = lambda m=m, n=n, k=k: (torch.randn(m, k, **bf16), torch.randn(k, n, **bf16))
         yield (f"bf16 ({m},{n},{k})", 2 * (m * k + k * n), make,
                {"fastkern": fastkern.matmul, "compile": torch.matmul}, {"flops": 2 * m * n * k})
-    for m, n, k in ((8192, 3072, 768), (16384, 8192, 1280)):
+    # bench_matmul's headline linear + GELU, and that shape's plain linear (the epilogue's share)
+    m, n, k = 16384, 16384, 4096
+    make = lambda m=m, n=n, k=k: (torch.randn(m, k, **bf16), torch.randn(n, k, **bf16) * k ** -0.5)
+    yield (f"linear bf16 ({m},{n},{k})", 2 * (m * k + k * n), make,
+           {"fastkern": fastkern.linear, "compile": torch.nn.functional.linear}, {"flops": 2 * m * n * k})
+    for m, n, k in ((8192, 3072, 768), (16384, 8192, 1280), (16384, 16384, 4096)):
         make = lambda m=m, n=n, k=k: (torch.randn(m, k, **bf16), torch.randn(n, k, **bf16) * k ** -0.5,
                                       torch.randn(n, **bf16))
         yield (f"linear+gelu bf16 ({m},{n},{k})", 2 * (m * k + k * n), make,

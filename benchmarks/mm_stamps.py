@@ -1,11 +1,13 @@
 """Where a small Hopper GEMM's time goes, from its in-kernel timestamps (D-133).
 
-    python benchmarks/mm_stamps.py NAME=PATH/_C.abi3.so [NAME=PATH ...] [--sizes 512,1000]
+    python benchmarks/mm_stamps.py NAME=PATH/_C.abi3.so [NAME=PATH ...] [--sizes 512,1000,16384x1024x8192]
                                    [--calls 20] [--replays 30]
 
 Each PATH is a fastkern._C built with -DFK_MM_TIMESTAMPS=1 in FASTKERN_NVCC_FLAGS (other switches
 too, e.g. -DFK_MM_LEAN_PROLOGUE=1; tools/mm_variant.py makes one from a built tree): this script
-builds nothing. For each build and bf16 M = N = K = size it captures `calls` fastkern.matmul calls
+builds nothing. Its stamps are the persistent instances' (wgmma_sm90.cu); sizes that take the small-
+problem instances (K split, shared B) need wgmma_sm90_small.cu built with -DFK_MM_STAMP_SMALL=1 too. For each build and bf16 size (M = N = K, or MxNxK: a (M, K) @ b (K, N), as bench_matmul
+draws them) it captures `calls` fastkern.matmul calls
 in one CUDA graph, as fastkern.bench times them (inputs rotated through 16 copies, programmatic
 dependent launch unless FASTKERN_PDL=0), replays it `replays` times and reads the stamps after each
 replay (csrc/cuda/matmul/stamps.cuh: each CTA's first tile, %globaltimer ns and clock64 cycles).
@@ -143,9 +145,10 @@ def replay_us(graph, calls, replays):
 
 def run_size(build, stamps, size, calls, replays):
     device = torch.device("cuda")
-    make = lambda: (torch.randn(size, size, device=device, dtype=torch.bfloat16),
-                    torch.randn(size, size, device=device, dtype=torch.bfloat16))
-    sets = [make() for _ in range(16)]
+    m, n, k = size
+    make = lambda: (torch.randn(m, k, device=device, dtype=torch.bfloat16),
+                    torch.randn(k, n, device=device, dtype=torch.bfloat16))
+    sets = bench.input_sets(make, device, 2 * (m * k + k * n))
     with build:  # the captured launches take stamp slots 0 .. calls - 1
         graph = capture(fastkern.matmul, sets, calls, before=stamps.reset)
     got = []
@@ -173,22 +176,27 @@ def main(argv=None):
         stamps = Stamps(spec.partition("=")[2].partition(":")[0])
         if args.calls > stamps.slots:
             raise SystemExit(f"mm_stamps: --calls {args.calls} > the build's {stamps.slots} stamp slots")
-        for size in (int(s) for s in args.sizes.split(",")):
+        for text in args.sizes.split(","):
+            size = tuple(int(v) for v in text.split("x")) if "x" in text else (int(text),) * 3
             ours, cublas, (phases, calls, per_ns, step) = run_size(build, stamps, size, args.calls, args.replays)
             med = {k: statistics.median(v) / per_ns for k, v in phases.items()}  # ns
             per_call = {k: statistics.median(v) for k, v in calls.items()}
-            print(f"\n{build.name} bf16 {size}^3: {ours:.2f} us a call (graph), cuBLAS {cublas:.2f} us "
+            print(f"\n{build.name} bf16 {text}: {ours:.2f} us a call (graph), cuBLAS {cublas:.2f} us "
                   f"({cublas / ours:.3f}x); SM clock {per_ns:.3f} GHz; globaltimer step {step} ns")
             for name in [p for p, _, _ in PHASES] + ["after-wait"]:
                 v = sorted(phases[name])
                 print(f"  {name:11s} {med[name]:8.0f} ns  ({statistics.median(v):7.0f} cycles, "
                       f"p90 {v[int(0.9 * (len(v) - 1))]:7.0f})")
+            k_steps = -(-size[2] // 64)  # the first stage landed -> the last wgmma retired: every k-step consumed
+            step = (med["k-loop"] + med["mma-tail"]) * per_ns / k_steps
+            print(f"  k-step      {step:8.0f} cycles ((k-loop + mma-tail) / {k_steps}; 2 x 128^2 x 64 FLOP: "
+                  f"{2 * 128 * 128 * 64 / step:.0f} FLOP a cycle)")
             for name, v in per_call.items():
                 print(f"  {name:11s} {v:8.0f} ns  (per call, globaltimer)")
-            rows.append((build.name, size, ours, cublas, med, per_call))
-    print("\nbuild        size   us/call cuBLAS ratio | wait  issue first k-loop tail  epi drain | gap  kernel period (ns)")
+            rows.append((build.name, text, ours, cublas, med, per_call))
+    print("\nbuild        size             us/call cuBLAS ratio | wait  issue first k-loop tail  epi drain | gap  kernel period (ns)")
     for name, size, ours, cublas, med, pc in rows:
-        print(f"{name:12s} {size:5d} {ours:7.2f} {cublas:6.2f} {cublas / ours:5.3f} | {med['wait']:4.0f} "
+        print(f"{name:12s} {size:16s} {ours:7.2f} {cublas:6.2f} {cublas / ours:5.3f} | {med['wait']:4.0f} "
               f"{med['to-issue']:5.0f} {med['first-load']:5.0f} {med['k-loop']:6.0f} {med['mma-tail']:4.0f} "
               f"{med['epilogue']:4.0f} {med['drain']:5.0f} | {pc['gap']:4.0f} {pc['kernel']:6.0f} {pc['period']:6.0f}")
 

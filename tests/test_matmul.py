@@ -332,14 +332,24 @@ def _wgmma_plan(m, n, k, batch=1, b_aligned=True):
     """wgmma_sm90's plan name for 16-bit operands (dispatch.cu's 16-bit sm_90 rows), where K has 4
     steps of 64 or more: 128 x 64 tiles with K split over 2-CTA clusters where 128 x 128 tiles number
     at most a quarter of the SMs; up to half, pairs of tiles sharing B where B's rows are not 128-byte
-    aligned (b_aligned False) and 128-row tiles are even in number, else K split (D-128, D-136)."""
+    aligned (b_aligned False) and 128-row tiles are even in number, else K split (D-128, D-136); 128 x
+    256 tiles where K >= 6144 and they number at least twice the SMs (D-139)."""
     sms, tiles_m, steps = _sms(), -(-m // 128), -(-k // 64)
     wide = tiles_m * batch * -(-n // 128)
+    if k >= 6144 and tiles_m * batch * -(-n // 256) >= 2 * sms:
+        return "wgmma_sm90 128x256"
     if 2 * wide > sms or steps < 4:
         return "wgmma_sm90"
     if 4 * wide <= sms:
         return "wgmma_sm90 128x64 split-k"
     return "wgmma_sm90 shared-b" if tiles_m % 2 == 0 and not b_aligned else "wgmma_sm90 split-k"
+
+
+def _long_k(fewer_columns, shorter_k):
+    """(m, n, k) with 24 rows of 128 x 256 tiles and enough columns for 2 x SMs tiles, k 6144 (the 128 x
+    256 row's edges); one column fewer, or k one shorter."""
+    columns = -(-2 * _sms() // 24) - fewer_columns
+    return 128 * 24, 256 * columns, 6144 - shorter_k
 
 
 def _even_tile_rows():
@@ -351,7 +361,9 @@ def _even_tile_rows():
 # strategy. "large": 128 x 128 tiles for more than half the SMs; "small": 6 of them, k 3 steps;
 # "small-long-k": the same with k 16 steps; "mid-long-k": a third of the SMs' tiles (an odd number of
 # tile rows), k 16 steps; "mid-even": the same with an even number and B's rows not 128-byte aligned
-# (n 504, k 1000); "half": exactly half the SMs' tiles, k 4 steps (the paired rows' edges).
+# (n 504, k 1000); "half": exactly half the SMs' tiles, k 4 steps (the paired rows' edges); "long-k": 128 x
+# 256 tiles for exactly twice the SMs, k 6144 (the 128 x 256 row), and just outside it: k 6143
+# ("long-k-short") and a tile column fewer ("long-k-few").
 DISPATCH_ROWS = [
     (torch.float32, "row", False, "small", lambda: "simt_fp32"),
     (torch.float32, "col", True, "small", lambda: "simt_fp32"),
@@ -364,6 +376,10 @@ DISPATCH_ROWS = [
      lambda: _wgmma_plan(128 * _even_tile_rows(), 504, 1000, b_aligned=False) if _hopper() else "mma_sm80"),
     (torch.bfloat16, "col", False, "half",
      lambda: _wgmma_plan(128 * (_sms() // 2), 128, 193) if _hopper() else "mma_sm80"),
+    (torch.bfloat16, "col", False, "long-k", lambda: _wgmma_plan(*_long_k(0, 0)) if _hopper() else "mma_sm80"),
+    (torch.float16, "row", False, "long-k-short",
+     lambda: _wgmma_plan(*_long_k(0, 1)) if _hopper() else "mma_sm80"),
+    (torch.bfloat16, "row", False, "long-k-few", lambda: _wgmma_plan(*_long_k(1, 0)) if _hopper() else "mma_sm80"),
     (torch.bfloat16, "row", False, "large", lambda: "wgmma_sm90" if _hopper() else "mma_sm80"),
     (torch.float16, "col", False, "large", lambda: "wgmma_sm90" if _hopper() else "mma_sm80"),
     # a 1793-wide operand is copied into 16-byte aligned rows, so it takes the fast kernel too
@@ -384,7 +400,8 @@ def test_dispatch_table(dtype, view, forced, size, strategy, monkeypatch):
     tall = 128 * (_sms() // 2 + 1)  # one column of 128 x 128 tiles, more than half the SMs
     m, n, k = {"small": (384, 256, 192), "small-long-k": (384, 256, 1000), "large": (tall, 256, 193),
                "mid-long-k": (128 * (_sms() // 12), 512, 1000), "mid-even": (128 * _even_tile_rows(), 504, 1000),
-               "half": (128 * (_sms() // 2), 128, 193)}[size]
+               "half": (128 * (_sms() // 2), 128, 193), "long-k": _long_k(0, 0), "long-k-short": _long_k(0, 1),
+               "long-k-few": _long_k(1, 0)}[size]
     if view == "ragged":
         m, n, k = (tall // 2 + 1, 1793, 1793)
     a = make((m, k), dtype, "cuda")
@@ -473,6 +490,44 @@ def test_cuda_hopper_consumer_arrangements(dtype, shape, poison):
     a, b, bias = make((m, k), dtype, "cuda"), make((k, n), dtype, "cuda"), make((n,), dtype, "cuda")
     assert mm_ops._plan(a, b, bias, "gelu_tanh") == ("wgmma_sm90" if _hopper() else "mma_sm80")
     check(a, b, bias, "gelu_tanh", grads=True)
+
+
+def _ping_pong_shapes():
+    """(batch, m, n, k) with 128 x 128 tiles >= 2 x SMs (wgmma_sm90's ping-pong instances): 12 tile
+    columns, an even number of tile rows (pairs of tiles of one column: FK_MM_PAIRED_PINGPONG), an
+    odd one, and a batch of two; ragged edges, k-loops of 5 and 4 steps."""
+    rows = 2 * -(-_sms() // 12) + 2
+    return [(1, 128 * rows - 5, 128 * 12 - 8, 300), (1, 128 * (rows + 1) - 3, 128 * 12, 257),
+            (2, 64 * rows - 5, 128 * 12 - 8, 200)]
+
+
+@needs_cuda
+@pytest.mark.parametrize("majors", list(itertools.product(("row", "col"), repeat=2)), ids="-".join)
+@pytest.mark.parametrize("shape", _ping_pong_shapes(), ids=lambda s: "x".join(map(str, s)))
+def test_cuda_hopper_ping_pong_majors(shape, majors, poison):
+    """The persistent ping-pong instances (two tiles or more a CTA) with every operand major, bias,
+    GELU, the pre-activation and gradients."""
+    batch, m, n, k = shape
+    lead = (batch,) if batch > 1 else ()
+    a = layout(make(lead + (m, k), torch.bfloat16, "cuda"), majors[0])
+    b = layout(make(lead + (k, n), torch.bfloat16, "cuda"), majors[1])
+    check(a, b, make((n,), torch.bfloat16, "cuda"), "gelu_tanh", grads=True)
+
+
+@needs_cuda
+@pytest.mark.parametrize("majors", list(itertools.product(("row", "col"), repeat=2)), ids="-".join)
+@pytest.mark.parametrize("shape", [(128 * 24 - 5, 256 * 12 - 8, 6150), (128 * 24, 256 * 12 - 7, 6144 + 64 * 3 + 5)],
+                         ids=lambda s: "x".join(map(str, s)))
+def test_cuda_hopper_wide_tiles(shape, majors, poison):
+    """The 128 x 256 tiles of long K (D-139) with every operand major, ragged edges, bias, GELU, the
+    pre-activation and gradients; C's rows 16-byte aligned (TMA stores) or not (element stores)."""
+    m, n, k = shape
+    a = layout(make((m, k), torch.bfloat16, "cuda"), majors[0])
+    b = layout(make((k, n), torch.bfloat16, "cuda"), majors[1])
+    bias = make((n,), torch.bfloat16, "cuda")
+    if _hopper():
+        assert mm_ops._plan(a, b, bias, "gelu_tanh") == _wgmma_plan(m, n, k)
+    check(a, b, bias, "gelu_tanh", grads=shape[2] == 6150)
 
 
 # ---- CUDA, fp32 under TF32 (dispatch.cu's first row) ---------------------------------------------

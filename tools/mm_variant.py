@@ -7,11 +7,12 @@ holds the objects and the commands that made them). Only csrc/cuda/matmul/wgmma_
 this checkout, is recompiled: with the nvcc command BUILT_TREE recorded for it plus
 FASTKERN_NVCC_FLAGS, into OUT.so's directory; then OUT.so is linked from that object and
 BUILT_TREE's others, as setup.py links. The result is what a full build with FASTKERN_NVCC_FLAGS
-makes, since the FK_MM_* switches (csrc/cuda/matmul/stamps.cuh, D-133) are read by that unit alone,
-in ~2 minutes instead of a full rebuild (~7 on the 2-core machine). BUILT_TREE's targets (e.g.
-sm_90a alone) are the variant's. UNIT names another unit to recompile the same way (e.g.
-csrc/cuda/attention/fwd_wgmma_sm90.cu and its FK_ATTN_* switches); its flags must be ones no other
-unit reads.
+makes for the persistent instances, since the FK_MM_* switches (csrc/cuda/matmul/stamps.cuh, D-133)
+are read by the Hopper GEMM's units alone, in ~2 minutes instead of a full rebuild (~7 on the 2-core
+machine). BUILT_TREE's targets (e.g. sm_90a alone) are the variant's. UNIT names another unit to
+recompile the same way (e.g. csrc/cuda/matmul/wgmma_sm90_small.cu, the small problems' instances: with
+-DFK_MM_TIMESTAMPS=1 -DFK_MM_STAMP_SMALL=1 for their stamps; csrc/cuda/attention/fwd_wgmma_sm90.cu and its
+FK_ATTN_* switches); its flags must be ones no other unit reads.
 """
 import glob
 import os

@@ -18,6 +18,9 @@
 //                  even count of 128-row tiles                       (multicast halves)       (D-136)
 // 16-bit  sm_90    as above, otherwise                wgmma_sm90    128 x 128, K split over  2x the CTAs
 //                                                      "split-k"     2-CTA clusters           (D-128, D-136)
+// 16-bit  sm_90    as above, K >= 6144, 128 x 256     wgmma_sm90    128 x 256, persistent,   energy a FLOP at
+//                  tiles >= 2 x SMs                    "128x256"     cooperative (m64n256)    the power cap:
+//                                                                                            +3-8% (D-139)
 // 16-bit  sm_90    built for sm_90a, not forced       wgmma_sm90    128 x 128, persistent    TMA + wgmma
 //                  general, operands TMA-describable
 //                  (16-byte aligned base and strides)
@@ -88,6 +91,15 @@ Plan plan_matmul(const fk_matmul_args &x, int device) {
             plan.share_b = plan.tile == 0 && tiles_m % 2 == 0 && !b_rows_aligned;
             plan.split_k = plan.share_b ? 1 : 2;
         }
+        // Long K: the 128 x 128 tiles' k-steps run 636 cycles at every shape (80% of the tensor rate,
+        // H200 stamps), level with cuBLAS a cycle, but at a power-capped clock 7-9% below cuBLAS's
+        // (1.40 against 1.53 GHz at 550-570 W): two m64n128 wgmmas a k16 read B's slice twice from
+        // shared memory, and a 128 x 128 tile reads 32 KB from L2 for 2.1 MFLOP. 128 x 256 tiles
+        // (one m64n256 a consumer, 48 KB for 4.2 MFLOP) ran at 1.50 GHz: K 8192 +4-8%, 7168 +3%; they
+        // expose the epilogue once a tile (cooperative), so short K does not gain (K 1280 level,
+        // 4096^3 -5%), and at least two tiles a CTA (D-139).
+        const int64_t tiles_wide = tiles_m * x.batch * ((x.n + 255) / 256);
+        if (plan.split_k == 1 && x.k >= 6144 && tiles_wide >= 2 * sms) plan.tile = 2;
         return plan;
     }
     plan.strategy = Strategy::kMmaSm80;
@@ -103,7 +115,7 @@ Plan plan_matmul(const fk_matmul_args &x, int device) {
 const char *plan_name(const Plan &p) {
     if (p.strategy != Strategy::kWgmmaSm90) return strategy_name(p.strategy);
     if (p.share_b) return "wgmma_sm90 shared-b";
-    if (p.split_k == 1) return strategy_name(p.strategy);
+    if (p.split_k == 1) return p.tile == 2 ? "wgmma_sm90 128x256" : strategy_name(p.strategy);
     return p.tile == 1 ? "wgmma_sm90 128x64 split-k" : "wgmma_sm90 split-k";
 }
 

@@ -191,7 +191,7 @@ const char *strategy_name(Strategy s);
 // asynchronous loads, and wgmma_sm90's K split.
 struct Plan {
     Strategy strategy = Strategy::kNone;
-    int tile = 0;     // the strategy's tile variant (its launcher's table)
+    int tile = 0;     // the strategy's tile variant (its launcher's table; wgmma_sm90: 2 is 128 x 256)
     bool aligned = false;
     int split_k = 1;  // wgmma_sm90: 2 splits each tile's K over a 2-CTA cluster (tile 1: 128 x 64)
     bool share_b = false;  // wgmma_sm90: tiles 2i and 2i + 1 in a 2-CTA cluster, B's k-tiles multicast
@@ -201,6 +201,9 @@ fk_status launch_mma_sm80(const Plan &plan, const Params &p, fk_dtype dtype, boo
                           bool b_kmajor, int device, cudaStream_t stream);
 fk_status launch_wgmma_sm90(const Plan &plan, const Params &p, fk_dtype dtype, bool a_kmajor,
                             bool b_kmajor, int device, cudaStream_t stream);
+// wgmma_sm90's small-problem instances (plan.split_k 2 or plan.share_b), from launch_wgmma_sm90
+fk_status launch_wgmma_sm90_small(const Plan &plan, const Params &p, fk_dtype dtype, bool a_kmajor,
+                                  bool b_kmajor, int device, cudaStream_t stream);
 fk_status launch_simt_fp32(const Plan &plan, const Params &p, bool a_kmajor, bool b_kmajor,
                            int device, cudaStream_t stream);
 

@@ -5,7 +5,10 @@
 //   each StampEvent, as (%globaltimer ns, clock64 cycles), into stamps[slot][cta][event], a device
 //   array; `slot` is the launch's number mod kStampSlots, counted on the host since the last
 //   fk_mm_stamps_reset(). tools/mm_stamps.py reads them (through ctypes: fk_mm_stamps_reset /
-//   fk_mm_stamps_read, exported by such a build only) and prints per-phase medians.
+//   fk_mm_stamps_read, exported by such a build only) and prints per-phase medians. Each unit that
+//   includes this header keeps its own stamps; the persistent instances' (wgmma_sm90.cu) are the ones
+//   exported, the small problems' (wgmma_sm90_small.cu) with -DFK_MM_STAMP_SMALL=1 (tools/mm_variant.py
+//   recompiles one unit: name that one).
 //   globaltimer orders CTAs and kernels against each other (its resolution is the card's: read off
 //   the stamps); clock64 times the phases inside one CTA (one SM's counter).
 // -DFK_MM_LEAN_PROLOGUE=1: what the producer does before its first TMA and needs only kernel
@@ -47,6 +50,7 @@ enum StampEvent {
 constexpr int kStampSlots = 64, kStampCtas = 160;
 
 #if FK_MM_TIMESTAMPS
+namespace {  // each unit's own (wgmma_sm90.cu, wgmma_sm90_small.cu); one unit exports its stamps, below
 // The kernel's parameters with the launch's stamp slot.
 struct KernelParams : Params {
     int stamp_slot;
@@ -54,9 +58,8 @@ struct KernelParams : Params {
 struct Stamp {
     unsigned long long ns, cycles;
 };
-// Defined here: wgmma_sm90.cu is the one unit that includes this header (no -rdc for an extern).
-__device__ Stamp stamps[kStampSlots][kStampCtas][kStampEvents];
-inline int stamp_launches = 0;  // launches since fk_mm_stamps_reset (host)
+__device__ Stamp stamps[kStampSlots][kStampCtas][kStampEvents];  // no -rdc: one array a unit
+int stamp_launches = 0;  // launches since fk_mm_stamps_reset (host)
 
 __device__ __forceinline__ void stamp(const KernelParams &p, int event) {
     if (blockIdx.x >= kStampCtas) return;
@@ -74,6 +77,7 @@ inline KernelParams stamped(const Params &p) {
     q.stamp_slot = stamp_launches++ % kStampSlots;
     return q;
 }
+}  // namespace
 #else
 using KernelParams = Params;
 #define FK_MM_STAMP(p, event) ((void)0)
@@ -82,8 +86,9 @@ inline Params stamped(const Params &p) { return p; }
 
 }  // namespace fk::mm
 
-#if FK_MM_TIMESTAMPS
-// For tools/mm_stamps.py (ctypes; a timestamp build exports them, others do not): zero the stamps
+#if FK_MM_TIMESTAMPS && FK_MM_STAMPS_EXPORT
+// For tools/mm_stamps.py (ctypes; a timestamp build exports them, others do not; the unit defining
+// FK_MM_STAMPS_EXPORT: wgmma_sm90.cu, or wgmma_sm90_small.cu with -DFK_MM_STAMP_SMALL=1): zero the stamps
 // and the launch count; copy the first `bytes` of the stamps (row-major [slot][cta][event][ns,
 // cycles], 8-byte values) to host memory `dst`, after the device's work so far. cudaError_t codes.
 extern "C" int fk_mm_stamps_reset(void) {
