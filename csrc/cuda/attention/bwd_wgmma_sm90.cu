@@ -1,7 +1,7 @@
 // attention_bwd_wgmma_sm90: the Hopper flash-attention backward (sm_90a: TMA, wgmma, warp
 // specialization), FlashAttention-3's scheme. dispatch.cu row "bwd, sm_90, d 64 / 128, not
 // deterministic". Tested on the H100 and H200 (tests/test_attention.py). H200, bf16, backward alone
-// (fwd+bwd less fwd): 0.89-0.98x cuDNN, 1.18-1.59x FlashAttention-2, S 512-16k
+// (fwd+bwd less fwd): 0.91-1.06x cuDNN, 1.24-1.64x FlashAttention-2, S 512-16k
 // (benchmarks/results/attention-h200-2026-11-27.json; docs/attention.md).
 //
 // Napkin math: 5 products of 2 Sq Sk D FLOPs (S, dP, dV, dK, dQ), counted as 2.5x the forward;
@@ -13,7 +13,7 @@
 // D 64 steps take 128 queries (the same 5 x 2 MFLOP, 64-column wgmmas twice as wide, half the dQ
 // reductions a query: fwd+bwd +6-10% over 64-query steps, H200, D-105).
 // Registers (consumer): dK + dV + S + dP fp32 = 64 + 64 + 32 + 32 (D 128) or 32 + 32 + 64 + 64
-// (D 64) = 192 at the peak, of 240 (D 64: 28 bytes spilled).
+// (D 64) = 192 at the peak, of 240 (no spills since D-140: the shared struct addressed as shared).
 // Shared memory: K + V + 2 stages x (Q + dO + lse + D) + dS + dQ = 64 + 2 x 33 + 16 + 32 = 178 KB
 // (D 128), 32 + 2 x 33 + 32 + 32 = 162 KB (D 64); one CTA an SM.
 //
