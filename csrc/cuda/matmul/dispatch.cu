@@ -84,10 +84,10 @@ Plan plan_matmul(const fk_matmul_args &x, int device) {
         // of tiles share B's loads instead where tile rows pair up (1000^3 0.88x -> 0.96x cuBLAS, 768^3
         // and 1024^3 lose; D-136).
         const int64_t tiles_m = (x.m + 127) / 128, k_steps = (x.k + 63) / 64;
-        const int64_t wide = tiles_m * x.batch * ((x.n + 127) / 128), sms = sm_count(device);
+        const int64_t tiles = tiles_m * x.batch * ((x.n + 127) / 128), sms = sm_count(device);  // 128 x 128
         const bool b_rows_aligned = (b_kmajor(x) ? x.b_col : x.b_row) * 2 % 128 == 0;
-        if (2 * wide <= sms && k_steps >= 4) {
-            plan.tile = 4 * wide <= sms ? 1 : 0;
+        if (2 * tiles <= sms && k_steps >= 4) {
+            plan.tile = 4 * tiles <= sms ? 1 : 0;
             plan.share_b = plan.tile == 0 && tiles_m % 2 == 0 && !b_rows_aligned;
             plan.split_k = plan.share_b ? 1 : 2;
         }
@@ -98,8 +98,8 @@ Plan plan_matmul(const fk_matmul_args &x, int device) {
         // (one m64n256 a consumer, 48 KB for 4.2 MFLOP) ran at 1.50 GHz: K 8192 +4-8%, 7168 +3%; they
         // expose the epilogue once a tile (cooperative), so short K does not gain (K 1280 level,
         // 4096^3 -5%), and at least two tiles a CTA (D-139).
-        const int64_t tiles_wide = tiles_m * x.batch * ((x.n + 255) / 256);
-        if (plan.split_k == 1 && x.k >= 6144 && tiles_wide >= 2 * sms) plan.tile = 2;
+        const int64_t tiles_256 = tiles_m * x.batch * ((x.n + 255) / 256);  // 128 x 256
+        if (plan.split_k == 1 && x.k >= 6144 && tiles_256 >= 2 * sms) plan.tile = 2;
         return plan;
     }
     plan.strategy = Strategy::kMmaSm80;
