@@ -113,6 +113,16 @@ def matmul_cases(device, quick=False):
     make = lambda: (torch.randn(16384, 1024, **bf16, requires_grad=True), torch.randn(16384, 1024, **bf16))
     yield ("FusedMLP fwd+bwd bf16 (16384,1024,4096)", 2 * 2 * 16384 * 1024, make,
            {"fastkern": step(ours), "compile": step(ref)}, {"flops": 6 * 2 * 16384 * 1024 * 4096})
+    # its backward's four GEMMs in the layouts it calls them with (dW2 = dY^T gelu(h), dg = dY W2,
+    # dW1 = dh^T x, dx = dh W1: A column-major where transposed, B row-major), and a square long-K
+    # GEMM of one wave of 128 x 256 tiles
+    for name, (m, n, k), a_t in (("dW2", (1024, 4096, 16384), True), ("dg", (16384, 4096, 1024), False),
+                                 ("dW1", (4096, 1024, 16384), True), ("dx", (16384, 1024, 4096), False),
+                                 ("wave", (2048, 2048, 8192), False)):
+        make = lambda m=m, n=n, k=k, a_t=a_t: (torch.randn(k, m, **bf16).t() if a_t else torch.randn(m, k, **bf16),
+                                               torch.randn(k, n, **bf16))
+        yield (f"mlp-{name} bf16 ({m},{n},{k})", 2 * (m * k + k * n), make,
+               {"fastkern": fastkern.matmul, "compile": torch.matmul}, {"flops": 2 * m * n * k})
     make = lambda: (torch.randn(8192, 768, **bf16), torch.randn(50257, 768, **bf16) * 768 ** -0.5)
     yield ("linear lm-head bf16 (8192,50257,768)", 2 * (8192 + 50257) * 768, make,  # C rows not 16-byte aligned
            {"fastkern": fastkern.linear, "compile": torch.nn.functional.linear}, {"flops": 2 * 8192 * 50257 * 768})
