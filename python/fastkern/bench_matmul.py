@@ -38,7 +38,10 @@ def _mm_case(device, dtype, m, n, k, tf32=False):
 
 def _time_case(impls, make, device, flops):
     sets = bench.input_sets(make, device, sum(t.numel() * t.element_size() for t in make()))
-    times = {name: bench.time_ms(fn, sets, device)[0] for name, fn in impls.items()}
+    # each timed in listed and reverse order, the faster kept (bench.time_impls, D-71): timed only
+    # first, fastkern's small cases ran right after the previous case's large GEMMs (fp16 512^3
+    # 4.3 us in the headline run, 3.3 us alone)
+    times = {name: t[0] for name, t in bench.time_impls(impls, sets, device).items()}
     return {name: round(_tflops(flops, ms), 2) for name, ms in times.items()}, times
 
 
