@@ -45,50 +45,58 @@ template <int kBN> struct Smem {
 };
 
 // One operand's share of a k-step's tile (kRows rows (M for A, N for B) x kBK k), copied into k-major
-// rows tile[k][row] by asynchronous copies, zeros past the edges. K-major operands: a thread copies
-// kPer consecutive k of one row (4-byte copies, transposed; writes hit banks (4 k + row) % 32).
-// Otherwise rows are contiguous: a thread copies 4 adjacent rows (one 16-byte copy where the operand
-// is 16-byte aligned; else 4 of 4 bytes) at k, k + kDk, ...
+// rows tile[k][row] by asynchronous copies, zeros past the edges. K-major operands: 4-byte copies,
+// transposed, 8 lanes on the 8 k of one 32-byte sector, so that a warp's copy reads 4 sectors (lane a
+// row, as before: 16 to 32, and the L1 / shared-memory pipe that also serves LDS was the limit,
+// D-141); writes hit banks (4 k + row) % 32, all distinct. Otherwise rows are contiguous: a thread
+// copies 4 adjacent rows (one 16-byte copy where the operand is 16-byte aligned; else 4 of 4 bytes)
+// at k, k + kDk, ...
 template <bool kKMajor, int kRows, int kBK> struct TileCopy {
     static constexpr int kPer = kRows * kBK / kThreads;  // elements a thread copies a step
-    static constexpr int kAcross = kKMajor ? kBK / kPer : kRows / 4;  // threads along the contiguous dim
+    static constexpr int kAcross = kKMajor ? 8 : kRows / 4;  // threads along the contiguous dim
     static constexpr int kLd = kRows + kPad;
     const float *g;  // the thread's first element of the next step
-    int64_t ld_k;    // between k (K-major: 1)
+    int64_t ld;      // K-major: between rows; else between k
     int row, k;      // the thread's first row and k in the tile
     bool vec;        // 16-byte copies for whole tiles
 
-    __device__ TileCopy(const float *base, int64_t r0, int64_t ld_row, int64_t ld_k_, int tid) : ld_k(ld_k_) {
+    __device__ TileCopy(const float *base, int64_t r0, int64_t ld_row, int64_t ld_k, int tid) {
         row = kKMajor ? tid / kAcross : (tid % kAcross) * 4;
-        k = kKMajor ? (tid % kAcross) * kPer : tid / kAcross;
+        k = kKMajor ? tid % kAcross : tid / kAcross;
         g = base + (r0 + row) * ld_row + k * ld_k;
+        ld = kKMajor ? ld_row : ld_k;
         vec = !kKMajor && reinterpret_cast<uintptr_t>(base) % 16 == 0 && ld_k % 4 == 0;
+    }
+    // Element i of the thread's share: its offsets in the tile (row, k) and in memory.
+    __device__ __forceinline__ int row_of(int i) const {
+        return kKMajor ? row + i / (kBK / 8) * (kThreads / 8) : row + i % 4;
+    }
+    __device__ __forceinline__ int k_of(int i) const {
+        return kKMajor ? k + i % (kBK / 8) * 8 : k + i / 4 * (kThreads / kAcross);
+    }
+    __device__ __forceinline__ int64_t offset(int i) const {
+        return kKMajor ? i / (kBK / 8) * (kThreads / 8) * ld + i % (kBK / 8) * 8
+                       : i / 4 * (kThreads / kAcross) * ld + i % 4;
     }
     // The next step into `tile` (its stage); rows_left / k_left bound it unless `whole` (then the
     // copies are unchecked: a separate branch, so that whole tiles pay no bounds arithmetic).
     __device__ __forceinline__ void next(float *tile, bool whole, int rows_left, int k_left, const float *any) {
-        constexpr int kPasses = kKMajor ? 1 : kPer / 4, kDk = kThreads / kAcross;  // non-K-major: k rows, apart
         float *dst = tile + k * kLd + row;
+        auto at = [&](int i) { return dst + (k_of(i) - k) * kLd + row_of(i) - row; };
         if (whole && !kKMajor && vec) {
 #pragma unroll
-            for (int i = 0; i < kPasses; i++) cp_async_16(dst + i * kDk * kLd, g + i * kDk * ld_k, 16);
+            for (int i = 0; i < kPer; i += 4) cp_async_16(at(i), g + offset(i), 16);
         } else if (whole) {
 #pragma unroll
-            for (int i = 0; i < kPer; i++) {
-                if constexpr (kKMajor) __pipeline_memcpy_async(dst + i * kLd, g + i, 4);
-                else __pipeline_memcpy_async(dst + i / 4 * kDk * kLd + i % 4, g + i / 4 * kDk * ld_k + i % 4, 4);
-            }
+            for (int i = 0; i < kPer; i++) __pipeline_memcpy_async(at(i), g + offset(i), 4);
         } else {
 #pragma unroll
             for (int i = 0; i < kPer; i++) {
-                const int r = kKMajor ? row : row + i % 4, kk = kKMajor ? k + i : k + i / 4 * kDk;
-                const int64_t off = kKMajor ? i : i / 4 * kDk * ld_k + i % 4;
-                const bool in = r < rows_left && kk < k_left;
-                __pipeline_memcpy_async(dst + (kKMajor ? i * kLd : i / 4 * kDk * kLd + i % 4), in ? g + off : any,
-                                        4, in ? 0 : 4);
+                const bool in = row_of(i) < rows_left && k_of(i) < k_left;
+                __pipeline_memcpy_async(at(i), in ? g + offset(i) : any, 4, in ? 0 : 4);
             }
         }
-        g += kKMajor ? kBK : kBK * ld_k;
+        g += kKMajor ? kBK : kBK * ld;
     }
 };
 
