@@ -4,18 +4,22 @@
 // Napkin math: 2 M N K FMAs at the H200's ~67 TFLOP/s fp32 peak (132 SMs x 128 FMA lanes x 1.98 GHz;
 // cuBLAS measured 51 at 4096^3): 4096^3 is 137 GFLOP, 2.7 ms at cuBLAS's rate. An SM's shared memory
 // returns 32 words a cycle to 128 FMA lanes: a thread's 8 x 8 outputs load 16 words a k for 64 FMAs,
-// which keeps shared memory as busy as the FMA pipes; 8 x 16 outputs load 24 for 128 (75%).
+// which keeps shared memory as busy as the FMA pipes; 8 x 16 outputs load 24 for 128 (75%). The same
+// pipe takes the global -> shared copies, per 32-byte sector a warp's copy touches: 128 x 256 tiles
+// take ~380 LDS.128 wavefronts an 8-k step, and the copies took 512 more for a K-major A, 2048 for a
+// K-major B (a lane a row); now 128 and 256 (8 lanes a row): the 4096^3 FFMAs need 2048 cycles a step.
 //
 // Algorithm: a CTA of 256 threads owns a 128 x kBN block of C (kBN 256: 8 x 16 outputs a thread, one
 // CTA an SM, for grids that fill the SMs twice; else 128: 8 x 8, 2 CTAs an SM) and walks K in steps
-// of 8. Each step's A (128 x 8) and B (8 x kBN) tiles are copied by 4-byte cp.async (zero-filled past
-// the edges; inner tiles skip the bounds) straight into k-major rows (As[k][m], Bs[k][n], padded
-// against bank conflicts) through a 4-stage ring, one __syncthreads a step. A thread's outputs are
-// 4 x 4 blocks 64 rows and 64 columns apart, read as float4s; a step's 8 k are unrolled, the next
-// k's fragments loaded while this k's FMAs run. Sums run in two levels (kChunkTiles steps in
-// registers, then a running total in shared memory), so a thread holds 64 (kBN 256: 128)
-// accumulators, not twice that. The arithmetic, and so every result bit, is the one-CTA 128 x 128
-// version's. H200, 4096^3: 39.0 TFLOP/s = 0.76x cuBLAS (was 33.1 = 0.645x; D-121).
+// of 8. Each step's A (128 x 8) and B (8 x kBN) tiles are copied by cp.async (TileCopy: 16 bytes where
+// rows are contiguous and aligned, else 4, transposed for K-major operands; zero-filled past the
+// edges; inner tiles skip the bounds) into k-major rows (As[k][m], Bs[k][n], padded against bank
+// conflicts) through a 4-stage ring, one __syncthreads a step. A thread's outputs are 4 x 4 blocks 64
+// rows and 64 columns apart, read as float4s; a step's 8 k are unrolled, the next k's fragments
+// loaded while this k's FMAs run. Sums run in two levels (kChunkTiles steps in registers, then a
+// running total of float4s in shared memory), so a thread holds 64 (kBN 256: 128) accumulators, not
+// twice that; every result bit is the one-CTA 128 x 128 version's. H100, same process x cuBLAS
+// (D-141): 4096^3 0.752 -> 0.828x, linear (w K-major) 0.453 -> 0.735x (D-121 before: H200 39.0 TFLOP/s).
 #include <cuda_pipeline.h>
 
 #include "matmul.cuh"
@@ -23,37 +27,32 @@
 namespace fk::mm {
 namespace {
 
-constexpr int kBM = 128, kThreads = 256, kPad = 4;
-constexpr int kChunkK = 128;  // k summed in registers before joining the total (D-121)
-
-// Per tile width: k a step and ring stages. 128 x 256 (one CTA an SM): 16 k a step, 3 stages, one
-// barrier every 16 k (D-141); 128 x 128 (2 CTAs an SM: each <= 113 KB): 8 k, 4 stages.
-template <int kBN> struct Shape {
-    static constexpr int kBK = kBN == 256 ? 16 : 8, kStages = kBN == 256 ? 3 : 4;
-    static constexpr int kTN = kBN / 16;  // a thread's columns
-    static constexpr int kChunkTiles = kChunkK / kBK;
-};
+constexpr int kBM = 128, kBK = 8, kThreads = 256, kPad = 4;
+constexpr int kStages = 4;       // operand ring: a step's copies have 3 steps to land
+constexpr int kChunkTiles = 16;  // k-steps summed before they join the total
 
 // The ring, and the running totals: a thread's 8 x kTN as float4s, one column of a [2 kTN][kThreads]
-// array (conflict-free, touched once every kChunkK k): 64 (128) registers fewer. kBN 128: 97 KB,
-// 2 CTAs an SM; 256: 202 KB, one.
+// array (conflict-free, touched once every kChunkTiles k-steps): 64 (128) registers fewer. kBN 128:
+// 97 KB, 2 CTAs an SM; 256: 177 KB, one.
 template <int kBN> struct Smem {
-    using S = Shape<kBN>;
-    float a[S::kStages][S::kBK][kBM + kPad];  // As[k][m]: k-major rows, padded against bank conflicts
-    float b[S::kStages][S::kBK][kBN + kPad];
-    float4 totals[2 * S::kTN * kThreads];  // total[i][4 c .. 4 c + 3] of thread t at (kTN / 4 i + c) * kThreads + t
+    static constexpr int kTN = kBN / 16;  // a thread's columns
+    float a[kStages][kBK][kBM + kPad];  // As[k][m]: k-major rows, padded against bank conflicts
+    float b[kStages][kBK][kBN + kPad];
+    float4 totals[2 * kTN * kThreads];  // total[i][4 c .. 4 c + 3] of thread t at (kTN / 4 i + c) * kThreads + t
 };
 
 // One operand's share of a k-step's tile (kRows rows (M for A, N for B) x kBK k), copied into k-major
-// rows tile[k][row] by asynchronous copies, zeros past the edges. K-major operands: 4-byte copies,
-// transposed, 8 lanes on the 8 k of one 32-byte sector, so that a warp's copy reads 4 sectors (lane a
-// row, as before: 16 to 32, and the L1 / shared-memory pipe that also serves LDS was the limit,
-// D-141); writes hit banks (4 k + row) % 32, all distinct. Otherwise rows are contiguous: a thread
-// copies 4 adjacent rows (one 16-byte copy where the operand is 16-byte aligned; else 4 of 4 bytes)
-// at k, k + kDk, ...
-template <bool kKMajor, int kRows, int kBK> struct TileCopy {
-    static constexpr int kPer = kRows * kBK / kThreads;  // elements a thread copies a step
-    static constexpr int kAcross = kKMajor ? 8 : kRows / 4;  // threads along the contiguous dim
+// rows tile[k][row] by asynchronous copies, zeros past the edges. Copies go through the pipe that
+// also serves the fragments' LDS, which counts a warp's copy once per 32-byte sector it touches:
+// - K-major operands: 4-byte copies (transposed), 8 lanes on the 8 k of a row (one sector), 4 rows a
+//   warp: 4 sectors a copy (a lane a row had 16 to 32, and the pipe was the limit: D-141). Writes hit
+//   banks (4 k + row) % 32: all distinct.
+// - Otherwise rows are contiguous: a thread copies 4 adjacent rows at k, k + kDk, ..., one 16-byte
+//   copy each where the operand is 16-byte aligned (whole tiles), else 4 of 4 bytes.
+template <bool kKMajor, int kRows> struct TileCopy {
+    static constexpr int kPer = kRows * kBK / kThreads;      // elements a thread copies a step
+    static constexpr int kAcross = kKMajor ? kBK : kRows / 4;  // threads along the contiguous dim
+    static constexpr int kDown = kThreads / kAcross;           // rows (K-major) or k a pass covers
     static constexpr int kLd = kRows + kPad;
     const float *g;  // the thread's first element of the next step
     int64_t ld;      // K-major: between rows; else between k
@@ -67,16 +66,11 @@ template <bool kKMajor, int kRows, int kBK> struct TileCopy {
         ld = kKMajor ? ld_row : ld_k;
         vec = !kKMajor && reinterpret_cast<uintptr_t>(base) % 16 == 0 && ld_k % 4 == 0;
     }
-    // Element i of the thread's share: its offsets in the tile (row, k) and in memory.
-    __device__ __forceinline__ int row_of(int i) const {
-        return kKMajor ? row + i / (kBK / 8) * (kThreads / 8) : row + i % 4;
-    }
-    __device__ __forceinline__ int k_of(int i) const {
-        return kKMajor ? k + i % (kBK / 8) * 8 : k + i / 4 * (kThreads / kAcross);
-    }
+    // Element i of the thread's share: its row and k in the tile, its offset in memory.
+    __device__ __forceinline__ int row_of(int i) const { return kKMajor ? row + i * kDown : row + i % 4; }
+    __device__ __forceinline__ int k_of(int i) const { return kKMajor ? k : k + i / 4 * kDown; }
     __device__ __forceinline__ int64_t offset(int i) const {
-        return kKMajor ? i / (kBK / 8) * (kThreads / 8) * ld + i % (kBK / 8) * 8
-                       : i / 4 * (kThreads / kAcross) * ld + i % 4;
+        return kKMajor ? i * kDown * ld : i / 4 * kDown * ld + i % 4;
     }
     // The next step into `tile` (its stage); rows_left / k_left bound it unless `whole` (then the
     // copies are unchecked: a separate branch, so that whole tiles pay no bounds arithmetic).
@@ -102,8 +96,7 @@ template <bool kKMajor, int kRows, int kBK> struct TileCopy {
 
 template <bool kAKMajor, bool kBKMajor, int kBN>
 __global__ void __launch_bounds__(kThreads, kBN == 128 ? 2 : 1) matmul_simt_fp32(Params p) {
-    using S = Shape<kBN>;
-    constexpr int kBK = S::kBK, kStages = S::kStages, kTN = S::kTN;
+    constexpr int kTN = Smem<kBN>::kTN;
     extern __shared__ __align__(16) unsigned char smem_raw[];
     Smem<kBN> &s = *reinterpret_cast<Smem<kBN> *>(smem_raw);
     float4 *totals = s.totals;
@@ -125,8 +118,8 @@ __global__ void __launch_bounds__(kThreads, kBN == 128 ? 2 : 1) matmul_simt_fp32
         const float *a = static_cast<const float *>(p.a) + batch * p.a_batch;
         const float *b = static_cast<const float *>(p.b) + batch * p.b_batch;
         // The contiguous dim's stride is 1 in every instance (dispatch.cu's a_kmajor / b_kmajor).
-        TileCopy<kAKMajor, kBM, kBK> copy_a(a, m0, kAKMajor ? p.a_row : 1, kAKMajor ? 1 : p.a_col, tid);
-        TileCopy<kBKMajor, kBN, kBK> copy_b(b, n0, kBKMajor ? p.b_col : 1, kBKMajor ? 1 : p.b_row, tid);
+        TileCopy<kAKMajor, kBM> copy_a(a, m0, kAKMajor ? p.a_row : 1, kAKMajor ? 1 : p.a_col, tid);
+        TileCopy<kBKMajor, kBN> copy_b(b, n0, kBKMajor ? p.b_col : 1, kBKMajor ? 1 : p.b_row, tid);
         // Steps before k_full copy whole tiles: no bounds to check.
         const int k_full = rows_a == kBM && cols_b == kBN ? (int)(p.k / kBK) : 0;
         // Step kt's tiles -> ring stage `stage` (steps are copied in order): no registers held across
@@ -146,7 +139,7 @@ __global__ void __launch_bounds__(kThreads, kBN == 128 ? 2 : 1) matmul_simt_fp32
                 *reinterpret_cast<float4 *>(fb + 4 * c) = *reinterpret_cast<const float4 *>(&s.b[stage][k][64 * c + tn * 4]);
         };
 
-        // Two-level sums: acc takes kChunkK k, then folds into total, so a long K adds ~K / 128 + 128
+        // Two-level sums: acc takes kChunkTiles k-steps, then folds into total, so a long K adds ~K / 128 + 128
         // roundings an output instead of K (grad of (7, 4096) @ (4096, 16): 3.7x -> within 2x of
         // cuBLAS's split-K error).
         float acc[8][kTN] = {};
@@ -174,7 +167,7 @@ __global__ void __launch_bounds__(kThreads, kBN == 128 ? 2 : 1) matmul_simt_fp32
 #pragma unroll
                     for (int j = 0; j < kTN; j++) acc[i][j] = fmaf(fa[k % 2][i], fb[k % 2][j], acc[i][j]);
             }
-            if ((kt + 1) % S::kChunkTiles == 0 || kt + 1 == k_tiles) {
+            if ((kt + 1) % kChunkTiles == 0 || kt + 1 == k_tiles) {
 #pragma unroll
                 for (int i = 0; i < 8; i++)
 #pragma unroll
