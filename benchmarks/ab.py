@@ -139,10 +139,16 @@ def matmul_cases(device, quick=False):
         make = lambda: (torch.randn(4096, 4096, device=device), torch.randn(4096, 4096, device=device))
         yield (f"fp32 {'tf32' if tf32 else 'exact'} (4096,4096,4096)", 2 * 4 * 4096 ** 2, make,
                {"fastkern": flagged(fastkern.matmul), "compile": flagged(torch.matmul)}, {"flops": 2 * 4096 ** 3})
-        if tf32:  # F.linear's weight is K-major as it is (x @ w's row-major w is N-major, D-132)
-            yield ("linear fp32 tf32 (4096,4096,4096)", 2 * 4 * 4096 ** 2, make,
-                   {"fastkern": flagged(fastkern.linear), "compile": flagged(torch.nn.functional.linear)},
-                   {"flops": 2 * 4096 ** 3})
+        # F.linear's weight is K-major as it is (x @ w's row-major w is N-major, D-132)
+        yield (f"linear fp32 {'tf32' if tf32 else 'exact'} (4096,4096,4096)", 2 * 4 * 4096 ** 2, make,
+               {"fastkern": flagged(fastkern.linear), "compile": flagged(torch.nn.functional.linear)},
+               {"flops": 2 * 4096 ** 3})
+        if not tf32:  # exact fp32 where simt_fp32 keeps 128 x 128 tiles (grids under 2 x SMs 128 x 256 tiles)
+            for m, n, k in ((8192, 768, 3072), (1000, 1000, 1000)):
+                make = lambda m=m, n=n, k=k: (torch.randn(m, k, device=device), torch.randn(k, n, device=device))
+                yield (f"fp32 exact ({m},{n},{k})", 4 * (m * k + k * n), make,
+                       {"fastkern": flagged(fastkern.matmul), "compile": flagged(torch.matmul)},
+                       {"flops": 2 * m * n * k})
 
 
 SUITES = dict(bench.SUITES, matmul=matmul_cases)

@@ -302,12 +302,16 @@ def test_cuda_general_kernel_large_tile_edges(majors, k, monkeypatch, poison):
 
 @needs_cuda
 @pytest.mark.parametrize("majors", list(itertools.product(("row", "col", "mis"), repeat=2)), ids="-".join)
-def test_cuda_fp32_exact_wide_tiles_at_ragged_edges(majors, poison):
+@pytest.mark.parametrize("edges", ["odd", "by4"])
+def test_cuda_fp32_exact_wide_tiles_at_ragged_edges(majors, edges, poison):
     """Exact fp32 on a grid that fills every SM twice (where simt_fp32 takes 128 x
-    256 tiles) with m, n one past and three short of a tile, k five past a step, every operand major,
-    bias and GELU."""
+    256 tiles) with m, n one past and three short of a tile ("by4": four past and four short, so
+    that row-major B and column-major A rows stay 16-byte aligned: whole tiles take 16-byte copies,
+    the edges 4-byte ones), k five (four) past a step, every operand major, bias and GELU."""
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    m, n, k = 128 * 17 + 1, 256 * -(-2 * sms // 18) - 3, 8 * 33 + 5
+    m, n, k = 128 * 17 + 1, 256 * -(-2 * sms // 18) - 3, 16 * 17 + 5
+    if edges == "by4":
+        m, n, k = m + 3, n - 1, k - 1
     a = layout(make((m, k), torch.float32, "cuda"), majors[0])
     b = layout(make((k, n), torch.float32, "cuda"), majors[1])
     check(a, b, make((n,), torch.float32, "cuda"), "gelu", grads=False)

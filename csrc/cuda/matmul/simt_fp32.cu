@@ -4,18 +4,22 @@
 // Napkin math: 2 M N K FMAs at the H200's ~67 TFLOP/s fp32 peak (132 SMs x 128 FMA lanes x 1.98 GHz;
 // cuBLAS measured 51 at 4096^3): 4096^3 is 137 GFLOP, 2.7 ms at cuBLAS's rate. An SM's shared memory
 // returns 32 words a cycle to 128 FMA lanes: a thread's 8 x 8 outputs load 16 words a k for 64 FMAs,
-// which keeps shared memory as busy as the FMA pipes; 8 x 16 outputs load 24 for 128 (75%).
+// which keeps shared memory as busy as the FMA pipes; 8 x 16 outputs load 24 for 128 (75%). The same
+// pipe takes the global -> shared copies, per 32-byte sector a warp's copy touches: 128 x 256 tiles
+// take ~380 LDS.128 wavefronts an 8-k step, and the copies took 512 more for a K-major A, 2048 for a
+// K-major B (a lane a row); now 128 and 256 (8 lanes a row): the 4096^3 FFMAs need 2048 cycles a step.
 //
 // Algorithm: a CTA of 256 threads owns a 128 x kBN block of C (kBN 256: 8 x 16 outputs a thread, one
 // CTA an SM, for grids that fill the SMs twice; else 128: 8 x 8, 2 CTAs an SM) and walks K in steps
-// of 8. Each step's A (128 x 8) and B (8 x kBN) tiles are copied by 4-byte cp.async (zero-filled past
-// the edges; inner tiles skip the bounds) straight into k-major rows (As[k][m], Bs[k][n], padded
-// against bank conflicts) through a 4-stage ring, one __syncthreads a step. A thread's outputs are
-// 4 x 4 blocks 64 rows and 64 columns apart, read as float4s; a step's 8 k are unrolled, the next
-// k's fragments loaded while this k's FMAs run. Sums run in two levels (kChunkTiles steps in
-// registers, then a running total in shared memory), so a thread holds 64 (kBN 256: 128)
-// accumulators, not twice that. The arithmetic, and so every result bit, is the one-CTA 128 x 128
-// version's. H200, 4096^3: 39.0 TFLOP/s = 0.76x cuBLAS (was 33.1 = 0.645x; D-121).
+// of 8. Each step's A (128 x 8) and B (8 x kBN) tiles are copied by cp.async (TileCopy: 16 bytes where
+// rows are contiguous and aligned, else 4, transposed for K-major operands; zero-filled past the
+// edges; inner tiles skip the bounds) into k-major rows (As[k][m], Bs[k][n], padded against bank
+// conflicts) through a 4-stage ring, one __syncthreads a step. A thread's outputs are 4 x 4 blocks 64
+// rows and 64 columns apart, read as float4s; a step's 8 k are unrolled, the next k's fragments
+// loaded while this k's FMAs run. Sums run in two levels (kChunkTiles steps in registers, then a
+// running total of float4s in shared memory), so a thread holds 64 (kBN 256: 128) accumulators, not
+// twice that; every result bit is the one-CTA 128 x 128 version's. H100, same process x cuBLAS
+// (D-141): 4096^3 0.752 -> 0.828x, linear (w K-major) 0.453 -> 0.735x (D-121 before: H200 39.0 TFLOP/s).
 #include <cuda_pipeline.h>
 
 #include "matmul.cuh"
@@ -24,26 +28,78 @@ namespace fk::mm {
 namespace {
 
 constexpr int kBM = 128, kBK = 8, kThreads = 256, kPad = 4;
-constexpr int kStages = 4;                     // operand ring: a step's copies have 3 steps to land
-constexpr int kLoads = kBM * kBK / kThreads;  // A elements a thread copies a step (4)
-constexpr int kChunkTiles = 16;                // k-steps summed before they join the total
+constexpr int kStages = 4;       // operand ring: a step's copies have 3 steps to land
+constexpr int kChunkTiles = 16;  // k-steps summed before they join the total
 
-// The ring, and the running totals: a thread's 8 x kTN as one column of a [8 kTN][kThreads] array
-// (conflict-free, touched once every kChunkTiles k-steps): 64 (128) registers fewer. kBN 128: 97 KB,
-// 2 CTAs an SM; 256: 177 KB, one.
+// The ring, and the running totals: a thread's 8 x kTN as float4s, one column of a [2 kTN][kThreads]
+// array (conflict-free, touched once every kChunkTiles k-steps): 64 (128) registers fewer. kBN 128:
+// 97 KB, 2 CTAs an SM; 256: 177 KB, one.
 template <int kBN> struct Smem {
     static constexpr int kTN = kBN / 16;  // a thread's columns
     float a[kStages][kBK][kBM + kPad];  // As[k][m]: k-major rows, padded against bank conflicts
     float b[kStages][kBK][kBN + kPad];
-    float totals[8 * kTN * kThreads];   // total[i][j] of thread t at (kTN i + j) * kThreads + t
+    float4 totals[2 * kTN * kThreads];  // total[i][4 c .. 4 c + 3] of thread t at (kTN / 4 i + c) * kThreads + t
+};
+
+// One operand's share of a k-step's tile (kRows rows (M for A, N for B) x kBK k), copied into k-major
+// rows tile[k][row] by asynchronous copies, zeros past the edges. Copies go through the pipe that
+// also serves the fragments' LDS, which counts a warp's copy once per 32-byte sector it touches:
+// - K-major operands: 4-byte copies (transposed), 8 lanes on the 8 k of a row (one sector), 4 rows a
+//   warp: 4 sectors a copy (a lane a row had 16 to 32, and the pipe was the limit: D-141). Writes hit
+//   banks (4 k + row) % 32: all distinct.
+// - Otherwise rows are contiguous: a thread copies 4 adjacent rows at k, k + kDk, ..., one 16-byte
+//   copy each where the operand is 16-byte aligned (whole tiles), else 4 of 4 bytes.
+template <bool kKMajor, int kRows> struct TileCopy {
+    static constexpr int kPer = kRows * kBK / kThreads;      // elements a thread copies a step
+    static constexpr int kAcross = kKMajor ? kBK : kRows / 4;  // threads along the contiguous dim
+    static constexpr int kDown = kThreads / kAcross;           // rows (K-major) or k a pass covers
+    static constexpr int kLd = kRows + kPad;
+    const float *g;  // the thread's first element of the next step
+    int64_t ld;      // K-major: between rows; else between k
+    int row, k;      // the thread's first row and k in the tile
+    bool vec;        // 16-byte copies for whole tiles
+
+    __device__ TileCopy(const float *base, int64_t r0, int64_t ld_row, int64_t ld_k, int tid) {
+        row = kKMajor ? tid / kAcross : (tid % kAcross) * 4;
+        k = kKMajor ? tid % kAcross : tid / kAcross;
+        g = base + (r0 + row) * ld_row + k * ld_k;
+        ld = kKMajor ? ld_row : ld_k;
+        vec = !kKMajor && reinterpret_cast<uintptr_t>(base) % 16 == 0 && ld_k % 4 == 0;
+    }
+    // Element i of the thread's share: its row and k in the tile, its offset in memory.
+    __device__ __forceinline__ int row_of(int i) const { return kKMajor ? row + i * kDown : row + i % 4; }
+    __device__ __forceinline__ int k_of(int i) const { return kKMajor ? k : k + i / 4 * kDown; }
+    __device__ __forceinline__ int64_t offset(int i) const {
+        return kKMajor ? i * kDown * ld : i / 4 * kDown * ld + i % 4;
+    }
+    // The next step into `tile` (its stage); rows_left / k_left bound it unless `whole` (then the
+    // copies are unchecked: a separate branch, so that whole tiles pay no bounds arithmetic).
+    __device__ __forceinline__ void next(float *tile, bool whole, int rows_left, int k_left, const float *any) {
+        float *dst = tile + k * kLd + row;
+        auto at = [&](int i) { return dst + (k_of(i) - k) * kLd + row_of(i) - row; };
+        if (whole && !kKMajor && vec) {
+#pragma unroll
+            for (int i = 0; i < kPer; i += 4) cp_async_16(at(i), g + offset(i), 16);
+        } else if (whole) {
+#pragma unroll
+            for (int i = 0; i < kPer; i++) __pipeline_memcpy_async(at(i), g + offset(i), 4);
+        } else {
+#pragma unroll
+            for (int i = 0; i < kPer; i++) {
+                const bool in = row_of(i) < rows_left && k_of(i) < k_left;
+                __pipeline_memcpy_async(at(i), in ? g + offset(i) : any, 4, in ? 0 : 4);
+            }
+        }
+        g += kKMajor ? kBK : kBK * ld;
+    }
 };
 
 template <bool kAKMajor, bool kBKMajor, int kBN>
 __global__ void __launch_bounds__(kThreads, kBN == 128 ? 2 : 1) matmul_simt_fp32(Params p) {
-    constexpr int kTN = kBN / 16, kLoadsB = kBN * kBK / kThreads;
+    constexpr int kTN = Smem<kBN>::kTN;
     extern __shared__ __align__(16) unsigned char smem_raw[];
     Smem<kBN> &s = *reinterpret_cast<Smem<kBN> *>(smem_raw);
-    float *totals = s.totals;
+    float4 *totals = s.totals;
     const int tiles_m = (int)((p.m + kBM - 1) / kBM), tiles_n = (int)((p.n + kBN - 1) / kBN);
     const TileIndex t = grouped_tile(blockIdx.x, tiles_m, tiles_n, 8);
     const int64_t m0 = (int64_t)t.tm * kBM, n0 = (int64_t)t.tn * kBN;
@@ -55,54 +111,23 @@ __global__ void __launch_bounds__(kThreads, kBN == 128 ? 2 : 1) matmul_simt_fp32
     const int tm = (warp / 2) * 4 + (lane >> 1 & 1) + (lane >> 4 & 1) * 2;
     const int tn = (warp % 2) * 8 + (lane & 1) + (lane >> 2 & 3) * 2;
     const int k_tiles = (int)((p.k + kBK - 1) / kBK);
+    const int rows_a = (int)min(p.m - m0, (int64_t)kBM), cols_b = (int)min(p.n - n0, (int64_t)kBN);
     grid_dependency_sync();
 
     for (int64_t batch = blockIdx.y; batch < p.batch; batch += gridDim.y) {
         const float *a = static_cast<const float *>(p.a) + batch * p.a_batch;
         const float *b = static_cast<const float *>(p.b) + batch * p.b_batch;
-        // A thread copies kLoads elements of each step's A tile: 4 consecutive k of one row
-        // (K-major: one 16-byte span, immediate offsets) or rows tid % 128 at k, k + 2, ... (M-major:
-        // coalesced across threads). Both write banks (4 k + m) % 32 / m % 32: conflict-free. B alike
-        // (kBN 256: 8 k of one row, or row tid at every k).
-        constexpr int kDkA = kAKMajor ? 1 : kThreads / kBM, kDkB = kBKMajor ? 1 : kThreads / kBN;
-        constexpr int kRowA = kBK / kLoads, kRowB = kBK / kLoadsB;  // K-major: threads a row
-        const int ma = kAKMajor ? tid / kRowA : tid % kBM, ka = kAKMajor ? (tid % kRowA) * kLoads : tid / kBM;
-        const int nb = kBKMajor ? tid / kRowB : tid % kBN, kb = kBKMajor ? (tid % kRowB) * kLoadsB : tid / kBN;
         // The contiguous dim's stride is 1 in every instance (dispatch.cu's a_kmajor / b_kmajor).
-        const int64_t a_m = kAKMajor ? p.a_row : 1, a_k = kAKMajor ? 1 : p.a_col;
-        const int64_t b_n = kBKMajor ? p.b_col : 1, b_k = kBKMajor ? 1 : p.b_row;
-        const int64_t da = kDkA * a_k, db = kDkB * b_k;  // between a thread's elements (K-major: 1)
-        const float *ga = a + (m0 + ma) * a_m + ka * a_k, *gb = b + (n0 + nb) * b_n + kb * b_k;
-        const bool row_a = ma < p.m - m0, col_b = nb < p.n - n0;
+        TileCopy<kAKMajor, kBM> copy_a(a, m0, kAKMajor ? p.a_row : 1, kAKMajor ? 1 : p.a_col, tid);
+        TileCopy<kBKMajor, kBN> copy_b(b, n0, kBKMajor ? p.b_col : 1, kBKMajor ? 1 : p.b_row, tid);
         // Steps before k_full copy whole tiles: no bounds to check.
-        const int k_full = m0 + kBM <= p.m && n0 + kBN <= p.n ? (int)(p.k / kBK) : 0;
-        // Step kt's tiles -> ring stage `stage`, transposed to k-major rows, by 4-byte asynchronous
-        // copies (zeros past the edges): no registers held across the step's FMAs. The global
-        // pointers ga, gb advance a step each call (steps are copied in order).
-        const int a_off = ka * (kBM + kPad) + ma, b_off = kb * (kBN + kPad) + nb;
+        const int k_full = rows_a == kBM && cols_b == kBN ? (int)(p.k / kBK) : 0;
+        // Step kt's tiles -> ring stage `stage` (steps are copied in order): no registers held across
+        // the step's FMAs.
         auto copy = [&](int kt, int stage) {
-            float *sa = &s.a[stage][0][0] + a_off, *sb = &s.b[stage][0][0] + b_off;
-            if (kt < k_full) {
-#pragma unroll
-                for (int i = 0; i < kLoads; i++) __pipeline_memcpy_async(sa + i * kDkA * (kBM + kPad), ga + i * da, 4);
-#pragma unroll
-                for (int i = 0; i < kLoadsB; i++) __pipeline_memcpy_async(sb + i * kDkB * (kBN + kPad), gb + i * db, 4);
-            } else {
-                const int k_left = (int)min(p.k - (int64_t)kt * kBK, (int64_t)kBK);
-#pragma unroll
-                for (int i = 0; i < kLoads; i++) {
-                    const bool in_a = row_a && ka + i * kDkA < k_left;
-                    __pipeline_memcpy_async(sa + i * kDkA * (kBM + kPad),
-                                            in_a ? ga + i * da : static_cast<const float *>(p.a), 4, in_a ? 0 : 4);
-                }
-#pragma unroll
-                for (int i = 0; i < kLoadsB; i++) {
-                    const bool in_b = col_b && kb + i * kDkB < k_left;
-                    __pipeline_memcpy_async(sb + i * kDkB * (kBN + kPad),
-                                            in_b ? gb + i * db : static_cast<const float *>(p.b), 4, in_b ? 0 : 4);
-                }
-            }
-            ga += kBK * a_k, gb += kBK * b_k;
+            const int k_left = (int)min(p.k - (int64_t)kt * kBK, (int64_t)kBK);
+            copy_a.next(&s.a[stage][0][0], kt < k_full, rows_a, k_left, static_cast<const float *>(p.a));
+            copy_b.next(&s.b[stage][0][0], kt < k_full, cols_b, k_left, static_cast<const float *>(p.b));
         };
         // A thread's k-th fragments are 2 + kTN / 4 LDS.128 (a warp reads 4 and 8 distinct, adjacent
         // float4s each: no conflicts).
@@ -114,13 +139,13 @@ __global__ void __launch_bounds__(kThreads, kBN == 128 ? 2 : 1) matmul_simt_fp32
                 *reinterpret_cast<float4 *>(fb + 4 * c) = *reinterpret_cast<const float4 *>(&s.b[stage][k][64 * c + tn * 4]);
         };
 
-        // Two-level sums: acc takes kChunkTiles k-steps, then folds into total, so a long K adds
-        // ~K / 128 + 128 roundings an output instead of K (grad of (7, 4096) @ (4096, 16): 3.7x ->
-        // within 2x of cuBLAS's split-K error).
+        // Two-level sums: acc takes kChunkTiles k-steps, then folds into total, so a long K adds ~K / 128 + 128
+        // roundings an output instead of K (grad of (7, 4096) @ (4096, 16): 3.7x -> within 2x of
+        // cuBLAS's split-K error).
         float acc[8][kTN] = {};
         float fa[2][8], fb[2][kTN];  // fragments of k and k + 1: the next k's loads overlap this k's FMAs
 #pragma unroll
-        for (int i = 0; i < 8 * kTN; i++) totals[i * kThreads + tid] = 0.0f;
+        for (int q = 0; q < 2 * kTN; q++) totals[q * kThreads + tid] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
         __syncthreads();  // the previous batch's last fragment loads are done before the ring refills
 #pragma unroll
         for (int st = 0; st < kStages - 1; st++) {
@@ -146,7 +171,14 @@ __global__ void __launch_bounds__(kThreads, kBN == 128 ? 2 : 1) matmul_simt_fp32
 #pragma unroll
                 for (int i = 0; i < 8; i++)
 #pragma unroll
-                    for (int j = 0; j < kTN; j++) totals[(kTN * i + j) * kThreads + tid] += acc[i][j], acc[i][j] = 0.0f;
+                    for (int c = 0; c < kTN / 4; c++) {
+                        float4 &total = totals[(kTN / 4 * i + c) * kThreads + tid];
+                        float4 v = total;
+                        v.x += acc[i][4 * c], v.y += acc[i][4 * c + 1], v.z += acc[i][4 * c + 2], v.w += acc[i][4 * c + 3];
+                        total = v;
+#pragma unroll
+                        for (int j = 4 * c; j < 4 * c + 4; j++) acc[i][j] = 0.0f;
+                    }
             }
         }
 
@@ -158,10 +190,11 @@ __global__ void __launch_bounds__(kThreads, kBN == 128 ? 2 : 1) matmul_simt_fp32
             for (int i = 0; i < 8; i++) {
                 const int64_t row = m0 + (i < 4 ? tm * 4 + i : 64 + tm * 4 + i - 4);
 #pragma unroll
-                for (int j = 0; j < kTN; j += 2) {
-                    const int64_t col = n0 + 64 * (j / 4) + tn * 4 + j % 4;
-                    store_pair<act.value, float>(p, c, pre, bias, row, col, totals[(kTN * i + j) * kThreads + tid],
-                                                 totals[(kTN * i + j + 1) * kThreads + tid]);
+                for (int q = 0; q < kTN / 4; q++) {
+                    const int64_t col = n0 + 64 * q + tn * 4;
+                    const float4 v = totals[(kTN / 4 * i + q) * kThreads + tid];
+                    store_pair<act.value, float>(p, c, pre, bias, row, col, v.x, v.y);
+                    store_pair<act.value, float>(p, c, pre, bias, row, col + 2, v.z, v.w);
                 }
             }
         });
