@@ -75,7 +75,10 @@ def matmul_cases(device, quick=False):
     and linear) and exact; the peer is cuBLAS (torch.matmul, F.linear, F.linear then F.gelu)."""
     from fastkern import bench_matmul
     bf16 = dict(device=device, dtype=torch.bfloat16)
-    for m, n, k in ([(s, s, s) for s in bench_matmul.SQUARE] + list(bench_matmul.TRAINING) + [(1793,) * 3]):
+    # rows 16-byte but not 128-byte aligned (a's: k; b's: n), read in place (D-144)
+    misaligned = [(1800,) * 3, (2040,) * 3, (2056,) * 3, (4104,) * 3, (8192, 1800, 8192), (8192, 8192, 1800),
+                  (8192, 3072, 776), (16384, 4096, 1000)]
+    for m, n, k in ([(s, s, s) for s in bench_matmul.SQUARE] + list(bench_matmul.TRAINING) + [(1793,) * 3] + misaligned):
         make = lambda m=m, n=n, k=k: (torch.randn(m, k, **bf16), torch.randn(k, n, **bf16))
         yield (f"bf16 ({m},{n},{k})", 2 * (m * k + k * n), make,
                {"fastkern": fastkern.matmul, "compile": torch.matmul}, {"flops": 2 * m * n * k})

@@ -568,6 +568,39 @@ def test_cuda_forward_walks_many_tiles(d, poison):
     check(*qkv(4, 1100, 1100, 8, 8, d, torch.float16, "cuda"), window=(200, 50), grad=False)
 
 
+# (batch, sq, sk, heads, kv_heads, causal, window): mask edges inside the Hopper forward's key tiles
+# (written for D-142's half tiles, not landed), >= 132 query tiles of 128 rows (or sk < 193), so that
+# the plan is fwd_wgmma_sm90, not the split kernel
+MASK_EDGE_CASES = [
+    (4, 512, 512, 16, 8, True, (-1, -1)),    # the diagonal tile, aligned: rows 0-63 of a tile see 64 keys
+    (3, 449, 449, 12, 12, True, (-1, -1)),   # a last query tile of 65 rows, its second 64 past the end
+    (1, 1023, 1023, 20, 5, True, (-1, -1)),
+    (2, 449, 513, 20, 10, True, (-1, -1)),   # bottom-right shift 64: rows 64-127 see 64 keys of the last tile
+    (2, 576, 512, 16, 16, True, (-1, -1)),   # shift -64: rows 0-63 see no key
+    (2, 1023, 1024, 10, 10, True, (-1, -1)),  # shift 1: no key tile is half
+    (2, 300, 300, 24, 12, False, (-1, -1)),  # sequences ending 44 keys into a tile: half for every row
+    (2, 200, 64, 4, 4, False, (-1, -1)),     # a query tile's only key tile half
+    (2, 512, 512, 20, 10, False, (100, 0)),  # windows: left edge inside, right edge on the diagonal
+    (2, 640, 640, 16, 16, False, (-1, 17)),
+    (8, 512, 512, 8, 4, True, (-1, -1)),     # 256 query tiles: CTAs walk several
+]
+
+
+@needs_cuda
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("case", MASK_EDGE_CASES, ids=str)
+def test_cuda_forward_mask_edges_in_tiles(case, d, poison):
+    """Key tiles of which a warpgroup's 64 rows see only the first 64 keys (the causal diagonal's
+    upper half for rows 0-63 of a 128-row tile, the last tile of a sequence ending 1-64 keys into it),
+    diagonals shifted by Sq != Sk, windows: every mask edge a tile can hold, at d 64 and 128."""
+    b, sq, sk, h, hkv, causal, window = case
+    for dtype in (torch.bfloat16, torch.float16):
+        q, k, v = qkv(b, sq, sk, h, hkv, d, dtype, "cuda")
+        if _hopper():
+            assert attention_ops._plan(q, k, v, causal=causal, window_size=window) == "fwd_wgmma_sm90"
+        check(q, k, v, causal=causal, window=window, grad=dtype == torch.bfloat16)
+
+
 @needs_cuda
 @pytest.mark.parametrize("sk", [8192, 32768])
 def test_cuda_decoding(sk, cuda_path, poison):

@@ -325,25 +325,29 @@ def _sms():
     return torch.cuda.get_device_properties(0).multi_processor_count if CUDA else 132
 
 
-def _b_rows_aligned(b):
-    """Whether b's rows (along its non-unit stride) start 128-byte aligned as the kernel reads them:
-    rows that are not 16-byte aligned are copied into 128-byte aligned ones (ops/matmul.py's _padded)."""
-    stride = b.stride(-2) if b.stride(-1) == 1 else b.stride(-1)
+def _rows_aligned(t):
+    """Whether a 16-bit operand's rows (along its non-unit stride) start 128-byte aligned as the kernel
+    reads them: rows that are not 16-byte aligned are copied into 128-byte aligned ones (ops/matmul.py's
+    _padded)."""
+    stride = t.stride(-2) if t.stride(-1) == 1 else t.stride(-1)
     return stride % 8 != 0 or stride % 64 == 0
 
 
-def _wgmma_plan(m, n, k, batch=1, b_aligned=True):
+def _wgmma_plan(m, n, k, batch=1, b_aligned=True, a_aligned=True):
     """wgmma_sm90's plan name for 16-bit operands (dispatch.cu's 16-bit sm_90 rows), where K has 4
     steps of 64 or more: 128 x 64 tiles with K split over 2-CTA clusters where 128 x 128 tiles number
     at most a quarter of the SMs; up to half, pairs of tiles sharing B where B's rows are not 128-byte
     aligned (b_aligned False) and 128-row tiles are even in number, else K split (D-128, D-136); 128 x
-    256 tiles where K >= 6144 and they number at least twice the SMs (D-139)."""
+    256 tiles where K >= 6144 and they number at least twice the SMs (D-139), or where a's rows
+    are not 128-byte aligned and their waves cost at most 1.25x (D-144)."""
     sms, tiles_m, steps = _sms(), -(-m // 128), -(-k // 64)
     wide = tiles_m * batch * -(-n // 128)
-    if k >= 6144 and tiles_m * batch * -(-n // 256) >= 2 * sms:
+    tiles_256 = tiles_m * batch * -(-n // 256)
+    if k >= 6144 and tiles_256 >= 2 * sms:
         return "wgmma_sm90 128x256"
     if 2 * wide > sms or steps < 4:
-        return "wgmma_sm90"
+        waves, waves_256 = -(-wide // sms), -(-tiles_256 // sms)
+        return "wgmma_sm90 128x256" if not a_aligned and 8 * waves_256 <= 5 * waves else "wgmma_sm90"
     if 4 * wide <= sms:
         return "wgmma_sm90 128x64 split-k"
     return "wgmma_sm90 shared-b" if tiles_m % 2 == 0 and not b_aligned else "wgmma_sm90 split-k"
@@ -367,7 +371,9 @@ def _even_tile_rows():
 # tile rows), k 16 steps; "mid-even": the same with an even number and B's rows not 128-byte aligned
 # (n 504, k 1000); "half": exactly half the SMs' tiles, k 4 steps (the paired rows' edges); "long-k": 128 x
 # 256 tiles for exactly twice the SMs, k 6144 (the 128 x 256 row), and just outside it: k 6143
-# ("long-k-short") and a tile column fewer ("long-k-few").
+# ("long-k-short") and a tile column fewer ("long-k-few"); "misaligned-a": a's rows 16-byte but not
+# 128-byte aligned (k 1016), 4 waves of 128 x 128 tiles (128 x 256); "misaligned-b": only b's rows
+# (128 x 128); "misaligned-narrow": a's, but n 128 (128 x 128: a 256-wide tile would be half empty).
 DISPATCH_ROWS = [
     (torch.float32, "row", False, "small", lambda: "simt_fp32"),
     (torch.float32, "col", True, "small", lambda: "simt_fp32"),
@@ -386,6 +392,14 @@ DISPATCH_ROWS = [
     (torch.bfloat16, "row", False, "long-k-few", lambda: _wgmma_plan(*_long_k(1, 0)) if _hopper() else "mma_sm80"),
     (torch.bfloat16, "row", False, "large", lambda: "wgmma_sm90" if _hopper() else "mma_sm80"),
     (torch.float16, "col", False, "large", lambda: "wgmma_sm90" if _hopper() else "mma_sm80"),
+    (torch.bfloat16, "row", False, "misaligned-a",
+     lambda: _wgmma_plan(128 * _sms(), 512, 1016, a_aligned=False) if _hopper() else "mma_sm80"),
+    (torch.float16, "col", False, "misaligned-a",
+     lambda: _wgmma_plan(128 * _sms(), 512, 1016, a_aligned=False, b_aligned=False) if _hopper() else "mma_sm80"),
+    (torch.bfloat16, "row", False, "misaligned-b",
+     lambda: _wgmma_plan(128 * _sms(), 1016, 1024, b_aligned=False) if _hopper() else "mma_sm80"),
+    (torch.bfloat16, "row", False, "misaligned-narrow",
+     lambda: _wgmma_plan(128 * _sms(), 128, 1016, a_aligned=False) if _hopper() else "mma_sm80"),
     # a 1793-wide operand is copied into 16-byte aligned rows, so it takes the fast kernel too
     (torch.bfloat16, "ragged", False, "large", lambda: "wgmma_sm90" if _hopper() else "mma_sm80"),
     (torch.bfloat16, "row", True, "small", lambda: "mma_sm80"),
@@ -405,7 +419,8 @@ def test_dispatch_table(dtype, view, forced, size, strategy, monkeypatch):
     m, n, k = {"small": (384, 256, 192), "small-long-k": (384, 256, 1000), "large": (tall, 256, 193),
                "mid-long-k": (128 * (_sms() // 12), 512, 1000), "mid-even": (128 * _even_tile_rows(), 504, 1000),
                "half": (128 * (_sms() // 2), 128, 193), "long-k": _long_k(0, 0), "long-k-short": _long_k(0, 1),
-               "long-k-few": _long_k(1, 0)}[size]
+               "long-k-few": _long_k(1, 0), "misaligned-a": (128 * _sms(), 512, 1016),
+               "misaligned-b": (128 * _sms(), 1016, 1024), "misaligned-narrow": (128 * _sms(), 128, 1016)}[size]
     if view == "ragged":
         m, n, k = (tall // 2 + 1, 1793, 1793)
     a = make((m, k), dtype, "cuda")
@@ -446,7 +461,7 @@ def test_cuda_hopper_small_problem_edges(shape, majors, poison):
     b = layout(make(lead + (k, n), torch.bfloat16, "cuda"), majors[1])
     bias = make((n,), torch.bfloat16, "cuda")
     if _hopper():
-        assert mm_ops._plan(a, b, bias, "gelu") == _wgmma_plan(m, n, k, batch, _b_rows_aligned(b))
+        assert mm_ops._plan(a, b, bias, "gelu") == _wgmma_plan(m, n, k, batch, _rows_aligned(b), _rows_aligned(a))
     check(a, b, bias, "gelu", grads=shape in SMALL_SHAPES[1:3] + SMALL_SHAPES[7:8] + SMALL_SHAPES[9:10])
 
 
@@ -459,7 +474,7 @@ def test_cuda_hopper_split_k_plain_and_chained(dtype, poison):
     m, n, k = 384, 320, 640
     a, b = make((m, k), dtype, "cuda"), make((k, n), dtype, "cuda")
     if _hopper():
-        assert mm_ops._plan(a, b) == _wgmma_plan(m, n, k, b_aligned=_b_rows_aligned(b))
+        assert mm_ops._plan(a, b) == _wgmma_plan(m, n, k, b_aligned=_rows_aligned(b), a_aligned=_rows_aligned(a))
     check(a, b, None, None, grads=False)
     w = make((n, n), dtype, "cuda") / n ** 0.5
     x, ref = fastkern.matmul(a, b), a.double() @ b.double()
@@ -530,7 +545,7 @@ def test_cuda_hopper_wide_tiles(shape, majors, poison):
     b = layout(make((k, n), torch.bfloat16, "cuda"), majors[1])
     bias = make((n,), torch.bfloat16, "cuda")
     if _hopper():
-        assert mm_ops._plan(a, b, bias, "gelu_tanh") == _wgmma_plan(m, n, k)
+        assert mm_ops._plan(a, b, bias, "gelu_tanh") == _wgmma_plan(m, n, k, 1, _rows_aligned(b), _rows_aligned(a))
     check(a, b, bias, "gelu_tanh", grads=shape[2] == 6150)
 
 

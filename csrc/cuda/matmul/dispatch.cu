@@ -21,6 +21,9 @@
 // 16-bit  sm_90    as above, K >= 6144, 128 x 256     wgmma_sm90    128 x 256, persistent,   energy a FLOP at
 //                  tiles >= 2 x SMs                    "128x256"     cooperative (m64n256)    the power cap:
 //                                                                                            +3-8% (D-139)
+// 16-bit  sm_90    as above, A's rows not 128-byte    wgmma_sm90    as the row above         half of A's TMA
+//                  aligned, 128 x 256 waves (x 2)     "128x256"                              rows a FLOP:
+//                  <= 1.25 x 128 x 128 waves                                                 2040^3 +26% (D-144)
 // 16-bit  sm_90    built for sm_90a, not forced       wgmma_sm90    128 x 128, persistent    TMA + wgmma
 //                  general, operands TMA-describable
 //                  (16-byte aligned base and strides)
@@ -100,6 +103,13 @@ Plan plan_matmul(const fk_matmul_args &x, int device) {
         // 4096^3 -5%), and at least two tiles a CTA (D-139).
         const int64_t tiles_256 = tiles_m * x.batch * ((x.n + 255) / 256);  // 128 x 256
         if (plan.split_k == 1 && x.k >= 6144 && tiles_256 >= 2 * sms) plan.tile = 2;
+        // A's rows 16-byte but not 128-byte aligned (K 2040, 1800): each 128-byte TMA box row spans
+        // two lines, and 128 x 128 tiles' loads bound the k-loop (H200, 2040^3: 416 TFLOP/s in place,
+        // 669 on rows padded to 128 bytes). 128 x 256 tiles load half of A's rows a FLOP (B's stay):
+        // 528. Taken where their waves, at twice a 128 x 128 wave each, cost at most 1.25x (D-144).
+        const bool a_rows_aligned = (a_kmajor(x) ? x.a_row : x.a_col) * 2 % 128 == 0;
+        const int64_t waves = (tiles + sms - 1) / sms, waves_256 = (tiles_256 + sms - 1) / sms;
+        if (plan.split_k == 1 && !a_rows_aligned && 8 * waves_256 <= 5 * waves) plan.tile = 2;
         return plan;
     }
     plan.strategy = Strategy::kMmaSm80;
