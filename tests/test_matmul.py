@@ -549,6 +549,22 @@ def test_cuda_hopper_wide_tiles(shape, majors, poison):
     check(a, b, bias, "gelu_tanh", grads=shape[2] == 6150)
 
 
+@needs_cuda
+@pytest.mark.parametrize("majors", list(itertools.product(("row", "col"), repeat=2)), ids="-".join)
+def test_cuda_hopper_misaligned_a_rows(majors, poison):
+    """A's rows 16-byte but not 128-byte aligned read in place by 128 x 256 tiles (D-144), K-major (k
+    1016) or M-major (m a multiple of 8, not of 64), ragged n, every b major, bias and GELU."""
+    m, n, k = 128 * _sms() - 8, 509, 1016
+    a = layout(make((m, k), torch.bfloat16, "cuda"), majors[0])
+    b = layout(make((k, n), torch.bfloat16, "cuda"), majors[1])
+    bias = make((n,), torch.bfloat16, "cuda")
+    assert not _rows_aligned(a)
+    if _hopper():
+        assert mm_ops._plan(a, b, bias, "gelu_tanh") == _wgmma_plan(m, n, k, 1, _rows_aligned(b), False) == \
+            "wgmma_sm90 128x256"
+    check(a, b, bias, "gelu_tanh", grads=False)
+
+
 # ---- CUDA, fp32 under TF32 (dispatch.cu's first row) ---------------------------------------------
 
 @pytest.fixture
